@@ -1,0 +1,181 @@
+"""The tier contract: what every backend (host, disk, device, accounting) does.
+
+Backends move bytes; they never decide what to keep (that is ``policy/``).
+Every tier implements the same small set of primitives, so one conformance
+suite (``tests/backends/conformance.py``) checks them all:
+
+============================  ================================================
+primitive                     meaning
+============================  ================================================
+``charge(nbytes)``            bytes the object would occupy here (after slot
+                              rounding / 4 KiB alignment); ``ObjectTooLargeError``
+                              if it can never fit
+``free_bytes``                budget left (``capacity_bytes - used_bytes``)
+``put(key, data, nbytes=,     store an object; returns a future that completes
+meta=)``                      when the object is visible (for the disk tier:
+                              after its bytes are durable and its catalog entry
+                              committed). ``CapacityError`` when the budget is
+                              short: the caller evicts and retries. Putting an
+                              existing key replaces it.
+``get_into(key, out)``        copy the object's bytes into ``out`` (a uint8
+                              buffer of at least ``nbytes``); returns a future.
+                              ``KeyError`` if absent; ``CorruptObjectError`` if
+                              its checksum fails (the object is dropped).
+``get(key)``                  convenience: a new uint8 array with the bytes
+``contains(key)``             visible here?
+``nbytes(key)``               its size, or ``None``
+``meta(key)``                 the opaque metadata given at ``put``, or ``None``
+``delete(key)``               drop it; returns the bytes freed (0 if absent)
+``entries()``                 ``(key, nbytes, meta)`` of every visible object
+                              (the disk tier lists what survived a restart)
+``read_seconds(nbytes)``      modeled time to restore ``nbytes`` from this tier
+``stats()``                   counters (a dict of numbers)
+``close()``                   release resources; later calls raise
+                              ``StoreClosedError``
+============================  ================================================
+
+Keys are :data:`ObjectKey` values: 17 bytes, one :class:`ObjectKind` byte
+followed by the 16-byte prefix hash.  ``meta`` is opaque to backends; the index
+encodes an object's kind, position and dependencies in it so that a reopened
+disk tier can rebuild the index.
+
+All methods are thread-safe.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any, ClassVar, NewType
+
+import numpy as np
+
+from hybridstore.errors import StoreClosedError
+
+ObjectKey = NewType("ObjectKey", bytes)
+"""17 bytes: an :class:`ObjectKind` byte, then the 16-byte prefix hash."""
+
+KEY_BYTES = 17
+
+
+class ObjectKind(enum.IntEnum):
+    """What an object is; the first byte of its :data:`ObjectKey`."""
+
+    PAGE = 1
+    STATE = 2
+
+
+def object_key(kind: ObjectKind, prefix_hash: bytes) -> ObjectKey:
+    """Build the :data:`ObjectKey` of a page or checkpoint from its 16-byte hash."""
+    if len(prefix_hash) != 16:
+        raise ValueError(f"prefix hash must be 16 bytes, got {len(prefix_hash)}")
+    return ObjectKey(bytes((int(kind),)) + bytes(prefix_hash))
+
+
+def key_kind(key: ObjectKey) -> ObjectKind:
+    """The :class:`ObjectKind` of a key."""
+    return ObjectKind(key[0])
+
+
+def done_future(result: Any = None) -> Future:
+    """A future that is already complete (for synchronous tiers)."""
+    fut: Future = Future()
+    fut.set_result(result)
+    return fut
+
+
+class Tier(ABC):
+    """Abstract tier; see the module docstring for the contract.
+
+    Subclasses set ``name`` and implement the abstract methods; they call
+    :meth:`_check_open` first in every public method.
+    """
+
+    name: ClassVar[str] = "tier"
+    #: False for the accounting tier, which keeps sizes but no bytes.
+    stores_bytes: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # -- capacity -----------------------------------------------------------------
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int:
+        """The tier's hard byte budget."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes charged against the budget (slot sizes, not payload sizes)."""
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+    @abstractmethod
+    def charge(self, nbytes: int) -> int:
+        """Bytes an object of ``nbytes`` would occupy; raises ``ObjectTooLargeError``."""
+
+    # -- objects ------------------------------------------------------------------
+    @abstractmethod
+    def put(self, key: ObjectKey, data: np.ndarray | None, *, nbytes: int,
+            meta: bytes = b"") -> Future:
+        """Store ``data`` (uint8, ``nbytes`` long; ``None`` only on the accounting tier)."""
+
+    @abstractmethod
+    def get_into(self, key: ObjectKey, out: Any) -> Future:
+        """Copy the object's bytes into ``out``; the future yields ``nbytes``."""
+
+    def get(self, key: ObjectKey) -> np.ndarray:
+        n = self.nbytes(key)
+        if n is None:
+            raise KeyError(key)
+        out = np.empty(n, dtype=np.uint8)
+        self.get_into(key, out).result()
+        return out
+
+    @abstractmethod
+    def contains(self, key: ObjectKey) -> bool: ...
+
+    @abstractmethod
+    def nbytes(self, key: ObjectKey) -> int | None: ...
+
+    @abstractmethod
+    def meta(self, key: ObjectKey) -> bytes | None: ...
+
+    @abstractmethod
+    def delete(self, key: ObjectKey) -> int: ...
+
+    @abstractmethod
+    def entries(self) -> Iterator[tuple[ObjectKey, int, bytes]]: ...
+
+    @abstractmethod
+    def read_seconds(self, nbytes: int) -> float:
+        """Modeled seconds to restore ``nbytes`` from this tier into engine memory."""
+
+    def stats(self) -> dict[str, float]:
+        return {"capacity_bytes": self.capacity_bytes, "used_bytes": self.used_bytes}
+
+    # -- lifecycle ----------------------------------------------------------------
+    def close(self) -> None:
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(
+                f"the {self.name} tier was used after close(); open a new HybridStore")
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

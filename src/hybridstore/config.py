@@ -1,0 +1,142 @@
+"""Store configuration: one frozen dataclass, validated on construction.
+
+Environment variables are read in exactly one place, :meth:`StoreConfig.from_env`:
+
+=================================  =========================  ==================
+variable                           field                      example
+=================================  =========================  ==================
+``HYBRIDSTORE_BLOCK_SIZE``         ``block_size``             ``16``
+``HYBRIDSTORE_NAMESPACE``          ``namespace``              ``tenant-a``
+``HYBRIDSTORE_HOST_BYTES``         ``host_bytes``             ``8GiB``
+``HYBRIDSTORE_DISK_PATH``          ``disk_path``              ``/nvme/hs``
+``HYBRIDSTORE_DISK_BYTES``         ``disk_bytes``             ``512GiB``
+``HYBRIDSTORE_DEVICE_BYTES``       ``device_bytes``           ``4GiB``
+``HYBRIDSTORE_POLICY``             ``policy``                 ``lru``
+``HYBRIDSTORE_DISK_ENGINE``        ``disk_engine``            ``auto``
+``HYBRIDSTORE_IO_THREADS``         ``io_threads``             ``8``
+=================================  =========================  ==================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from hybridstore.errors import ConfigError
+
+DISK_ENGINES = ("auto", "kvikio", "posix")
+WRITE_MODES = ("write-through", "write-back")
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
+          "tib": 1 << 40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse ``"8GiB"``, ``"512 MB"``, ``"4096"`` or an int into a byte count."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot read {text!r} as a size; write e.g. '8GiB', '512MB' or '4096'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreConfig:
+    """Everything a :class:`~hybridstore.HybridStore` needs to know.
+
+    Attributes:
+        block_size: tokens per KV page (the engine's page size).
+        namespace: tenant salt mixed into every prefix hash; stores with
+            different namespaces never share keys.
+        host_bytes: hard budget of the pinned-DRAM pool.
+        disk_path: directory of the SSD tier (created if missing); ``None``
+            disables the disk tier.
+        disk_bytes: hard budget of the SSD tier.
+        device_bytes: budget of the GPU tier; 0 disables it (the engine owns
+            GPU memory in most deployments).
+        policy: eviction policy name (``"lru"``; ``policy/`` lists the rest).
+        checkpoint_policy: which checkpoints the engine puts are kept
+            (``"keep-all"``: every one).
+        write_mode: ``"write-through"`` writes every object to disk as it is
+            put (vLLM CPU/disk offloading); ``"write-back"`` writes it only when
+            it is evicted from DRAM.
+        disk_engine: ``"kvikio"`` (kvikio ``CuFile``: GDS, or its POSIX compat
+            mode), ``"posix"`` (O_DIRECT + a thread pool), or ``"auto"``
+            (kvikio when a CUDA driver is present, POSIX otherwise).
+        disk_segment_bytes: size of one segment file of the disk tier.
+        io_threads: threads of the disk tier's I/O pool.
+        pin_host_memory: page-lock the host pool through torch when a GPU is
+            present.
+        h2d_gbps, ssd_gbps: bandwidths used to *model* restore time (the
+            HiState paper's 64 GB/s H2D and 5 GB/s SSD by default).
+        verify_checksums: check every object read from disk.
+    """
+
+    block_size: int = 16
+    namespace: str = ""
+    host_bytes: int = 1 << 30
+    disk_path: str | None = None
+    disk_bytes: int = 64 << 30
+    device_bytes: int = 0
+    policy: str = "lru"
+    checkpoint_policy: str = "keep-all"
+    write_mode: str = "write-through"
+    disk_engine: str = "auto"
+    disk_segment_bytes: int = 256 << 20
+    io_threads: int = 8
+    pin_host_memory: bool = True
+    h2d_gbps: float = 64.0
+    ssd_gbps: float = 5.0
+    verify_checksums: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1 << 16:
+            raise ConfigError(f"block_size must be an int in [1, 65536], got {self.block_size!r}")
+        for name in ("host_bytes", "disk_bytes", "device_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be a non-negative int of bytes, got {value!r}")
+        if self.disk_engine not in DISK_ENGINES:
+            raise ConfigError(f"disk_engine must be one of {DISK_ENGINES}, got {self.disk_engine!r}")
+        if self.write_mode not in WRITE_MODES:
+            raise ConfigError(f"write_mode must be one of {WRITE_MODES}, got {self.write_mode!r}")
+        if self.disk_segment_bytes < (1 << 20) or self.disk_segment_bytes % 4096:
+            raise ConfigError("disk_segment_bytes must be a multiple of 4096 and at least 1 MiB, "
+                              f"got {self.disk_segment_bytes}")
+        if not 1 <= self.io_threads <= 256:
+            raise ConfigError(f"io_threads must be in [1, 256], got {self.io_threads}")
+        if self.h2d_gbps <= 0 or self.ssd_gbps <= 0:
+            raise ConfigError("h2d_gbps and ssd_gbps must be positive")
+        if self.disk_path is not None and not isinstance(self.disk_path, (str, os.PathLike)):
+            raise ConfigError(f"disk_path must be a path or None, got {self.disk_path!r}")
+
+    def replace(self, **changes: object) -> StoreConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> StoreConfig:
+        """Build a config from ``HYBRIDSTORE_*`` variables (see the module table)."""
+        env = os.environ if environ is None else environ
+        kwargs: dict[str, object] = {}
+        for field in dataclasses.fields(cls):
+            raw = env.get(f"HYBRIDSTORE_{field.name.upper()}")
+            if raw is None:
+                continue
+            if field.name.endswith("_bytes"):
+                kwargs[field.name] = parse_bytes(raw)
+            elif field.type in ("int",):
+                kwargs[field.name] = int(raw)
+            elif field.type in ("float",):
+                kwargs[field.name] = float(raw)
+            elif field.type in ("bool",):
+                kwargs[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+            else:
+                kwargs[field.name] = raw
+        kwargs.update(overrides)
+        return cls(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,120 @@
+"""One error hierarchy for hybridstore.
+
+Every error the library raises on purpose derives from :class:`HybridStoreError`.
+Where a builtin exception already describes the failure, the class also
+subclasses it (``ValueError``, ``OSError``, ...), so callers that catch the
+builtin keep working.  Messages say what was wrong *and* how to fix it.
+
+A call that raises one of these errors has changed nothing already stored.
+"""
+
+from __future__ import annotations
+
+
+class HybridStoreError(Exception):
+    """Base class of every error raised by hybridstore."""
+
+
+class ConfigError(HybridStoreError, ValueError):
+    """A :class:`~hybridstore.config.StoreConfig` field is out of range."""
+
+
+class MisalignedPageError(HybridStoreError, ValueError):
+    """A KV page was offered for a prefix that does not end a block.
+
+    A page must end at a multiple of ``block_size`` or be the final partial
+    page of the given token sequence.
+    """
+
+
+class InvalidTokensError(HybridStoreError, ValueError):
+    """Token ids (or block ids) that are not a 1-D sequence of ids in [0, 2**32)."""
+
+
+class UnknownTierError(HybridStoreError, KeyError):
+    """A tier name that this store does not have."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class CapacityError(HybridStoreError, MemoryError):
+    """An object does not fit in a tier, even after eviction."""
+
+
+class ObjectTooLargeError(CapacityError):
+    """An object is larger than a tier's whole budget (or its largest slot)."""
+
+
+class LayoutMismatchError(HybridStoreError, TypeError):
+    """A page or state whose dtype/shape contradicts the store's layout."""
+
+
+class StoreClosedError(HybridStoreError, RuntimeError):
+    """The store (or one of its tiers) was used after ``close()``."""
+
+
+class DiskPathError(HybridStoreError, OSError):
+    """``disk_path`` cannot be created, written, locked or opened."""
+
+
+class CatalogError(HybridStoreError, OSError):
+    """The durable lmdb catalog is unreadable or was written by another format."""
+
+
+class CorruptObjectError(HybridStoreError):
+    """An object's bytes failed their checksum; it is dropped, never returned.
+
+    Attributes:
+        key: the object's key.
+        expected: the checksum recorded in the catalog.
+        got: the checksum of the bytes read back.
+    """
+
+    def __init__(self, message: str, *, key: bytes | None = None,
+                 expected: int | None = None, got: int | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.expected = expected
+        self.got = got
+
+
+class BackendIOError(HybridStoreError, OSError):
+    """A read or write of a tier failed.
+
+    Attributes:
+        key: the object's key (or ``None``).
+        offset: the file offset of the failed I/O (or ``None``).
+        expected: how many bytes the I/O should have moved.
+        got: how many it moved.
+    """
+
+    def __init__(self, message: str, *, key: bytes | None = None, offset: int | None = None,
+                 expected: int | None = None, got: int | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.offset = offset
+        self.expected = expected
+        self.got = got
+
+
+class PlanReleasedError(HybridStoreError, RuntimeError):
+    """A :class:`~hybridstore.index.ResumePlan` was used after ``release()``."""
+
+
+__all__ = [
+    "BackendIOError",
+    "CapacityError",
+    "CatalogError",
+    "ConfigError",
+    "CorruptObjectError",
+    "DiskPathError",
+    "HybridStoreError",
+    "InvalidTokensError",
+    "LayoutMismatchError",
+    "MisalignedPageError",
+    "ObjectTooLargeError",
+    "PlanReleasedError",
+    "StoreClosedError",
+    "UnknownTierError",
+]
