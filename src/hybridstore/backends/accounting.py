@@ -1,0 +1,158 @@
+"""A tier that keeps sizes and modeled timings, never bytes (for the trace simulator).
+
+The simulator runs the real index and policies over these tiers, so simulated
+results describe the library that ships.  Every operation is a dict lookup;
+futures are shared, already-completed objects, so millions of operations
+allocate nothing per call beyond the dict entry of a stored object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from hybridstore.backends.base import ObjectKey, Tier, done_future
+from hybridstore.errors import CapacityError, ConfigError, ObjectTooLargeError
+
+
+class AccountingTier(Tier):
+    """Sizes and modeled timings of a tier, without its bytes.
+
+    Args:
+        name: the tier it stands for (``"host"``, ``"disk"``, ``"device"``).
+        capacity_bytes: hard budget.
+        read_gbps: bandwidth that models restore time (:meth:`read_seconds`).
+        write_gbps: bandwidth that models store time (defaults to ``read_gbps``).
+        alignment: objects are charged in multiples of it (1: their exact size).
+
+    Raises:
+        ConfigError: a size or bandwidth is out of range.
+    """
+
+    stores_bytes = False
+
+    def __init__(self, name: str, capacity_bytes: int, *, read_gbps: float,
+                 write_gbps: float | None = None, alignment: int = 1) -> None:
+        super().__init__()
+        write_gbps = read_gbps if write_gbps is None else write_gbps
+        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise ConfigError(f"capacity_bytes must be a non-negative int, got {capacity_bytes!r}")
+        if not (read_gbps > 0 and write_gbps > 0):
+            raise ConfigError(f"bandwidths must be positive, got read_gbps={read_gbps!r}, "
+                              f"write_gbps={write_gbps!r}")
+        if not isinstance(alignment, int) or alignment < 1:
+            raise ConfigError(f"alignment must be a positive int, got {alignment!r}")
+        self.name = name  # type: ignore[misc]  # per instance: it stands for any tier
+        self._capacity = capacity_bytes
+        self._read_bps = read_gbps * 1e9
+        self._write_bps = write_gbps * 1e9
+        self._align = alignment
+        self._used = 0
+        self._objects: dict[ObjectKey, tuple[int, int, bytes]] = {}  # nbytes, charge, meta
+        self._done: dict[int | None, Future] = {None: done_future()}  # shared results
+        self._counts = dict.fromkeys(("puts", "gets", "bytes_in", "bytes_out"), 0)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def charge(self, nbytes: int) -> int:
+        charged = -(-nbytes // self._align) * self._align
+        if charged > self._capacity:
+            raise ObjectTooLargeError(
+                f"an object of {nbytes} bytes is larger than the whole {self.name} tier "
+                f"({self._capacity} bytes); raise its capacity")
+        return charged
+
+    def put(self, key: ObjectKey, data: np.ndarray | None, *, nbytes: int,
+            meta: bytes = b"") -> Future:
+        """Record ``key`` as ``nbytes`` long (``data`` is ignored and may be ``None``)."""
+        charged = self.charge(nbytes)
+        with self._lock:
+            self._check_open()
+            old = self._objects.get(key)
+            used = self._used - (old[1] if old is not None else 0)
+            if used + charged > self._capacity:
+                raise CapacityError(
+                    f"the {self.name} tier has no room for {nbytes} bytes ({self._used} of "
+                    f"{self._capacity} bytes in use); evict objects and retry")
+            self._objects[key] = (nbytes, charged, meta)
+            self._used = used + charged
+            self._counts["puts"] += 1
+            self._counts["bytes_in"] += nbytes
+        return self._done[None]
+
+    def get_into(self, key: ObjectKey, out: Any) -> Future:
+        """The future yields ``nbytes``; ``out`` (may be ``None``) is left untouched."""
+        with self._lock:
+            self._check_open()
+            nbytes = self._objects[key][0]
+            self._counts["gets"] += 1
+            self._counts["bytes_out"] += nbytes
+            fut = self._done.get(nbytes)
+            if fut is None:
+                fut = self._done[nbytes] = done_future(nbytes)
+        return fut
+
+    def get(self, key: ObjectKey) -> np.ndarray:
+        """A zero-filled array of the object's size (there are no bytes to return)."""
+        return np.zeros(self.get_into(key, None).result(), dtype=np.uint8)
+
+    def contains(self, key: ObjectKey) -> bool:
+        with self._lock:
+            self._check_open()
+            return key in self._objects
+
+    def nbytes(self, key: ObjectKey) -> int | None:
+        with self._lock:
+            self._check_open()
+            entry = self._objects.get(key)
+            return None if entry is None else entry[0]
+
+    def meta(self, key: ObjectKey) -> bytes | None:
+        with self._lock:
+            self._check_open()
+            entry = self._objects.get(key)
+            return None if entry is None else entry[2]
+
+    def delete(self, key: ObjectKey) -> int:
+        with self._lock:
+            self._check_open()
+            entry = self._objects.pop(key, None)
+            if entry is None:
+                return 0
+            self._used -= entry[1]
+            return entry[1]
+
+    def entries(self) -> Iterator[tuple[ObjectKey, int, bytes]]:
+        with self._lock:
+            self._check_open()
+            items = [(key, nbytes, meta) for key, (nbytes, _, meta) in self._objects.items()]
+        return iter(items)
+
+    def read_seconds(self, nbytes: int) -> float:
+        return nbytes / self._read_bps
+
+    def write_seconds(self, nbytes: int) -> float:
+        """Modeled seconds to store ``nbytes`` into this tier."""
+        return nbytes / self._write_bps
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {"objects": len(self._objects), "used_bytes": self._used,
+                    "capacity_bytes": self._capacity, **self._counts,
+                    "read_seconds": self.read_seconds(self._counts["bytes_out"]),
+                    "write_seconds": self.write_seconds(self._counts["bytes_in"])}
+
+    def close(self) -> None:
+        with self._lock:
+            super().close()
+            self._objects.clear()
+            self._used = 0

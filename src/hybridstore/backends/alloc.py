@@ -1,0 +1,481 @@
+"""A size-class slab allocator over byte offsets inside owner-supplied arenas.
+
+The allocator never touches memory: it hands out :class:`Extent` values
+(arena id, byte offset, slot length) and calls ``on_new_arena(arena_id,
+nbytes)`` before an arena is first used, so the owner can map memory (host
+pool, device tier) or create a segment file (disk tier).
+
+Layout:
+
+* **Size classes.** A payload is rounded up to ``alignment``, then to one of 8
+  classes per power of two, so a slot wastes less than 1/8 of itself.
+* **Regular arenas** tile the budget: arena ``i`` is ``arena_bytes`` long
+  (the last one takes the remainder), is created on demand and released when
+  it is empty and its budget is needed elsewhere.  Free space in them is kept
+  as coalesced runs, indexed by length for best fit.
+* **Slabs.** Slots of at most 1/8 of a slab live in slabs: chunks of
+  ``slab_bytes`` (at most 1/8 of the largest regular arena) aligned to their
+  size inside their arena, each dedicated to one class, with a free list of
+  slots.  A slab whose slots are all free goes back to the free runs, usable
+  by any class.
+* **Runs.** Larger slots (up to ``arena_bytes``) are runs of exactly their
+  size at any aligned offset.
+* **Dedicated arenas.** A slot larger than ``arena_bytes`` gets an arena of
+  its own (ids from the number of regular arenas upward), released as soon as
+  the object is freed (``on_release_arena``).
+
+Placement is a function of the extent alone (a slab starts at the slab-aligned
+offset below a slot; a run or dedicated arena starts at the slot), so
+:meth:`SlabAllocator.reserve` can rebuild the state from the live extents of a
+reopened disk tier, in any order.
+
+The budget is charged on committed arena bytes: ``committed_bytes`` never
+exceeds ``budget_bytes``.  All methods are thread-safe; callbacks run under the
+allocator's lock and must not call back into it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hybridstore.errors import CapacityError, ConfigError, ObjectTooLargeError
+
+SLAB_BYTES = 1 << 20
+"""Default slab size: slots up to 1/8 of it share slabs."""
+
+CLASS_STEPS = 8
+"""Size classes per power of two (so internal waste is below 1/CLASS_STEPS)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """Where an object lives.
+
+    Attributes:
+        arena: id of the arena (the owner maps it to memory or a file).
+        offset: byte offset inside the arena, a multiple of the alignment.
+        length: the slot size charged (``slot_size`` of the payload), not the
+            payload size.
+    """
+
+    arena: int
+    offset: int
+    length: int
+
+
+class _Arena:
+    """One arena's free runs (``starts`` sorted; ``runs``: start -> length)."""
+
+    __slots__ = ("id", "size", "dedicated", "starts", "runs", "ends", "spans")
+
+    def __init__(self, arena_id: int, size: int, dedicated: bool) -> None:
+        self.id = arena_id
+        self.size = size
+        self.dedicated = dedicated
+        self.starts: list[int] = []
+        self.runs: dict[int, int] = {}
+        self.ends: dict[int, int] = {}
+        self.spans = 0  # slabs and runs carved from this arena
+
+
+class _Slab:
+    """A slab: ``count`` slots of ``slot`` bytes from ``start``; ``free`` lists free indices."""
+
+    __slots__ = ("arena", "start", "slot", "count", "free")
+
+    def __init__(self, arena: int, start: int, slot: int, count: int) -> None:
+        self.arena = arena
+        self.start = start
+        self.slot = slot
+        self.count = count
+        self.free = list(range(count - 1, -1, -1))  # pop() hands out slot 0 first
+
+
+def _size_class(units: int) -> int:
+    """Round ``units`` up to one of ``CLASS_STEPS`` classes per power of two."""
+    if units <= CLASS_STEPS:
+        return units
+    step = 1 << (units.bit_length() - CLASS_STEPS.bit_length())
+    return -(-units // step) * step
+
+
+class SlabAllocator:
+    """Hands out aligned extents inside arenas, never committing more than a budget.
+
+    Args:
+        budget_bytes: hard limit on the bytes of all arenas committed at once.
+        arena_bytes: size of a regular arena (rounded down to ``alignment``).
+        alignment: every offset and slot size is a multiple of it (4096 suits
+            ``O_DIRECT``).
+        slab_bytes: size of a slab (at most 1/8 of the largest regular arena);
+            slots up to 1/8 of a slab share slabs.
+        on_new_arena: ``on_new_arena(arena_id, nbytes)``, called before an arena
+            is first used; if it raises, the allocation fails and nothing changes.
+        on_release_arena: ``on_release_arena(arena_id)``, called after an empty
+            arena was dropped (its budget returned).
+
+    Raises:
+        ConfigError: a size is not a positive int, or ``arena_bytes`` is below
+            ``alignment``.
+    """
+
+    def __init__(self, *, budget_bytes: int, arena_bytes: int, alignment: int = 4096,
+                 slab_bytes: int = SLAB_BYTES,
+                 on_new_arena: Callable[[int, int], None] | None = None,
+                 on_release_arena: Callable[[int], None] | None = None) -> None:
+        for name, value in (("alignment", alignment), ("arena_bytes", arena_bytes),
+                            ("slab_bytes", slab_bytes)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive int of bytes, got {value!r}")
+        if not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ConfigError(f"budget_bytes must be a non-negative int, got {budget_bytes!r}")
+        if arena_bytes < alignment:
+            raise ConfigError(f"arena_bytes ({arena_bytes}) must be at least the alignment "
+                              f"({alignment}); use a larger arena")
+        self._lock = threading.Lock()
+        self._align = alignment
+        self._budget = budget_bytes
+        self._arena_bytes = arena_bytes // alignment * alignment
+        self._max_regular = min(self._arena_bytes, budget_bytes // alignment * alignment)
+        # Slabs stay small next to the largest arena, so a few classes can coexist.
+        slab = min(slab_bytes, self._max_regular // CLASS_STEPS)
+        self._slab = max(alignment, slab // alignment * alignment)
+        self._small_max = self._slab // CLASS_STEPS
+        full, rest = divmod(budget_bytes, self._arena_bytes)
+        self._n_regular = full + (1 if rest >= alignment else 0)
+        self._next_dedicated = self._n_regular
+        self._on_new_arena = on_new_arena
+        self._on_release_arena = on_release_arena
+        self._arenas: dict[int, _Arena] = {}
+        self._empty: dict[int, None] = {}  # regular arenas with no spans
+        self._committed = 0
+        self._used = 0
+        self._live: dict[tuple[int, int], int] = {}  # (arena, offset) -> slot size
+        self._slabs: dict[tuple[int, int], _Slab] = {}  # (arena, slab start) -> slab
+        self._partial: dict[int, dict[tuple[int, int], _Slab]] = {}  # class -> slabs with room
+        self._by_len: dict[int, dict[tuple[int, int], None]] = {}  # run length -> runs
+        self._lens: list[int] = []  # sorted keys of _by_len
+
+    # -- sizes ----------------------------------------------------------------------
+    @property
+    def budget_bytes(self) -> int:
+        """The hard limit on committed arena bytes."""
+        return self._budget
+
+    @property
+    def used_bytes(self) -> int:
+        """Sum of the slot sizes of live extents."""
+        return self._used
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of the arenas that exist now (never above ``budget_bytes``)."""
+        return self._committed
+
+    @property
+    def arena_count(self) -> int:
+        """Number of arenas that exist now."""
+        return len(self._arenas)
+
+    @property
+    def alignment(self) -> int:
+        """Every offset and slot size is a multiple of this."""
+        return self._align
+
+    def arena_sizes(self) -> dict[int, int]:
+        """``{arena_id: nbytes}`` of the arenas that exist now."""
+        with self._lock:
+            return {aid: arena.size for aid, arena in self._arenas.items()}
+
+    def slot_size(self, nbytes: int) -> int:
+        """The slot size charged for an object of ``nbytes``.
+
+        Raises:
+            ObjectTooLargeError: the slot would exceed the whole budget.
+        """
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be non-negative, got {nbytes}")
+        units = max(1, -(-nbytes // self._align))
+        size = units * self._align
+        if size <= self._max_regular:
+            size = min(_size_class(units) * self._align, self._max_regular)
+        if size > self._budget:
+            raise ObjectTooLargeError(
+                f"an object of {nbytes} bytes needs a {size}-byte slot, more than the whole "
+                f"budget of {self._budget} bytes; raise the tier's capacity")
+        return size
+
+    # -- alloc / free ---------------------------------------------------------------
+    def alloc(self, nbytes: int) -> Extent | None:
+        """An extent for ``nbytes``, or ``None`` when the budget is exhausted.
+
+        On ``None`` the caller frees something (evicts) and retries.
+
+        Raises:
+            ObjectTooLargeError: the object can never fit.
+        """
+        size = self.slot_size(nbytes)
+        with self._lock:
+            if size > self._max_regular:
+                extent = self._alloc_dedicated(size)
+            elif size <= self._small_max:
+                extent = self._alloc_in_slab(size)
+            else:
+                where = self._take(size, self._align)
+                extent = None if where is None else Extent(where[0].id, where[1], size)
+            if extent is not None:
+                self._live[(extent.arena, extent.offset)] = size
+                self._used += size
+            return extent
+
+    def free(self, extent: Extent) -> None:
+        """Return a live extent.
+
+        Raises:
+            ValueError: ``extent`` is not live here (freed twice, or foreign).
+        """
+        with self._lock:
+            key = (extent.arena, extent.offset)
+            if self._live.get(key) != extent.length:
+                raise ValueError(f"{extent} is not a live extent of this allocator "
+                                 "(freed twice, or allocated elsewhere)")
+            del self._live[key]
+            self._used -= extent.length
+            arena = self._arenas[extent.arena]
+            if arena.dedicated:
+                self._drop_arena(arena)
+            elif extent.length <= self._small_max:
+                self._free_in_slab(arena, extent)
+            else:
+                self._release(arena, extent.offset, extent.length)
+
+    def reserve(self, extent: Extent) -> None:
+        """Mark ``extent`` used where it is (rebuilding state, e.g. on reopen).
+
+        Accepts any extent that ``alloc`` of an allocator with the same
+        parameters returned and that does not overlap a live one, in any order.
+
+        Raises:
+            ValueError: the extent is malformed or overlaps a live extent.
+            CapacityError: committing its arena would exceed the budget (the
+                budget is smaller than when the extent was allocated).
+        """
+        size = extent.length
+        if size < 1 or extent.offset % self._align or self.slot_size(size) != size:
+            raise ValueError(f"{extent} was not returned by an allocator with these parameters")
+        with self._lock:
+            if size > self._max_regular:
+                self._reserve_dedicated(extent)
+            else:
+                arena = self._regular_arena(extent.arena)
+                if size <= self._small_max:
+                    self._reserve_in_slab(arena, extent)
+                else:
+                    self._carve_at(arena, extent.offset, size)
+            self._live[(extent.arena, extent.offset)] = size
+            self._used += size
+
+    # -- slabs ----------------------------------------------------------------------
+    def _alloc_in_slab(self, size: int) -> Extent | None:
+        partial = self._partial.setdefault(size, {})
+        if partial:
+            slab = next(iter(partial.values()))
+        else:
+            where = self._take(self._slab, self._slab)
+            if where is None:
+                return None
+            slab = self._new_slab(where[0].id, where[1], size)
+        index = slab.free.pop()
+        if not slab.free:
+            del partial[(slab.arena, slab.start)]
+        return Extent(slab.arena, slab.start + index * size, size)
+
+    def _new_slab(self, arena_id: int, start: int, size: int) -> _Slab:
+        slab = _Slab(arena_id, start, size, self._slab // size)
+        self._slabs[(arena_id, start)] = slab
+        self._partial.setdefault(size, {})[(arena_id, start)] = slab
+        return slab
+
+    def _free_in_slab(self, arena: _Arena, extent: Extent) -> None:
+        start = extent.offset - extent.offset % self._slab
+        slab = self._slabs[(arena.id, start)]
+        slab.free.append((extent.offset - start) // slab.slot)
+        if len(slab.free) == slab.count:
+            del self._slabs[(arena.id, start)]
+            del self._partial[slab.slot][(arena.id, start)]
+            self._release(arena, start, self._slab)
+        elif len(slab.free) == 1:
+            self._partial.setdefault(slab.slot, {})[(arena.id, start)] = slab
+
+    def _reserve_in_slab(self, arena: _Arena, extent: Extent) -> None:
+        start = extent.offset - extent.offset % self._slab
+        index, misaligned = divmod(extent.offset - start, extent.length)
+        if misaligned or index >= self._slab // extent.length:
+            raise ValueError(f"{extent} is not a slot of a slab of its size class")
+        slab = self._slabs.get((arena.id, start))
+        if slab is None:
+            self._carve_at(arena, start, self._slab)
+            slab = self._new_slab(arena.id, start, extent.length)
+        if slab.slot != extent.length or index not in slab.free:
+            raise ValueError(f"{extent} overlaps a live extent")
+        slab.free.remove(index)
+        if not slab.free:
+            del self._partial[slab.slot][(arena.id, start)]
+
+    # -- arenas ---------------------------------------------------------------------
+    def _regular_size(self, arena_id: int) -> int:
+        left = self._budget - arena_id * self._arena_bytes
+        return min(self._arena_bytes, left // self._align * self._align)
+
+    def _commit(self, arena_id: int, size: int, dedicated: bool) -> _Arena:
+        if self._on_new_arena is not None:
+            self._on_new_arena(arena_id, size)
+        arena = _Arena(arena_id, size, dedicated)
+        self._arenas[arena_id] = arena
+        self._committed += size
+        if not dedicated:
+            self._add_run(arena, 0, size)
+            self._empty[arena_id] = None
+        return arena
+
+    def _drop_arena(self, arena: _Arena) -> None:
+        if not arena.dedicated:
+            self._remove_run(arena, 0)
+            del self._empty[arena.id]
+        del self._arenas[arena.id]
+        self._committed -= arena.size
+        if self._on_release_arena is not None:
+            self._on_release_arena(arena.id)
+
+    def _release_empty(self) -> None:
+        """Drop every empty regular arena, returning its budget."""
+        for arena_id in list(self._empty):
+            self._drop_arena(self._arenas[arena_id])
+
+    def _grow(self, need: int) -> bool:
+        """Commit a regular arena of at least ``need`` bytes, if the budget allows."""
+        if self._commit_regular(need):
+            return True
+        if not self._empty:
+            return False
+        self._release_empty()
+        return self._commit_regular(need)
+
+    def _commit_regular(self, need: int) -> bool:
+        left = self._budget - self._committed
+        for arena_id in range(self._n_regular):
+            size = self._regular_size(arena_id)
+            if arena_id not in self._arenas and need <= size <= left:
+                self._commit(arena_id, size, dedicated=False)
+                return True
+        return False
+
+    def _alloc_dedicated(self, size: int) -> Extent | None:
+        if self._budget - self._committed < size:
+            self._release_empty()
+            if self._budget - self._committed < size:
+                return None
+        arena_id = self._next_dedicated
+        self._commit(arena_id, size, dedicated=True)
+        self._next_dedicated += 1
+        return Extent(arena_id, 0, size)
+
+    def _reserve_dedicated(self, extent: Extent) -> None:
+        if extent.arena < self._n_regular or extent.offset or extent.arena in self._arenas:
+            raise ValueError(f"{extent} is not a free dedicated arena of this allocator")
+        self._check_budget(extent.length)
+        self._commit(extent.arena, extent.length, dedicated=True)
+        self._next_dedicated = max(self._next_dedicated, extent.arena + 1)
+
+    def _regular_arena(self, arena_id: int) -> _Arena:
+        arena = self._arenas.get(arena_id)
+        if arena is not None:
+            if arena.dedicated:
+                raise ValueError(f"arena {arena_id} is a dedicated arena in use")
+            return arena
+        if not 0 <= arena_id < self._n_regular:
+            raise ValueError(f"arena {arena_id} is not a regular arena of this allocator")
+        size = self._regular_size(arena_id)
+        self._check_budget(size)
+        return self._commit(arena_id, size, dedicated=False)
+
+    def _check_budget(self, size: int) -> None:
+        if self._committed + size > self._budget:
+            raise CapacityError(
+                f"reserving an arena of {size} bytes would commit {self._committed + size} "
+                f"bytes, over the budget of {self._budget}; reopen with the budget the "
+                "extents were allocated under")
+
+    # -- free runs ------------------------------------------------------------------
+    def _take(self, length: int, align: int) -> tuple[_Arena, int] | None:
+        """Carve ``length`` bytes at an ``align``-aligned offset (best fit), growing if needed."""
+        found = self._find_run(length, align)
+        if found is None and self._grow(length):
+            found = self._find_run(length, align)
+        if found is None:
+            return None
+        arena, start = found
+        self._carve_at(arena, start, length)
+        return arena, start
+
+    def _find_run(self, length: int, align: int) -> tuple[_Arena, int] | None:
+        for i in range(bisect.bisect_left(self._lens, length), len(self._lens)):
+            run_len = self._lens[i]
+            for arena_id, run_start in self._by_len[run_len]:
+                start = -(-run_start // align) * align
+                if start + length <= run_start + run_len:
+                    return self._arenas[arena_id], start
+        return None
+
+    def _carve_at(self, arena: _Arena, start: int, length: int) -> None:
+        """Mark ``[start, start + length)`` of ``arena`` used; it must lie in one free run."""
+        i = bisect.bisect_right(arena.starts, start) - 1
+        run_start = arena.starts[i] if i >= 0 else -1
+        run_len = arena.runs.get(run_start, 0)
+        if run_start < 0 or start + length > run_start + run_len:
+            raise ValueError(f"bytes [{start}, {start + length}) of arena {arena.id} are not free")
+        self._remove_run(arena, run_start)
+        if start > run_start:
+            self._add_run(arena, run_start, start - run_start)
+        if start + length < run_start + run_len:
+            self._add_run(arena, start + length, run_start + run_len - start - length)
+        arena.spans += 1
+        self._empty.pop(arena.id, None)
+
+    def _release(self, arena: _Arena, start: int, length: int) -> None:
+        """Return ``[start, start + length)`` to the free runs, coalescing neighbours."""
+        prev = arena.ends.get(start)
+        if prev is not None:
+            self._remove_run(arena, prev)
+            length += start - prev
+            start = prev
+        if start + length in arena.runs:
+            length += self._remove_run(arena, start + length)
+        self._add_run(arena, start, length)
+        arena.spans -= 1
+        if not arena.spans:
+            self._empty[arena.id] = None
+
+    def _add_run(self, arena: _Arena, start: int, length: int) -> None:
+        arena.runs[start] = length
+        arena.ends[start + length] = start
+        bisect.insort(arena.starts, start)
+        runs = self._by_len.get(length)
+        if runs is None:
+            runs = self._by_len[length] = {}
+            bisect.insort(self._lens, length)
+        runs[(arena.id, start)] = None
+
+    def _remove_run(self, arena: _Arena, start: int) -> int:
+        length = arena.runs.pop(start)
+        del arena.ends[start + length]
+        del arena.starts[bisect.bisect_left(arena.starts, start)]
+        runs = self._by_len[length]
+        del runs[(arena.id, start)]
+        if not runs:
+            del self._by_len[length]
+            del self._lens[bisect.bisect_left(self._lens, length)]
+        return length

@@ -1,0 +1,390 @@
+"""The pinned-DRAM pool: objects in slots of a few large page-aligned arenas.
+
+Arenas are anonymous ``mmap`` regions (page-aligned, so ``O_DIRECT`` and GDS
+can use them), page-locked through ``cudaHostRegister`` when a GPU is present
+and pinning is asked for; a :class:`~hybridstore.backends.alloc.SlabAllocator`
+carves them, so there is no per-object allocation.
+
+Besides the :class:`~hybridstore.backends.base.Tier` contract the pool offers
+zero-copy access, so the facade packs tensors straight into a slot and the
+disk tier writes straight from it:
+
+=============================  ===============================================
+``reserve_slot(key, n, meta)``  a writable view of a new ``n``-byte slot; the
+                                object is invisible until ``commit(key)``
+``commit(key)`` / ``abort``     publish the reserved slot (replacing any older
+                                object of the key) / give it back
+``acquire(key)`` /              hold the key: while held, no slot the key has
+``release_ref(key)``            used since is freed (``delete`` and replacement
+                                free old slots on the last ``release_ref``)
+``view(key)``                   a read-only view of the live object; valid only
+                                while the caller holds the key
+=============================  ===============================================
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from hybridstore.backends.alloc import Extent, SlabAllocator
+from hybridstore.backends.base import ObjectKey, Tier, done_future
+from hybridstore.errors import CapacityError, ConfigError
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+_DONE = done_future()  # completed futures are immutable: one serves every put
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+
+def as_bytes(buf: Any, what: str) -> np.ndarray:
+    """A flat uint8 view (no copy) of a numpy array, CPU torch tensor or bytes-like."""
+    if not isinstance(buf, np.ndarray) and hasattr(buf, "numpy"):  # a torch tensor
+        if buf.device.type != "cpu":
+            raise TypeError(f"{what} is a {buf.device.type} tensor; the host pool takes host "
+                            "memory (use the device tier, or .cpu() it first)")
+        if not buf.is_contiguous():
+            raise ValueError(f"{what} must be contiguous; pass .contiguous() of it")
+        import torch
+
+        return buf.detach().view(-1).view(torch.uint8).numpy()
+    arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{what} must be contiguous; pass np.ascontiguousarray(...) of it")
+    return arr.reshape(-1).view(np.uint8)
+
+
+class _Arena:
+    """One mmap region, as a uint8 array; ``pinned`` once cudaHostRegister'ed."""
+
+    __slots__ = ("data", "pinned")
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        # Populated up front (a pool is meant to be used), so copies into it do
+        # not pay a page fault per 4 KiB; huge pages where the kernel allows.
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        region = mmap.mmap(-1, nbytes, flags=flags)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            region.madvise(mmap.MADV_HUGEPAGE)
+        self.data = np.frombuffer(region, dtype=np.uint8)
+        self.pinned = pin and _host_register(self.data)
+
+    def release(self) -> None:
+        if self.pinned:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.data.ctypes.data)
+        # The mmap unmaps itself once the last view a caller may hold is gone.
+
+
+def _host_register(data: np.ndarray) -> bool:
+    """Page-lock ``data`` for fast async H2D copies; False (logged) if that fails."""
+    import torch
+
+    err = torch.cuda.cudart().cudaHostRegister(data.ctypes.data, data.nbytes,
+                                               _HOST_REGISTER_PORTABLE)
+    if int(err) != 0:
+        log.warning("cudaHostRegister of %d bytes failed (%s); the host pool stays pageable, "
+                    "so H2D copies will be slower (raise `ulimit -l`?)", data.nbytes, err)
+        return False
+    return True
+
+
+class _Object:
+    __slots__ = ("extent", "nbytes", "meta")
+
+    def __init__(self, extent: Extent, nbytes: int, meta: bytes) -> None:
+        self.extent = extent
+        self.nbytes = nbytes
+        self.meta = meta
+
+
+class HostPool(Tier):
+    """Pinned host memory carved into size-class slots.
+
+    Args:
+        capacity_bytes: hard budget of the pool (arena bytes mapped at once).
+        arena_bytes: size of one arena (one mmap); objects larger than it get
+            an arena of their own.
+        pin: page-lock arenas when ``torch.cuda.is_available()``.
+        h2d_gbps: host-to-device bandwidth used to model restore time.
+
+    Raises:
+        ConfigError: a size or bandwidth is out of range.
+    """
+
+    name = "host"
+
+    def __init__(self, capacity_bytes: int, *, arena_bytes: int = 256 << 20, pin: bool = True,
+                 h2d_gbps: float = 64.0) -> None:
+        super().__init__()
+        if not h2d_gbps > 0:
+            raise ConfigError(f"h2d_gbps must be positive, got {h2d_gbps!r}")
+        if not isinstance(arena_bytes, int) or arena_bytes < ALIGN:
+            raise ConfigError(f"arena_bytes must be an int of at least {ALIGN}, got {arena_bytes!r}")
+        self._pin = pin and _cuda_available()
+        self._h2d_gbps = h2d_gbps
+        self._arenas: dict[int, _Arena] = {}
+        self._alloc = SlabAllocator(budget_bytes=capacity_bytes, arena_bytes=arena_bytes,
+                                    alignment=ALIGN, on_new_arena=self._map_arena,
+                                    on_release_arena=self._unmap_arena)
+        self._objects: dict[ObjectKey, _Object] = {}
+        self._pending: dict[ObjectKey, _Object] = {}
+        self._refs: dict[ObjectKey, int] = {}
+        self._retired: dict[ObjectKey, list[Extent]] = {}  # freed on the key's last release
+        self._counts = dict.fromkeys(("puts", "gets", "bytes_in", "bytes_out"), 0)
+        self._done: dict[int, Future] = {}  # completed get_into futures, by object size
+
+    # -- capacity -----------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self._alloc.budget_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Slot bytes of visible, reserved and held-but-dropped objects."""
+        return self._alloc.used_bytes
+
+    @property
+    def is_pinned(self) -> bool:
+        """True when the arenas are page-locked (pinning asked for and a GPU present)."""
+        with self._lock:
+            return self._pin and all(arena.pinned for arena in self._arenas.values())
+
+    def charge(self, nbytes: int) -> int:
+        return self._alloc.slot_size(nbytes)
+
+    # -- two-phase store ----------------------------------------------------------
+    def reserve_slot(self, key: ObjectKey, nbytes: int, meta: bytes = b"") -> np.ndarray:
+        """A writable uint8 view of a new ``nbytes`` slot for ``key``.
+
+        The object stays invisible until :meth:`commit`; :meth:`abort` gives the
+        slot back.
+
+        Raises:
+            CapacityError: no room; evict and retry.
+            ObjectTooLargeError: ``nbytes`` exceeds the whole pool.
+            ValueError: ``key`` already has a reserved slot.
+        """
+        with self._lock:
+            self._check_open()
+            if key in self._pending:
+                raise ValueError(f"key {key.hex()} already has a reserved slot; commit() or "
+                                 "abort() it first")
+            obj = self._new_object(nbytes, meta)
+            self._pending[key] = obj
+            return self._slot(obj.extent, nbytes)
+
+    def commit(self, key: ObjectKey) -> None:
+        """Make the slot reserved for ``key`` visible, replacing any older object.
+
+        Raises:
+            KeyError: no slot is reserved for ``key``.
+        """
+        with self._lock:
+            self._check_open()
+            self._publish(key, self._pending.pop(key))
+
+    def abort(self, key: ObjectKey) -> None:
+        """Give back the slot reserved for ``key``.
+
+        Raises:
+            KeyError: no slot is reserved for ``key``.
+        """
+        with self._lock:
+            self._check_open()
+            self._alloc.free(self._pending.pop(key).extent)
+
+    # -- references and views -----------------------------------------------------
+    def acquire(self, key: ObjectKey) -> None:
+        """Hold ``key``: slots it used are kept until the matching :meth:`release_ref`.
+
+        Raises:
+            KeyError: ``key`` is not visible.
+        """
+        with self._lock:
+            self._check_open()
+            if key not in self._objects:
+                raise KeyError(key)
+            self._refs[key] = self._refs.get(key, 0) + 1
+
+    def release_ref(self, key: ObjectKey) -> None:
+        """Drop one hold on ``key``; the last one frees its deleted or replaced slots.
+
+        A no-op after :meth:`close`, so in-flight I/O may finish late.
+
+        Raises:
+            ValueError: ``key`` is not held.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            refs = self._refs.get(key, 0)
+            if refs == 0:
+                raise ValueError(f"release_ref({key.hex()}) without a matching acquire()")
+            if refs > 1:
+                self._refs[key] = refs - 1
+                return
+            del self._refs[key]
+            for extent in self._retired.pop(key, ()):
+                self._alloc.free(extent)
+
+    def view(self, key: ObjectKey) -> np.ndarray:
+        """A read-only uint8 view of the object's bytes (no copy).
+
+        Hold the key with :meth:`acquire` while using the view: without a hold a
+        concurrent ``delete`` or ``put`` may hand the slot to another object.
+
+        Raises:
+            KeyError: ``key`` is not visible.
+        """
+        with self._lock:
+            self._check_open()
+            obj = self._objects[key]
+            out = self._slot(obj.extent, obj.nbytes)
+        out.flags.writeable = False
+        return out
+
+    # -- tier contract ------------------------------------------------------------
+    def put(self, key: ObjectKey, data: np.ndarray | None, *, nbytes: int,
+            meta: bytes = b"") -> Future:
+        if data is None:
+            raise TypeError("the host pool stores bytes; pass data (only the accounting tier "
+                            "takes None)")
+        src = as_bytes(data, "data")
+        if src.size < nbytes:
+            raise ValueError(f"data has {src.size} bytes, fewer than nbytes={nbytes}")
+        with self._lock:
+            self._check_open()
+            obj = self._new_object(nbytes, meta)
+        try:  # copy outside the lock: the slot is ours alone until it is published
+            self._slot(obj.extent, nbytes)[:] = src[:nbytes]
+        except BaseException:
+            with self._lock:
+                self._alloc.free(obj.extent)
+            raise
+        with self._lock:
+            self._check_open()
+            self._publish(key, obj)
+        return _DONE
+
+    def get_into(self, key: ObjectKey, out: Any) -> Future:
+        dst = as_bytes(out, "out")
+        with self._lock:
+            self._check_open()
+            obj = self._objects[key]
+            if dst.size < obj.nbytes:
+                raise ValueError(f"out has {dst.size} bytes; the object needs {obj.nbytes}")
+            self._refs[key] = self._refs.get(key, 0) + 1
+        try:
+            dst[: obj.nbytes] = self._slot(obj.extent, obj.nbytes)
+        finally:
+            self.release_ref(key)
+        with self._lock:
+            self._counts["gets"] += 1
+            self._counts["bytes_out"] += obj.nbytes
+            fut = self._done.get(obj.nbytes)
+            if fut is None:
+                fut = self._done[obj.nbytes] = done_future(obj.nbytes)
+        return fut
+
+    def contains(self, key: ObjectKey) -> bool:
+        with self._lock:
+            self._check_open()
+            return key in self._objects
+
+    def nbytes(self, key: ObjectKey) -> int | None:
+        with self._lock:
+            self._check_open()
+            obj = self._objects.get(key)
+            return None if obj is None else obj.nbytes
+
+    def meta(self, key: ObjectKey) -> bytes | None:
+        with self._lock:
+            self._check_open()
+            obj = self._objects.get(key)
+            return None if obj is None else obj.meta
+
+    def delete(self, key: ObjectKey) -> int:
+        """Drop ``key``; returns its slot size (freed on the last release if held)."""
+        with self._lock:
+            self._check_open()
+            obj = self._objects.pop(key, None)
+            if obj is None:
+                return 0
+            self._drop_slot(key, obj.extent)
+            return obj.extent.length
+
+    def entries(self) -> Iterator[tuple[ObjectKey, int, bytes]]:
+        with self._lock:
+            self._check_open()
+            items = [(key, obj.nbytes, obj.meta) for key, obj in self._objects.items()]
+        return iter(items)
+
+    def read_seconds(self, nbytes: int) -> float:
+        return nbytes / (self._h2d_gbps * 1e9)
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {"objects": len(self._objects), "used_bytes": self.used_bytes,
+                    "capacity_bytes": self.capacity_bytes,
+                    "committed_bytes": self._alloc.committed_bytes, **self._counts}
+
+    def close(self) -> None:
+        """Unpin and drop every arena; views callers still hold stay readable."""
+        with self._lock:
+            if self._closed:
+                return
+            super().close()
+            for arena in self._arenas.values():
+                arena.release()
+            self._arenas.clear()
+            self._objects.clear()
+            self._pending.clear()
+            self._refs.clear()
+            self._retired.clear()
+
+    # -- internals ----------------------------------------------------------------
+    def _new_object(self, nbytes: int, meta: bytes) -> _Object:
+        extent = self._alloc.alloc(nbytes)
+        if extent is None:
+            raise CapacityError(
+                f"the host pool has no room for {nbytes} bytes ({self.used_bytes} of "
+                f"{self.capacity_bytes} bytes in use, {len(self._objects)} objects); evict "
+                "objects and retry, or raise host_bytes")
+        return _Object(extent, nbytes, bytes(meta))
+
+    def _publish(self, key: ObjectKey, obj: _Object) -> None:
+        old = self._objects.get(key)
+        if old is not None:
+            self._drop_slot(key, old.extent)
+        self._objects[key] = obj
+        self._counts["puts"] += 1
+        self._counts["bytes_in"] += obj.nbytes
+
+    def _drop_slot(self, key: ObjectKey, extent: Extent) -> None:
+        if key in self._refs:
+            self._retired.setdefault(key, []).append(extent)
+        else:
+            self._alloc.free(extent)
+
+    def _slot(self, extent: Extent, nbytes: int) -> np.ndarray:
+        return self._arenas[extent.arena].data[extent.offset: extent.offset + nbytes]
+
+    def _map_arena(self, arena_id: int, nbytes: int) -> None:
+        self._arenas[arena_id] = _Arena(nbytes, self._pin)
+
+    def _unmap_arena(self, arena_id: int) -> None:
+        self._arenas.pop(arena_id).release()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,603 @@
+"""Chained 128-bit prefix keys of token blocks.
+
+Every KV page and recurrent-state snapshot in hybridstore is stored under the
+key of the token prefix it ends.  A key is 128 bits, kept as a ``(lo, hi)`` pair
+of uint64 (a row of a ``(n, 2)`` uint64 array) or as its 16-byte form: ``lo``
+little-endian followed by ``hi`` little-endian.
+
+The hash
+--------
+All arithmetic is on uint64 with wraparound::
+
+    P1 = 0x9E3779B185EBCA87   P2 = 0xC2B2AE3D27D4EB4F   P3 = 0x165667B19E3779F9
+    P4 = 0x85EBCA77C2B2AE63   P5 = 0x27D4EB2F165667C5
+
+    mix64(x): x ^= x >> 30; x *= 0xBF58476D1CE4E5B9; x ^= x >> 27
+              x *= 0x94D049BB133111EB; x ^= x >> 31; return x
+    rotl(x, r): 64-bit rotate left
+
+    block_hash((plo, phi), t[0..n-1]):          # each t[i] in [0, 2**32)
+        a = b = 0
+        for i in 0..n-1:
+            x = t[i] + ((i + 1) << 32)
+            a += mix64(x ^ P1); b += mix64(x ^ P2)
+        return finalize(plo, phi, a, b, n)
+
+    finalize(plo, phi, a, b, n):
+        c  = mix64(plo ^ rotl(phi, 29) ^ (n * P3))
+        return (mix64(a ^ c), mix64(b + c + phi + P4))
+
+    id_hash((plo, phi), block_id, ntok):        # block_id in [0, 2**64)
+        return finalize(plo, phi, mix64(block_id ^ P1), mix64(block_id ^ P5),
+                        ntok + (1 << 40))
+
+    namespace_root(ns) = blake2b(utf8(ns), digest_size=16, person=b"hybridstore-v1")
+
+A sequence is cut into blocks of ``block_size`` tokens (the last one may be
+partial); block 0's parent is the namespace root and block k's parent is
+block k-1's key, so a key names the whole prefix up to the end of its block.
+Because ``a`` and ``b`` are plain sums of per-token terms, the keys at every
+inner offset of a block are prefix sums (:func:`block_prefix_keys`).
+
+Backends
+--------
+The public functions run the C extension ``hybridstore.native._hashing``
+when it is built and otherwise its numpy twin in this module; both give the
+same keys bit for bit.  :data:`BACKEND` names the one in use and
+:func:`force_python` selects the twin (for tests and benchmarks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from hybridstore.errors import ConfigError, InvalidTokensError
+
+try:  # the optional C twin; absent when no compiler was available at build time
+    from hybridstore.native import _hashing as _native
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None
+
+__all__ = [
+    "BACKEND",
+    "KEY_BYTES",
+    "as_token_array",
+    "block_prefix_keys",
+    "bytes_to_key",
+    "chain_hash_ids",
+    "chain_hash_tokens",
+    "force_python",
+    "key_to_bytes",
+    "keys_to_bytes",
+    "namespace_root",
+    "native_available",
+]
+
+KEY_BYTES = 16
+"""Length of a key's byte form."""
+
+BACKEND: str = "native" if _native is not None else "python"
+"""The implementation the public functions use now: ``"native"`` or ``"python"``."""
+
+_M64 = (1 << 64) - 1
+_P1 = 0x9E3779B185EBCA87
+_P2 = 0xC2B2AE3D27D4EB4F
+_P3 = 0x165667B19E3779F9
+_P4 = 0x85EBCA77C2B2AE63
+_P5 = 0x27D4EB2F165667C5
+_C1 = 0xBF58476D1CE4E5B9
+_C2 = 0x94D049BB133111EB
+_ID_NTOK_TAG = 1 << 40
+_PERSON = b"hybridstore-v1"
+
+_U64 = np.uint64
+_S30, _S27, _S31, _S32 = _U64(30), _U64(27), _U64(31), _U64(32)
+_NP_P1, _NP_P2, _NP_P3, _NP_P5 = _U64(_P1), _U64(_P2), _U64(_P3), _U64(_P5)
+_NP_C1, _NP_C2 = _U64(_C1), _U64(_C2)
+
+# Tokens hashed per numpy pass of the twin (bounds its temporaries).
+_TWIN_CHUNK_TOKENS = 1 << 18
+
+
+# --------------------------------------------------------------------------
+# backend selection
+
+
+def native_available() -> bool:
+    """Whether the C extension ``hybridstore.native._hashing`` is importable.
+
+    Returns:
+        ``True`` when the native module was built (``python setup.py
+        build_ext --inplace`` or an installed wheel), else ``False``.
+    """
+    return _native is not None
+
+
+def _use_native() -> bool:
+    return BACKEND == "native"
+
+
+class _BackendOverride:
+    """Restores the previous backend when used as a context manager."""
+
+    def __init__(self, previous: str) -> None:
+        self._previous = previous
+
+    def __enter__(self) -> _BackendOverride:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        global BACKEND
+        BACKEND = self._previous
+
+
+def force_python(enabled: bool = True) -> _BackendOverride:
+    """Select the numpy twin (``enabled=True``) or the native backend.
+
+    The switch takes effect at once and is process-wide.  The return value is
+    a context manager that restores the previous backend on exit, so both
+    styles work::
+
+        force_python(True)            # from now on
+        with force_python(True):      # only inside the block
+            ...
+
+    ``force_python(False)`` selects the native module when it is available
+    and stays on the twin otherwise.
+
+    Args:
+        enabled: ``True`` for the pure-Python/numpy twin, ``False`` for the
+            native module (when built).
+
+    Returns:
+        A context manager restoring the backend that was in use before.
+    """
+    global BACKEND
+    previous = BACKEND
+    BACKEND = "native" if (not enabled and _native is not None) else "python"
+    return _BackendOverride(previous)
+
+
+# --------------------------------------------------------------------------
+# keys and their byte form
+
+
+def namespace_root(namespace: str | bytes) -> bytes:
+    """The 16-byte root key of a namespace (the parent of every first block).
+
+    Args:
+        namespace: tenant salt; ``str`` is encoded as UTF-8.
+
+    Returns:
+        ``blake2b(namespace, digest_size=16, person=b"hybridstore-v1")``.
+
+    Raises:
+        InvalidTokensError: ``namespace`` is neither ``str`` nor bytes-like.
+    """
+    if isinstance(namespace, str):
+        data = namespace.encode("utf-8")
+    elif isinstance(namespace, (bytes, bytearray, memoryview)):
+        data = bytes(namespace)
+    else:
+        raise InvalidTokensError(
+            f"namespace must be str or bytes, got {type(namespace).__name__}; "
+            "pass the tenant name as a string")
+    return hashlib.blake2b(data, digest_size=KEY_BYTES, person=_PERSON).digest()
+
+
+def key_to_bytes(row: Any) -> bytes:
+    """The 16-byte form of one key.
+
+    Args:
+        row: a ``(2,)`` uint64 array ``[lo, hi]`` (a row of a key array) or a
+            ``(lo, hi)`` pair of ints.
+
+    Returns:
+        ``lo`` little-endian followed by ``hi`` little-endian.
+    """
+    arr = np.asarray(row, dtype="<u8")
+    if arr.shape != (2,):
+        raise InvalidTokensError(f"a key row has shape (2,) [lo, hi], got shape {arr.shape}")
+    return arr.tobytes()
+
+
+def keys_to_bytes(arr: np.ndarray) -> list[bytes]:
+    """The 16-byte forms of a ``(n, 2)`` key array, in order.
+
+    Args:
+        arr: keys as returned by :func:`chain_hash_tokens` and friends.
+
+    Returns:
+        ``n`` byte strings of :data:`KEY_BYTES` bytes each.
+    """
+    a = np.asarray(arr)
+    if a.ndim != 2 or a.shape[1] != 2:
+        raise InvalidTokensError(f"a key array has shape (n, 2), got shape {a.shape}")
+    raw = a.astype("<u8", copy=False).tobytes()
+    return [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
+
+
+def bytes_to_key(b: bytes) -> tuple[int, int]:
+    """Split a key's 16-byte form into ``(lo, hi)``.
+
+    Args:
+        b: 16 bytes (``bytes``, ``bytearray`` or ``memoryview``).
+
+    Returns:
+        ``(lo, hi)`` as Python ints.
+
+    Raises:
+        InvalidTokensError: ``b`` is not 16 bytes long.
+    """
+    raw = bytes(b)
+    if len(raw) != KEY_BYTES:
+        raise InvalidTokensError(f"a key is {KEY_BYTES} bytes, got {len(raw)}")
+    return int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")
+
+
+def _parent_pair(parent: Any) -> tuple[int, int]:
+    if isinstance(parent, (bytes, bytearray, memoryview)):
+        raw = bytes(parent)
+        if len(raw) == KEY_BYTES:
+            return int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")
+    elif isinstance(parent, np.ndarray) and parent.shape == (2,) and parent.dtype.kind == "u":
+        return int(parent[0]), int(parent[1])
+    raise InvalidTokensError(
+        f"parent must be a {KEY_BYTES}-byte key (e.g. namespace_root(ns) or "
+        f"key_to_bytes(keys[k])), got {type(parent).__name__}"
+        + (f" of length {len(parent)}" if hasattr(parent, "__len__") else ""))
+
+
+def _check_block_size(block_size: Any) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
+            or block_size < 1:
+        raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
+    return int(block_size)
+
+
+# --------------------------------------------------------------------------
+# input validation
+
+
+def _torch_to_numpy(t: Any, what: str) -> np.ndarray:
+    torch = sys.modules["torch"]
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise InvalidTokensError(
+            f"{what} must be an integer tensor, got dtype {t.dtype}; convert with "
+            "tensor.to(torch.int64) if the values are whole ids")
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError):  # dtypes numpy cannot share
+        return t.to(torch.int64).numpy()
+
+
+def _sequence_of_ints(seq: Any, what: str, limit: int, dtype: type) -> np.ndarray:
+    """Slow path for a list/tuple numpy could not turn into an int array."""
+    values = list(seq)
+    for v in values:
+        if isinstance(v, (list, tuple, np.ndarray)):
+            raise InvalidTokensError(
+                f"{what} must be 1-D; got a nested sequence - flatten it or pass one "
+                "sequence at a time")
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise InvalidTokensError(
+                f"{what} must be integers, got {type(v).__name__} {v!r}; convert the "
+                "values to int ids first")
+        if not 0 <= v < limit:
+            raise InvalidTokensError(
+                f"{what} must lie in [0, 2**{limit.bit_length() - 1}), got {v}; "
+                "check the tokenizer/vocabulary mapping")
+    return np.fromiter((int(v) for v in values), dtype=dtype, count=len(values))
+
+
+def _to_int_array(obj: Any, what: str, limit: int, dtype: type) -> np.ndarray:
+    """Validate ``obj`` as a 1-D sequence of ints in [0, limit) -> C-contiguous ``dtype``."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        arr = _torch_to_numpy(obj, what)
+    elif isinstance(obj, np.ndarray):
+        arr = obj
+    else:
+        if isinstance(obj, (str, bytes, bytearray, dict, set)):
+            raise InvalidTokensError(
+                f"{what} must be a 1-D sequence of integer ids, got "
+                f"{type(obj).__name__}; tokenize the text first")
+        try:
+            arr = np.asarray(obj)
+        except (OverflowError, ValueError, TypeError):
+            if isinstance(obj, (list, tuple)):
+                return _sequence_of_ints(obj, what, limit, dtype)
+            raise InvalidTokensError(
+                f"{what} must be a 1-D sequence of integer ids, got {type(obj).__name__}"
+            ) from None
+        if arr.dtype.kind in "fO" and arr.ndim == 1 and isinstance(obj, (list, tuple)):
+            # e.g. [-1, 2**63] becomes float64 and [2**64] object: check each value.
+            return _sequence_of_ints(obj, what, limit, dtype)
+
+    if arr.ndim != 1:
+        raise InvalidTokensError(
+            f"{what} must be 1-D, got shape {arr.shape}; pass one sequence at a time "
+            "(e.g. tokens[i] of a batch) or flatten it with .reshape(-1)")
+    if arr.size == 0:  # e.g. np.array([]) is float64; there is no value to misread
+        return np.empty(0, dtype=dtype)
+    kind = arr.dtype.kind
+    if kind not in "iu":
+        if kind == "O":
+            return _sequence_of_ints(arr.tolist(), what, limit, dtype)
+        raise InvalidTokensError(
+            f"{what} must have an integer dtype, got {arr.dtype}; convert with "
+            ".astype(np.int64) (or tensor.long()) if the values are whole ids")
+    if kind == "i":
+        lo = int(arr.min())
+        if lo < 0:
+            raise InvalidTokensError(
+                f"{what} must be non-negative, got {lo}; remove padding or sentinel "
+                "ids (e.g. -1, -100) before hashing")
+    if arr.dtype.itemsize * 8 > limit.bit_length() - 1 + (kind == "i"):
+        hi = int(arr.max())
+        if hi >= limit:
+            raise InvalidTokensError(
+                f"{what} must be < 2**{limit.bit_length() - 1}, got {hi}; "
+                "check the tokenizer/vocabulary mapping")
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+def as_token_array(tokens: Any) -> np.ndarray:
+    """Validate token ids and return them as a C-contiguous uint32 array.
+
+    A C-contiguous 1-D uint32 array is returned as is (no copy).
+
+    Args:
+        tokens: a list/tuple of ints, a numpy array of any integer dtype or a
+            torch integer tensor (any device; it is copied to the CPU), 1-D.
+
+    Returns:
+        1-D C-contiguous ``np.uint32`` array.
+
+    Raises:
+        InvalidTokensError: the input is not 1-D, not integer, or holds an id
+            outside ``[0, 2**32)``.
+    """
+    if (isinstance(tokens, np.ndarray) and tokens.dtype == np.uint32 and tokens.ndim == 1
+            and tokens.flags.c_contiguous):
+        return tokens
+    return _to_int_array(tokens, "token ids", 1 << 32, np.uint32)
+
+
+def _as_id_array(ids: Any) -> np.ndarray:
+    if (isinstance(ids, np.ndarray) and ids.dtype == np.uint64 and ids.ndim == 1
+            and ids.flags.c_contiguous):
+        return ids
+    return _to_int_array(ids, "block ids", 1 << 64, np.uint64)
+
+
+# --------------------------------------------------------------------------
+# the numpy twin
+
+
+def _mix64_np(x: np.ndarray) -> np.ndarray:
+    """mix64 over a uint64 array, in place (the array is returned)."""
+    x ^= x >> _S30
+    x *= _NP_C1
+    x ^= x >> _S27
+    x *= _NP_C2
+    x ^= x >> _S31
+    return x
+
+
+def _token_terms(t: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token terms mix64(x ^ P1), mix64(x ^ P2) with x = t + pos."""
+    x = t.astype(np.uint64)
+    x += pos
+    a = _mix64_np(x ^ _NP_P1)
+    x ^= _NP_P2
+    return a, _mix64_np(x)
+
+
+def _py_chain_tokens(tokens: np.ndarray, block_size: int, plo: int, phi: int) -> np.ndarray:
+    n = tokens.shape[0]
+    nblocks = -(-n // block_size)
+    if nblocks == 0:
+        return np.empty((0, 2), dtype=np.uint64)
+    sum_a = np.empty(nblocks, dtype=np.uint64)
+    sum_b = np.empty(nblocks, dtype=np.uint64)
+    pattern = (np.arange(1, block_size + 1, dtype=np.uint64) << _S32)
+    chunk = block_size * max(1, _TWIN_CHUNK_TOKENS // block_size)
+    for start in range(0, n, chunk):
+        t = tokens[start:start + chunk]
+        a, b = _token_terms(t, np.resize(pattern, t.shape[0]))
+        starts = np.arange(0, t.shape[0], block_size)
+        k0 = start // block_size
+        sum_a[k0:k0 + starts.shape[0]] = np.add.reduceat(a, starts)
+        sum_b[k0:k0 + starts.shape[0]] = np.add.reduceat(b, starts)
+
+    out = np.empty((nblocks, 2), dtype=np.uint64)
+    out[:, 0] = sum_a
+    out[:, 1] = sum_b
+    last = n - (nblocks - 1) * block_size
+    out[:] = _finalize_chain(out.tolist(), plo, phi, block_size, last)
+    return out
+
+
+def _finalize_chain(sums: list[list[int]], plo: int, phi: int, n_full: int,
+                    n_last: int) -> list[tuple[int, int]]:
+    """Serial finalize over per-block sums ``[a, b]``; each block's parent is the previous key.
+
+    ``finalize`` and ``mix64`` are written out inline on Python ints masked to
+    64 bits: this loop is the twin's only per-block Python code.
+    """
+    m64, c1, c2, p4 = _M64, _C1, _C2, _P4
+    np_full, np_last = (n_full * _P3) & m64, (n_last * _P3) & m64
+    rows: list[tuple[int, int]] = []
+    append = rows.append
+    lo, hi = plo, phi
+    last_k = len(sums) - 1
+    for k, (a, b) in enumerate(sums):
+        x = lo ^ (((hi << 29) | (hi >> 35)) & m64) ^ (np_full if k < last_k else np_last)
+        x ^= x >> 30
+        x = (x * c1) & m64
+        x ^= x >> 27
+        x = (x * c2) & m64
+        c = x ^ (x >> 31)
+        x = a ^ c
+        x ^= x >> 30
+        x = (x * c1) & m64
+        x ^= x >> 27
+        x = (x * c2) & m64
+        new_lo = x ^ (x >> 31)
+        x = (b + c + hi + p4) & m64
+        x ^= x >> 30
+        x = (x * c1) & m64
+        x ^= x >> 27
+        x = (x * c2) & m64
+        hi = x ^ (x >> 31)
+        lo = new_lo
+        append((lo, hi))
+    return rows
+
+
+def _py_prefix_keys(tokens: np.ndarray, plo: int, phi: int) -> np.ndarray:
+    m = tokens.shape[0]
+    out = np.empty((m, 2), dtype=np.uint64)
+    if m == 0:
+        return out
+    pos = np.arange(1, m + 1, dtype=np.uint64)
+    a, b = _token_terms(tokens, pos << _S32)
+    np.cumsum(a, out=a)
+    np.cumsum(b, out=b)
+    base = _U64(plo ^ (((phi << 29) | (phi >> 35)) & _M64))
+    pos *= _NP_P3  # n * P3 with n = j + 1
+    pos ^= base
+    c = _mix64_np(pos)
+    a ^= c
+    out[:, 0] = _mix64_np(a)
+    b += c
+    b += _U64((phi + _P4) & _M64)
+    out[:, 1] = _mix64_np(b)
+    return out
+
+
+def _py_chain_ids(ids: np.ndarray, block_size: int, last_tokens: int, plo: int,
+                  phi: int) -> np.ndarray:
+    n = ids.shape[0]
+    out = np.empty((n, 2), dtype=np.uint64)
+    if n == 0:
+        return out
+    out[:, 0] = _mix64_np(ids ^ _NP_P1)
+    out[:, 1] = _mix64_np(ids ^ _NP_P5)
+    out[:] = _finalize_chain(out.tolist(), plo, phi, block_size + _ID_NTOK_TAG,
+                             last_tokens + _ID_NTOK_TAG)
+    return out
+
+
+def _from_native(raw: bytes | bytearray) -> np.ndarray:
+    return np.frombuffer(raw, dtype="<u8").reshape(-1, 2).astype(np.uint64, copy=False)
+
+
+# --------------------------------------------------------------------------
+# public key functions
+
+
+def chain_hash_tokens(tokens: Any, block_size: int, parent: bytes) -> np.ndarray:
+    """Chained keys of every block of a token sequence.
+
+    Block ``k`` covers ``tokens[k*block_size : (k+1)*block_size]``; the last
+    block may be partial.  Block 0's parent is ``parent`` and block ``k``'s
+    parent is block ``k-1``'s key, so row ``k`` names the whole prefix
+    ``tokens[:min((k+1)*block_size, len(tokens))]``.
+
+    Args:
+        tokens: token ids (anything :func:`as_token_array` accepts; a
+            C-contiguous uint32 array is used without a copy).
+        block_size: tokens per block, ``>= 1``.
+        parent: 16-byte key of the prefix before ``tokens`` (e.g.
+            :func:`namespace_root`).
+
+    Returns:
+        ``(ceil(len(tokens) / block_size), 2)`` uint64 array of ``[lo, hi]``
+        rows; ``(0, 2)`` for no tokens.
+
+    Raises:
+        InvalidTokensError: bad token ids or a parent that is not 16 bytes.
+        ConfigError: ``block_size < 1``.
+    """
+    t = as_token_array(tokens)
+    bs = _check_block_size(block_size)
+    plo, phi = _parent_pair(parent)
+    if _use_native():
+        return _from_native(_native.chain_tokens(t, bs, plo, phi))
+    return _py_chain_tokens(t, bs, plo, phi)
+
+
+def block_prefix_keys(tokens: Any, parent: bytes) -> np.ndarray:
+    """Key at every inner offset of ONE block.
+
+    Row ``j`` is ``block_hash(parent, tokens[:j+1])``; for a full block the
+    last row equals the block's row of :func:`chain_hash_tokens`, and row
+    ``j`` equals the key a partial last block of ``j+1`` tokens gets there.
+
+    Args:
+        tokens: the block's token ids (any length, no block-size limit).
+        parent: 16-byte key of the prefix before the block.
+
+    Returns:
+        ``(len(tokens), 2)`` uint64 array of ``[lo, hi]`` rows.
+
+    Raises:
+        InvalidTokensError: bad token ids or a parent that is not 16 bytes.
+    """
+    t = as_token_array(tokens)
+    plo, phi = _parent_pair(parent)
+    if _use_native():
+        return _from_native(_native.prefix_keys(t, plo, phi))
+    return _py_prefix_keys(t, plo, phi)
+
+
+def chain_hash_ids(ids: Any, parent: bytes, last_tokens: int | None = None, *,
+                   block_size: int) -> np.ndarray:
+    """Chained keys over already-hashed block ids (as traces carry them).
+
+    Key ``k`` is ``id_hash(key[k-1], ids[k], ntok)`` with ``key[-1] = parent``;
+    ``ntok`` is ``block_size`` for every block but the last, which counts
+    ``last_tokens`` when given.
+
+    Args:
+        ids: block ids, ints in ``[0, 2**64)`` (list/tuple, numpy integer
+            array or torch integer tensor), 1-D.
+        parent: 16-byte key of the prefix before the first block.
+        last_tokens: tokens in the last block, in ``[1, block_size]``;
+            ``None`` means a full block.
+        block_size: tokens per block, ``>= 1`` (keyword-only).
+
+    Returns:
+        ``(len(ids), 2)`` uint64 array of ``[lo, hi]`` rows.
+
+    Raises:
+        InvalidTokensError: negative or too large ids, a non-1-D or
+            non-integer input, a bad parent or ``last_tokens`` out of range.
+        ConfigError: ``block_size < 1``.
+    """
+    arr = _as_id_array(ids)
+    bs = _check_block_size(block_size)
+    if last_tokens is None:
+        last = bs
+    else:
+        if isinstance(last_tokens, bool) or not isinstance(last_tokens, (int, np.integer)) \
+                or not 1 <= last_tokens <= bs:
+            raise InvalidTokensError(
+                f"last_tokens must be an int in [1, block_size={bs}] (or None for a "
+                f"full last block), got {last_tokens!r}")
+        last = int(last_tokens)
+    plo, phi = _parent_pair(parent)
+    if _use_native():
+        return _from_native(_native.chain_ids(arr, bs, last, plo, phi))
+    return _py_chain_ids(arr, bs, last, plo, phi)

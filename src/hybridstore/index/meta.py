@@ -1,0 +1,56 @@
+"""What the durable catalog keeps of each object, so a reopened store can rebuild its index.
+
+Backends treat ``meta`` as opaque bytes; this module is its only codec.
+
+* page: block index, valid tokens, parent page key (the root key for block 0);
+* checkpoint: position, base page key, and ``(key, tokens)`` of each cover page.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from hybridstore.backends.base import ObjectKind
+from hybridstore.errors import CatalogError
+
+_VERSION = 1
+_PAGE = struct.Struct("<BBqI16s")          # version, kind, block, ntok, parent key
+_STATE = struct.Struct("<BBqI16s")         # version, kind, position, ncovers, base key
+_COVER = struct.Struct("<16sI")
+
+
+@dataclass(frozen=True, slots=True)
+class PageMeta:
+    block: int
+    ntok: int
+    parent_key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StateMeta:
+    position: int
+    base_key: bytes
+    covers: tuple[tuple[bytes, int], ...]
+
+
+def encode_page(block: int, ntok: int, parent_key: bytes) -> bytes:
+    return _PAGE.pack(_VERSION, ObjectKind.PAGE, block, ntok, parent_key)
+
+
+def encode_state(position: int, base_key: bytes, covers: list[tuple[bytes, int]]) -> bytes:
+    head = _STATE.pack(_VERSION, ObjectKind.STATE, position, len(covers), base_key)
+    return head + b"".join(_COVER.pack(k, n) for k, n in covers)
+
+
+def decode(meta: bytes) -> PageMeta | StateMeta:
+    """Decode catalog meta; CatalogError when it is not ours or of another version."""
+    if len(meta) < _PAGE.size or meta[0] != _VERSION:
+        raise CatalogError(f"object meta of {len(meta)} bytes is not hybridstore meta v{_VERSION}; "
+                           "the disk tier was written by another version: point disk_path elsewhere")
+    if meta[1] == ObjectKind.PAGE:
+        _, _, block, ntok, parent = _PAGE.unpack_from(meta)
+        return PageMeta(block, ntok, parent)
+    _, _, position, ncovers, base = _STATE.unpack_from(meta)
+    covers = tuple(_COVER.unpack_from(meta, _STATE.size + i * _COVER.size) for i in range(ncovers))
+    return StateMeta(position, base, covers)

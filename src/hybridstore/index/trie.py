@@ -1,0 +1,586 @@
+"""The hybrid-state index: a trie of KV pages with checkpoints at ``(block, offset)``.
+
+Nodes are KV pages.  A node is named by its block's chained prefix key, so the
+trie needs no child tables: the child of ``n`` holding the next block of a
+prompt is simply the node whose key is that block's chain key.  Node fields
+live in numpy arrays (struct of arrays), indexed by a small integer node id;
+one dict maps the low 64 bits of a key to its id (the high 64 bits are
+compared on every lookup, so keys are 128-bit).  That keeps a cached block at
+well under 200 bytes and lets a resume plan touch, pin and check its pages
+with vectorised operations.
+
+Checkpoints hang on their *base* node: the page that ends where the checkpoint's
+block starts (the root for the first block).  A checkpoint at ``p`` inside
+block ``k`` depends on every page on the path to its base plus one *cover*
+page of block ``k`` whose first ``p - kB`` tokens are the checkpoint's tokens
+(a partial page ending at ``p``, or any longer page that was seen to begin with
+them — FlashStates' arbitrary state checkpointing).
+
+Reference counts (ARCHITECTURE.md, FlashStates "dependency-aware hybrid
+state"): ``deps[n]`` counts the retained checkpoints that need page ``n``;
+``pins[n]`` counts the live resume plans that use it.  A page with neither is
+*reclaimable*: no resume can use it.  :meth:`HybridIndex.recount` recomputes
+both from scratch (the property tests compare).
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+from array import array
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybridstore.errors import InvalidTokensError, PlanReleasedError
+from hybridstore.index.prefix import PrefixKeys
+
+ROOT = 0
+_NO_PARENT = -1
+_MASK64 = (1 << 64) - 1
+
+TIER_BITS: dict[str, int] = {"device": 1, "host": 2, "disk": 4}
+"""Bit of each tier in the per-object tier masks."""
+
+
+def _split(key: bytes) -> tuple[int, int]:
+    lo, hi = struct.unpack("<QQ", key)
+    return lo, hi
+
+
+class Checkpoint:
+    """A recurrent-state checkpoint known to the index.
+
+    Attributes:
+        key: 16-byte prefix key at ``position``.
+        position: token position the state was taken at.
+        base: node id of the page ending at the checkpoint's block start.
+        offset: ``position`` minus the base's end (1..block_size).
+        covers: node ids of pages of the checkpoint's block that begin with
+            its tokens.
+        tiers: bit mask of the tiers that hold its bytes.
+        nbytes: size of its bytes.
+        atime: logical time of its last put or hit.
+        pins: live plans resuming from it.
+    """
+
+    __slots__ = ("key", "position", "base", "offset", "covers", "tiers", "nbytes", "atime", "pins")
+
+    def __init__(self, key: bytes, position: int, base: int, offset: int, nbytes: int,
+                 atime: int) -> None:
+        self.key = key
+        self.position = position
+        self.base = base
+        self.offset = offset
+        self.covers: list[int] = []
+        self.tiers = 0
+        self.nbytes = nbytes
+        self.atime = atime
+        self.pins = 0
+
+    def __repr__(self) -> str:
+        return (f"Checkpoint(position={self.position}, base={self.base}, offset={self.offset}, "
+                f"covers={self.covers}, tiers={self.tiers:#x})")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResumePlan:
+    """The deepest complete resume point for a prompt, pinned until released.
+
+    ==================  ==========================================================
+    field               meaning
+    ==================  ==========================================================
+    ``position``        tokens reusable without recompute (0: nothing cached)
+    ``length``          tokens in the prompt that was matched
+    ``page_keys``       16-byte keys of the pages covering ``[0, position)``,
+                        in order
+    ``page_tokens``     valid tokens of each page for this resume (the last page
+                        may be used only partly: it is returned whole)
+    ``state_key``       16-byte key of the checkpoint at ``position`` (``None``
+                        when ``position == 0``)
+    ``plan_id``         identifies the pins this plan holds
+    ==================  ==========================================================
+    """
+
+    position: int
+    length: int
+    page_keys: tuple[bytes, ...]
+    page_tokens: tuple[int, ...]
+    state_key: bytes | None
+    plan_id: int
+    page_ids: tuple[int, ...] = ()
+
+    @property
+    def recompute_tokens(self) -> int:
+        """Tokens of the prompt the engine must prefill."""
+        return self.length - self.position
+
+
+class HybridIndex:
+    """Trie of KV pages and the checkpoints attached to it.
+
+    The index holds no bytes; it records which tiers hold each object (bit
+    masks, :data:`TIER_BITS`).  It is not thread-safe by itself: the store
+    serialises calls under its lock.
+
+    Args:
+        block_size: tokens per page.
+        root: 16-byte namespace root key (the key of position 0).
+    """
+
+    def __init__(self, block_size: int, root: bytes, capacity: int = 1024) -> None:
+        self.block_size = block_size
+        self.root_key = root
+        self._cap = 0
+        self._klo = np.zeros(0, np.uint64)
+        self._khi = np.zeros(0, np.uint64)
+        self._block = np.zeros(0, np.int32)      # block index; -1 for the root
+        self._ntok = np.zeros(0, np.int32)       # tokens in the page
+        self._tiers = np.zeros(0, np.uint8)
+        self._deps = np.zeros(0, np.int32)       # retained checkpoints needing the page
+        self._pins = np.zeros(0, np.int32)       # live plans using the page
+        self._nchild = np.zeros(0, np.int32)
+        self._atime = np.zeros(0, np.int64)
+        self._nbytes = np.zeros(0, np.int64)
+        self._parent = array("q")                # scalar-walked, so a plain array
+        self._ids: dict[int, int] = {}
+        self._free: list[int] = []
+        self._n_nodes = 0
+        self._high_water = 0
+        self._grow(max(capacity, 16))
+        self._ckpts: dict[bytes, Checkpoint] = {}
+        self._by_base: dict[int, list[Checkpoint]] = {}
+        self._plans: dict[int, tuple[tuple[int, ...], bytes | None]] = {}
+        self._plan_ids = itertools.count(1)
+        self._clock = 0
+        lo, hi = _split(root)
+        rid = self._new_node(lo, hi, -1, 0, _NO_PARENT)
+        assert rid == ROOT
+
+    # -- storage ----------------------------------------------------------------------
+    def _grow(self, need: int) -> None:
+        new = max(need, self._cap * 2)
+        for name in ("_klo", "_khi", "_block", "_ntok", "_tiers", "_deps", "_pins", "_nchild",
+                     "_atime", "_nbytes"):
+            old = getattr(self, name)
+            arr = np.zeros(new, old.dtype)
+            arr[: self._cap] = old
+            setattr(self, name, arr)
+        self._parent.extend([_NO_PARENT] * (new - self._cap))
+        self._cap = new
+
+    def _new_node(self, lo: int, hi: int, block: int, ntok: int, parent: int) -> int:
+        if self._free:
+            nid = self._free.pop()
+        else:
+            nid = self._high_water
+            self._high_water += 1
+            if nid >= self._cap:
+                self._grow(nid + 1)
+        self._klo[nid] = lo
+        self._khi[nid] = hi
+        self._block[nid] = block
+        self._ntok[nid] = ntok
+        self._tiers[nid] = 0
+        self._deps[nid] = 0
+        self._pins[nid] = 0
+        self._nchild[nid] = 0
+        self._atime[nid] = self._tick()
+        self._nbytes[nid] = 0
+        self._parent[nid] = parent
+        if parent != _NO_PARENT:
+            self._nchild[parent] += 1
+        self._ids[lo] = nid
+        self._n_nodes += 1
+        return nid
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def now(self) -> int:
+        """The index's logical clock (advances on every put and hit)."""
+        return self._clock
+
+    def _lookup(self, lo: int, hi: int) -> int:
+        nid = self._ids.get(lo)
+        if nid is None or int(self._khi[nid]) != hi:
+            return -1
+        return nid
+
+    def node_key(self, nid: int) -> bytes:
+        """16-byte key of node ``nid``."""
+        return struct.pack("<QQ", int(self._klo[nid]), int(self._khi[nid]))
+
+    def find_node(self, key: bytes) -> int:
+        """Node id of a page key, or -1."""
+        return self._lookup(*_split(key))
+
+    # -- paths ------------------------------------------------------------------------
+    def _path(self, nid: int) -> list[int]:
+        """Node ids from ``nid`` up to (excluding) the root."""
+        out = []
+        parent = self._parent
+        while nid > ROOT:
+            out.append(nid)
+            nid = parent[nid]
+        return out
+
+    def _ensure_path(self, prompt: PrefixKeys, upto: int) -> list[int]:
+        """Ids of the nodes of blocks ``0..upto-1`` of ``prompt``, creating missing ones."""
+        ids: list[int] = []
+        parent = ROOT
+        keys = prompt.keys
+        lo_list = prompt.lo
+        B = self.block_size
+        for k in range(upto):
+            lo = lo_list[k]
+            hi = int(keys[k, 1])
+            nid = self._lookup(lo, hi)
+            if nid < 0:
+                if lo in self._ids:
+                    raise InvalidTokensError("64-bit key collision in the index; use another namespace")
+                nid = self._new_node(lo, hi, k, prompt.block_end(k) - k * B, parent)
+            elif self._parent[nid] == _NO_PARENT and k > 0:
+                self._relink(nid, parent)
+            ids.append(nid)
+            parent = nid
+        return ids
+
+    def _relink(self, nid: int, parent: int) -> None:
+        """Give a node restored without its parent (after a reopen) its parent."""
+        self._parent[nid] = parent
+        self._nchild[parent] += 1
+        carried = int(self._deps[nid])
+        if carried:
+            self._deps[np.asarray(self._path(parent), dtype=np.int64)] += carried
+
+    def _deps_of(self, ck: Checkpoint) -> list[int]:
+        return self._path(ck.base) + ck.covers
+
+    # -- pages ------------------------------------------------------------------------
+    def add_page(self, prompt: PrefixKeys, block: int, tier: str, nbytes: int) -> int:
+        """Record that the page of ``block`` of ``prompt`` is now held by ``tier``.
+
+        Links the page as a cover of checkpoints inside its block that it is
+        seen to begin with.  Returns the node id.
+        """
+        if not 0 <= block < prompt.nblocks:
+            raise InvalidTokensError(f"block {block} is outside the prompt's {prompt.nblocks} blocks")
+        ids = self._ensure_path(prompt, block + 1)
+        nid = ids[-1]
+        self._tiers[nid] |= TIER_BITS[tier]
+        self._nbytes[nid] = nbytes
+        self._atime[nid] = self._tick()
+        base = ids[-2] if block > 0 else ROOT
+        self._link_covers(prompt, block, base, nid)
+        return nid
+
+    def _link_covers(self, prompt: PrefixKeys, block: int, base: int, nid: int) -> None:
+        waiting = self._by_base.get(base)
+        if not waiting:
+            return
+        ntok = int(self._ntok[nid])
+        inner = None
+        for ck in waiting:
+            # A checkpoint ending exactly where this page ends already names it
+            # as a cover (same key); only checkpoints strictly inside are linked here.
+            if ck.offset >= ntok or nid in ck.covers:
+                continue
+            if inner is None:
+                inner = prompt.inner_keys(block)
+                if inner is None:
+                    return
+            if struct.pack("<QQ", *map(int, inner[ck.offset - 1])) == ck.key:
+                ck.covers.append(nid)
+                self._deps[nid] += 1
+
+    def add_page_tier(self, nid: int, tier: str) -> None:
+        """Record that ``tier`` now also holds page ``nid`` (a copy between tiers)."""
+        self._tiers[nid] |= TIER_BITS[tier]
+
+    def drop_page_tier(self, nid: int, tier: str) -> None:
+        """Record that ``tier`` no longer holds page ``nid``; forget it if nothing needs it."""
+        self._tiers[nid] &= ~TIER_BITS[tier] & 0xFF
+        self._collect(nid)
+
+    def _collect(self, nid: int) -> None:
+        """Remove nodes that hold no bytes and that nothing refers to, bottom-up."""
+        while (nid > ROOT and self._tiers[nid] == 0 and self._deps[nid] == 0
+               and self._pins[nid] == 0 and self._nchild[nid] == 0):
+            parent = self._parent[nid]
+            del self._ids[int(self._klo[nid])]
+            self._parent[nid] = _NO_PARENT
+            self._block[nid] = -2
+            self._free.append(nid)
+            self._n_nodes -= 1
+            if parent == _NO_PARENT:
+                return
+            self._nchild[parent] -= 1
+            nid = parent
+
+    # -- checkpoints ------------------------------------------------------------------
+    def add_checkpoint(self, prompt: PrefixKeys, position: int, tier: str, nbytes: int) -> Checkpoint:
+        """Record that ``tier`` holds the checkpoint of ``prompt`` at ``position``."""
+        key = prompt.key_at(position)
+        if key is None:
+            raise InvalidTokensError(
+                f"position {position} lies inside a block of a prompt given as block ids; "
+                "pass token ids to checkpoint inside a block")
+        B = self.block_size
+        k = (position - 1) // B
+        ck = self._ckpts.get(key)
+        if ck is None:
+            ids = self._ensure_path(prompt, k)
+            base = ids[-1] if ids else ROOT
+            ck = Checkpoint(key, position, base, position - k * B, nbytes, self._tick())
+            self._ckpts[key] = ck
+            self._by_base.setdefault(base, []).append(ck)
+            if ids:
+                self._deps[np.asarray(ids, dtype=np.int64)] += 1
+            # Covers: the page ending exactly at `position`, and the prompt's own
+            # page of block k when the prompt runs past `position`.
+            cover_keys = [key]
+            if prompt.block_end(k) > position:
+                cover_keys.append(prompt.block_key(k))
+            for ckey in cover_keys:
+                lo, hi = _split(ckey)
+                nid = self._lookup(lo, hi)
+                if nid < 0:
+                    ntok = position - k * B if ckey == key else prompt.block_end(k) - k * B
+                    nid = self._new_node(lo, hi, k, ntok, base)
+                ck.covers.append(nid)
+                self._deps[nid] += 1
+        ck.tiers |= TIER_BITS[tier]
+        ck.nbytes = nbytes
+        ck.atime = self._tick()
+        return ck
+
+    def restore_page(self, key: bytes, block: int, ntok: int, parent_key: bytes, tier: str,
+                     nbytes: int) -> int:
+        """Re-insert a page listed by a durable tier after a restart."""
+        lo, hi = _split(key)
+        nid = self._lookup(lo, hi)
+        if nid < 0:
+            parent = ROOT if block == 0 else self._restore_ghost(parent_key, block - 1)
+            nid = self._new_node(lo, hi, block, ntok, parent)
+        elif self._parent[nid] == _NO_PARENT and block > 0:
+            self._relink(nid, self._restore_ghost(parent_key, block - 1))
+        self._tiers[nid] |= TIER_BITS[tier]
+        self._nbytes[nid] = nbytes
+        return nid
+
+    def _restore_ghost(self, key: bytes, block: int) -> int:
+        lo, hi = _split(key)
+        nid = self._lookup(lo, hi)
+        if nid < 0:
+            nid = self._new_node(lo, hi, block, self.block_size, _NO_PARENT)
+        return nid
+
+    def restore_checkpoint(self, key: bytes, position: int, base_key: bytes,
+                           covers: Iterable[tuple[bytes, int]], tier: str, nbytes: int) -> Checkpoint:
+        """Re-insert a checkpoint listed by a durable tier after a restart."""
+        ck = self._ckpts.get(key)
+        if ck is None:
+            B = self.block_size
+            k = (position - 1) // B
+            base = ROOT if k == 0 else self._restore_ghost(base_key, k - 1)
+            ck = Checkpoint(key, position, base, position - k * B, nbytes, self._tick())
+            self._ckpts[key] = ck
+            self._by_base.setdefault(base, []).append(ck)
+            path = self._path(base)
+            if path:
+                self._deps[np.asarray(path, dtype=np.int64)] += 1
+            for ckey, ntok in covers:
+                lo, hi = _split(ckey)
+                nid = self._lookup(lo, hi)
+                if nid < 0:
+                    nid = self._new_node(lo, hi, k, ntok, base)
+                ck.covers.append(nid)
+                self._deps[nid] += 1
+        ck.tiers |= TIER_BITS[tier]
+        ck.nbytes = nbytes
+        return ck
+
+    def checkpoint(self, key: bytes) -> Checkpoint | None:
+        return self._ckpts.get(key)
+
+    def checkpoints(self) -> Iterator[Checkpoint]:
+        return iter(list(self._ckpts.values()))
+
+    def cover_keys(self, ck: Checkpoint) -> list[tuple[bytes, int]]:
+        """``(key, ntok)`` of each cover page of ``ck`` (for the durable catalog)."""
+        return [(self.node_key(n), int(self._ntok[n])) for n in ck.covers]
+
+    def drop_checkpoint_tier(self, key: bytes, tier: str) -> None:
+        """Record that ``tier`` no longer holds a checkpoint; forget it when no tier does."""
+        ck = self._ckpts[key]
+        ck.tiers &= ~TIER_BITS[tier] & 0xFF
+        if ck.tiers:
+            return
+        del self._ckpts[key]
+        siblings = self._by_base[ck.base]
+        siblings.remove(ck)
+        if not siblings:
+            del self._by_base[ck.base]
+        deps = self._deps_of(ck)
+        if deps:
+            self._deps[np.asarray(deps, dtype=np.int64)] -= 1
+        for nid in deps:
+            self._collect(nid)
+
+    # -- matching ---------------------------------------------------------------------
+    def match(self, prompt: PrefixKeys, max_position: int | None = None) -> ResumePlan:
+        """The deepest resume point of ``prompt`` whose checkpoint and pages are all held.
+
+        A resume point at ``p`` is complete when some tier holds the
+        checkpoint at ``p`` and every page covering ``[0, p)`` (the last one
+        possibly a page that only begins with the prompt's tokens).  The plan
+        pins its pages and checkpoint until :meth:`release`.
+        """
+        limit = prompt.length if max_position is None else min(max_position, prompt.length)
+        ids = self._walk(prompt)
+        B = self.block_size
+        tiers = self._tiers
+        present = tiers[np.asarray(ids, dtype=np.int64)] != 0 if ids else np.zeros(0, bool)
+        missing = np.flatnonzero(~present)
+        first_missing = int(missing[0]) if missing.size else len(ids)
+        top = min(first_missing, prompt.nblocks - 1, (limit - 1) // B if limit > 0 else -1)
+        for j in range(top, -1, -1):
+            base = ids[j - 1] if j > 0 else ROOT
+            waiting = self._by_base.get(base)
+            if not waiting:
+                continue
+            for ck in sorted(waiting, key=lambda c: -c.offset):
+                p = j * B + ck.offset
+                if p > limit or not ck.tiers:
+                    continue
+                if prompt.key_at(p) != ck.key:
+                    continue
+                cover = self._present_cover(ck, ids[j] if j < len(ids) else -1)
+                if cover < 0:
+                    continue
+                return self._pin(prompt, ids[:j] + [cover], p, ck)
+        return self._pin(prompt, [], 0, None)
+
+    def _walk(self, prompt: PrefixKeys) -> list[int]:
+        ids: list[int] = []
+        get = self._ids.get
+        khi = self._khi
+        his = prompt.keys[:, 1]
+        for k, lo in enumerate(prompt.lo):
+            nid = get(lo)
+            if nid is None or nid == ROOT or khi[nid] != his[k]:
+                break
+            ids.append(nid)
+        return ids
+
+    def _present_cover(self, ck: Checkpoint, preferred: int) -> int:
+        if preferred in ck.covers and self._tiers[preferred]:
+            return preferred
+        for nid in ck.covers:
+            if self._tiers[nid]:
+                return nid
+        return -1
+
+    def _pin(self, prompt: PrefixKeys, page_ids: list[int], position: int,
+             ck: Checkpoint | None) -> ResumePlan:
+        plan_id = next(self._plan_ids)
+        t = self._tick()
+        B = self.block_size
+        if page_ids:
+            arr = np.asarray(page_ids, dtype=np.int64)
+            self._pins[arr] += 1
+            self._atime[arr] = t
+        if ck is not None:
+            ck.pins += 1
+            ck.atime = t
+        self._plans[plan_id] = (tuple(page_ids), ck.key if ck else None)
+        n = len(page_ids)
+        tokens = tuple([B] * (n - 1) + [position - (n - 1) * B]) if n else ()
+        return ResumePlan(position=position, length=prompt.length,
+                          page_keys=tuple(self.node_key(i) for i in page_ids),
+                          page_tokens=tokens, state_key=ck.key if ck else None,
+                          plan_id=plan_id, page_ids=tuple(page_ids))
+
+    def release(self, plan: ResumePlan) -> None:
+        """Drop the pins of ``plan``; raises PlanReleasedError when done twice."""
+        entry = self._plans.pop(plan.plan_id, None)
+        if entry is None:
+            raise PlanReleasedError(f"plan {plan.plan_id} was already released; release each plan once")
+        page_ids, ckey = entry
+        if page_ids:
+            self._pins[np.asarray(page_ids, dtype=np.int64)] -= 1
+        if ckey is not None and ckey in self._ckpts:
+            self._ckpts[ckey].pins -= 1
+        for nid in page_ids:
+            self._collect(nid)
+
+    def is_live(self, plan: ResumePlan) -> bool:
+        return plan.plan_id in self._plans
+
+    # -- inspection (policies read these; they never mutate) ------------------------
+    def node_ids(self) -> np.ndarray:
+        """Ids of all live page nodes (the root excluded)."""
+        return np.fromiter((i for i in self._ids.values() if i != ROOT), dtype=np.int64)
+
+    def page_table(self, tier: str) -> dict[str, np.ndarray]:
+        """Columns of the pages held by ``tier``: ids, atime, deps, pins, nbytes, tiers."""
+        live = self.node_ids()
+        sel = live[(self._tiers[live] & TIER_BITS[tier]) != 0] if live.size else live
+        return {"ids": sel, "atime": self._atime[sel], "deps": self._deps[sel],
+                "pins": self._pins[sel], "nbytes": self._nbytes[sel], "tiers": self._tiers[sel]}
+
+    def page_info(self, nid: int) -> dict[str, int]:
+        return {"block": int(self._block[nid]), "ntok": int(self._ntok[nid]),
+                "tiers": int(self._tiers[nid]), "deps": int(self._deps[nid]),
+                "pins": int(self._pins[nid]), "nbytes": int(self._nbytes[nid]),
+                "parent": int(self._parent[nid]), "atime": int(self._atime[nid])}
+
+    def parent_key(self, nid: int) -> bytes:
+        parent = self._parent[nid]
+        return self.root_key if parent in (ROOT, _NO_PARENT) else self.node_key(parent)
+
+    def touch_page(self, nid: int) -> None:
+        self._atime[nid] = self._tick()
+
+    @property
+    def n_pages(self) -> int:
+        return self._n_nodes - 1
+
+    @property
+    def n_checkpoints(self) -> int:
+        return len(self._ckpts)
+
+    def memory_bytes(self) -> int:
+        """Approximate bytes the index uses for its page nodes (arrays + dict)."""
+        import sys
+
+        arrays = sum(getattr(self, n).nbytes for n in (
+            "_klo", "_khi", "_block", "_ntok", "_tiers", "_deps", "_pins", "_nchild", "_atime",
+            "_nbytes")) + self._parent.itemsize * len(self._parent)
+        dict_bytes = sys.getsizeof(self._ids) + sum(sys.getsizeof(k) for k in self._ids)
+        return arrays + dict_bytes
+
+    def recount(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(deps, pins)`` of every node recomputed from scratch (for checks)."""
+        deps = np.zeros(self._cap, np.int32)
+        pins = np.zeros(self._cap, np.int32)
+        for ck in self._ckpts.values():
+            for nid in self._deps_of(ck):
+                deps[nid] += 1
+        for page_ids, _ in self._plans.values():
+            for nid in page_ids:
+                pins[nid] += 1
+        return deps, pins
+
+    def check_refcounts(self) -> bool:
+        """True when the incremental refcounts equal a from-scratch recount."""
+        deps, pins = self.recount()
+        live = self.node_ids()
+        return bool(np.array_equal(deps[live], self._deps[live])
+                    and np.array_equal(pins[live], self._pins[live]))
+
+
+__all__ = ["Checkpoint", "HybridIndex", "ResumePlan", "TIER_BITS", "ROOT"]

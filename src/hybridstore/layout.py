@@ -1,0 +1,182 @@
+"""Tensor layouts: how a KV page or a checkpoint becomes one flat byte object.
+
+A page is one tensor (or a dict of tensors, e.g. per layer); a checkpoint is a
+``dict[str, tensor]`` of recurrent states.  Torch tensors of any dtype
+(bfloat16 included) and numpy arrays are accepted.  Each entry is laid at a
+256-byte aligned offset of the object, so restored views are aligned for any
+dtype and for device copies.  What goes in comes out bit-exact, with the same
+dtype, shape and kind (torch or numpy).
+
+A store holds one layout for pages and one for checkpoints; an object whose
+dtypes or shapes contradict it gets :class:`~hybridstore.errors.LayoutMismatchError`.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hybridstore.errors import LayoutMismatchError
+
+ALIGN = 256
+_SINGLE = ""
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One tensor of a layout: name, dtype, shape, place in the object."""
+
+    name: str
+    framework: str  # "torch" or "numpy"
+    dtype: str      # "bfloat16" (torch) or a numpy dtype string ("<f4")
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _spec_of(name: str, value: Any, offset: int) -> TensorSpec:
+    if _is_torch(value):
+        dtype = str(value.dtype).removeprefix("torch.")
+        nbytes = value.numel() * value.element_size()
+        return TensorSpec(name, "torch", dtype, tuple(value.shape), offset, nbytes)
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            raise LayoutMismatchError(f"tensor {name!r} has dtype object; store numeric arrays only")
+        return TensorSpec(name, "numpy", value.dtype.str, tuple(value.shape), offset, value.nbytes)
+    raise LayoutMismatchError(
+        f"{name or 'value'} is a {type(value).__name__}; pass a torch tensor or a numpy array "
+        "(or a dict of them)")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The byte layout of one kind of object (pages, or checkpoints)."""
+
+    specs: tuple[TensorSpec, ...]
+    nbytes: int
+    single: bool  # the value is one tensor, not a dict
+
+    @classmethod
+    def of(cls, value: Any) -> Layout:
+        """The layout of ``value`` (a tensor/array, or a dict of them)."""
+        items = _items(value)
+        specs = []
+        offset = 0
+        for name, tensor in items:
+            spec = _spec_of(name, tensor, offset)
+            specs.append(spec)
+            offset = -(-(offset + spec.nbytes) // ALIGN) * ALIGN
+        if not specs:
+            raise LayoutMismatchError("an empty dict cannot be stored; pass at least one tensor")
+        total = specs[-1].offset + specs[-1].nbytes
+        return cls(tuple(specs), total, not isinstance(value, Mapping))
+
+    def check(self, value: Any, what: str) -> None:
+        """Raise LayoutMismatchError unless ``value`` has exactly this layout."""
+        other = Layout.of(value)
+        if other == self:
+            return
+        if other.single != self.single or [s.name for s in other.specs] != [s.name for s in self.specs]:
+            raise LayoutMismatchError(
+                f"{what} has entries {[s.name for s in other.specs]} but this store holds "
+                f"{[s.name for s in self.specs]}; use one layout per store (or another namespace/store)")
+        for mine, theirs in zip(self.specs, other.specs):
+            if mine != theirs:
+                label = mine.name or what
+                raise LayoutMismatchError(
+                    f"{label}: got {theirs.framework} {theirs.dtype}{list(theirs.shape)}, but this "
+                    f"store holds {mine.framework} {mine.dtype}{list(mine.shape)}; convert it, or open "
+                    "a separate store for this model")
+
+    # -- bytes ------------------------------------------------------------------------
+    def pack_into(self, value: Any, out: np.ndarray) -> None:
+        """Copy ``value``'s bytes into ``out`` (uint8, at least ``nbytes``)."""
+        for spec, (_, tensor) in zip(self.specs, _items(value)):
+            dst = out[spec.offset: spec.offset + spec.nbytes]
+            if spec.framework == "torch":
+                torch = _torch()
+                src = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+                torch.from_numpy(dst).copy_(src)
+            else:
+                dst[:] = np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)
+
+    def unpack(self, buf: np.ndarray) -> Any:
+        """Tensors viewing ``buf`` (the caller gives up ``buf`` to them)."""
+        out = {}
+        for spec in self.specs:
+            raw = buf[spec.offset: spec.offset + spec.nbytes]
+            if spec.framework == "torch":
+                torch = _torch()
+                out[spec.name] = torch.from_numpy(raw).view(getattr(torch, spec.dtype)).reshape(spec.shape)
+            else:
+                out[spec.name] = raw.view(np.dtype(spec.dtype)).reshape(spec.shape)
+        return out[_SINGLE] if self.single else out
+
+    def targets(self, into: Any) -> list[tuple[TensorSpec, Any]]:
+        """Match caller buffers to specs; raise LayoutMismatchError when they disagree."""
+        pairs = []
+        for spec, (name, tensor) in zip(self.specs, _items(into), strict=False):
+            got = _spec_of(name, tensor, spec.offset)
+            same = (got.name, got.dtype, got.shape) == (spec.name, spec.dtype, spec.shape)
+            if not same:
+                raise LayoutMismatchError(
+                    f"buffer {name or 'page'}: {got.dtype}{list(got.shape)} cannot receive "
+                    f"{spec.dtype}{list(spec.shape)}; allocate buffers with the stored layout")
+            if _is_torch(tensor) and not tensor.is_contiguous():
+                raise LayoutMismatchError(f"buffer {name or 'page'} must be contiguous")
+            pairs.append((spec, tensor))
+        if len(pairs) != len(self.specs):
+            raise LayoutMismatchError(f"buffers have {len(pairs)} entries, the layout {len(self.specs)}")
+        return pairs
+
+    # -- persistence ------------------------------------------------------------------
+    def to_json(self) -> bytes:
+        return json.dumps({"single": self.single, "nbytes": self.nbytes,
+                           "specs": [[s.name, s.framework, s.dtype, list(s.shape), s.offset, s.nbytes]
+                                     for s in self.specs]}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Layout:
+        doc = json.loads(raw)
+        specs = tuple(TensorSpec(n, f, d, tuple(sh), o, nb) for n, f, d, sh, o, nb in doc["specs"])
+        return cls(specs, doc["nbytes"], doc["single"])
+
+
+def _items(value: Any) -> list[tuple[str, Any]]:
+    if isinstance(value, Mapping):
+        for name in value:
+            if not isinstance(name, str) or not name:
+                raise LayoutMismatchError(f"dict keys must be non-empty strings, got {name!r}")
+        return sorted(value.items())
+    return [(_SINGLE, value)]
+
+
+def copy_out(spec: TensorSpec, src: np.ndarray, dst: Any) -> None:
+    """Copy one entry's bytes from a host buffer into a caller tensor/array."""
+    raw = src[spec.offset: spec.offset + spec.nbytes]
+    if _is_torch(dst):
+        torch = _torch()
+        flat = dst.view(-1).view(torch.uint8)
+        if not dst.is_cuda:
+            flat.numpy()[:] = raw
+            return
+        with warnings.catch_warnings():  # the source view is read-only; torch only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            flat.copy_(torch.from_numpy(raw), non_blocking=True)
+    else:
+        dst.reshape(-1).view(np.uint8)[:] = raw

@@ -1,0 +1,68 @@
+"""Policy seams: pure functions of index state, never I/O.
+
+Three decisions are policies (ARCHITECTURE.md, ``policy/``):
+
+* **eviction ranking** — :class:`EvictionPolicy`: in which order objects of a
+  tier are offered for eviction.  The store applies the safety rules (never a
+  pinned object, never the last copy of a page a retained checkpoint needs)
+  and moves the bytes; the policy only ranks.
+* **checkpoint admission** — :class:`AdmissionPolicy`: whether a checkpoint
+  the engine offers is kept at all.
+* **checkpoint placement** — :class:`PlacementPolicy`: at which positions of a
+  new prompt segment the engine should capture recurrent states.
+
+The same policies drive the real store and the accounting-only simulator.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+from hybridstore.backends.base import ObjectKind
+from hybridstore.index.trie import HybridIndex
+
+
+class Victim(NamedTuple):
+    """One eviction candidate.
+
+    ==========  =============================================================
+    field       meaning
+    ==========  =============================================================
+    ``kind``    :class:`~hybridstore.backends.base.ObjectKind` (page or state)
+    ``ref``     node id (page) or 16-byte key (checkpoint)
+    ==========  =============================================================
+    """
+
+    kind: ObjectKind
+    ref: int | bytes
+
+
+class EvictionPolicy(ABC):
+    """Ranks the objects of one tier for eviction."""
+
+    name: str = "eviction"
+
+    @abstractmethod
+    def victims(self, index: HybridIndex, tier: str) -> Iterator[Victim]:
+        """Objects held by ``tier``, first to evict first."""
+
+
+class AdmissionPolicy(ABC):
+    """Decides whether a checkpoint offered by the engine is kept."""
+
+    name: str = "admission"
+
+    @abstractmethod
+    def admit(self, index: HybridIndex, position: int, nbytes: int) -> bool: ...
+
+
+class PlacementPolicy(ABC):
+    """Chooses where the engine captures checkpoints in a new segment."""
+
+    name: str = "placement"
+
+    @abstractmethod
+    def positions(self, *, cached: int, length: int, anchors: Sequence[int] = ()) -> list[int]:
+        """Positions in ``(cached, length]`` to checkpoint, ascending."""

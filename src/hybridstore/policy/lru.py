@@ -1,0 +1,38 @@
+"""LRU eviction, dependency-aware (vLLM's CPU offloading order, FlashStates' units).
+
+Pages that no retained checkpoint needs (reclaimable: nothing can resume
+through them) go first, oldest first; then pages and checkpoints together in
+least-recently-used order.  When a checkpoint leaves its last tier, the pages
+only it needed become reclaimable and follow it on the next pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from hybridstore.backends.base import ObjectKind
+from hybridstore.index.trie import TIER_BITS, HybridIndex
+from hybridstore.policy.base import EvictionPolicy, Victim
+
+
+class LRUEviction(EvictionPolicy):
+    """Least recently used first; reclaimable pages before anything else."""
+
+    name = "lru"
+
+    def victims(self, index: HybridIndex, tier: str) -> Iterator[Victim]:
+        bit = TIER_BITS[tier]
+        pages = index.page_table(tier)
+        order = np.lexsort((pages["atime"], pages["deps"] > 0))
+        ids = pages["ids"][order]
+        reclaimable = int(np.count_nonzero(pages["deps"] == 0))
+        for nid in ids[:reclaimable].tolist():
+            yield Victim(ObjectKind.PAGE, nid)
+        rest = [(int(a), ObjectKind.PAGE, int(n)) for n, a in
+                zip(ids[reclaimable:].tolist(), pages["atime"][order][reclaimable:].tolist())]
+        rest += [(ck.atime, ObjectKind.STATE, ck.key) for ck in index.checkpoints() if ck.tiers & bit]
+        rest.sort(key=lambda t: t[0])
+        for _, kind, ref in rest:
+            yield Victim(kind, ref)

@@ -1,0 +1,548 @@
+"""The disk tier: conformance per engine, durability, recovery, corruption, locking.
+
+The kvikio engine needs ``libcuda.so.1`` even in its POSIX compat mode.  On
+machines without the NVIDIA driver, :func:`test_kvikio_engine_suite` compiles
+the TEST FIXTURE ``fake_libcuda/fake_libcuda.c`` and reruns this file in a
+subprocess with the stand-in on ``LD_LIBRARY_PATH`` and
+``HYBRIDSTORE_TEST_FAKE_LIBCUDA=1``; in that subprocess every engine-specific
+test below runs with ``engine="kvikio"`` (kvikio's real compat path on host
+memory).  The main test process never loads the stand-in.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hybridstore.backends.base import ObjectKind, object_key
+from hybridstore.backends.catalog import Catalog, CatalogRecord
+from hybridstore.backends.disk import CATALOG_DIR, DiskTier, aligned_empty, segment_name
+from hybridstore.backends.engines import (
+    ALIGN,
+    PosixEngine,
+    cuda_driver_usable,
+    select_engine,
+)
+from hybridstore.errors import (
+    CapacityError,
+    CatalogError,
+    ConfigError,
+    CorruptObjectError,
+    DiskPathError,
+    ObjectTooLargeError,
+    StoreClosedError,
+)
+from tests.backends.conformance import TierConformance
+from tests.backends.fake_libcuda import ENV_FLAG, MODE_VAR, build_fake_libcuda, gcc
+
+IN_FAKE_DRIVER = os.environ.get(ENV_FLAG) == "1"
+ENGINE = "kvikio" if IN_FAKE_DRIVER else "posix"
+SRC = Path(__file__).resolve().parents[2] / "src"
+MiB = 1 << 20
+
+
+def key(i: int, kind: ObjectKind = ObjectKind.PAGE) -> bytes:
+    return object_key(kind, i.to_bytes(16, "little"))
+
+
+def payload(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def open_tier(path: Path, capacity: int = 64 * MiB, **kw: object) -> DiskTier:
+    kw.setdefault("segment_bytes", 4 * MiB)
+    kw.setdefault("io_threads", 4)
+    return DiskTier(path, capacity, engine=ENGINE, **kw)  # type: ignore[arg-type]
+
+
+def run_python(code: str, *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (same environment, ``src`` importable)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, text=True,
+                          capture_output=True, timeout=120, check=False)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+# ---------------------------------------------------------------------------------
+# the stand-in driver: build it, rerun this file under it
+# ---------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def fake_libcuda_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """TEST FIXTURE: directory holding the compiled stand-in ``libcuda.so.1``."""
+    if gcc() is None:
+        pytest.skip("gcc is missing: cannot build the stand-in libcuda.so.1 that the kvikio "
+                    "engine tests need on machines without the NVIDIA driver")
+    return build_fake_libcuda(tmp_path_factory.mktemp("fake_libcuda"))
+
+
+def fake_driver_env(lib_dir: Path, mode: str = "nodevice") -> dict[str, str]:
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([str(lib_dir), env.get("LD_LIBRARY_PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(SRC.parent), env.get("PYTHONPATH", "")])
+    env[ENV_FLAG] = "1"
+    env[MODE_VAR] = mode
+    return env
+
+
+if not IN_FAKE_DRIVER:
+
+    def test_kvikio_engine_suite(fake_libcuda_dir: Path) -> None:
+        """Every engine test of this file again, with kvikio's compat engine, in a subprocess."""
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x",
+             "-W", "error::pytest.PytestUnraisableExceptionWarning"],
+            env=fake_driver_env(fake_libcuda_dir), cwd=SRC.parent, text=True,
+            capture_output=True, timeout=600, check=False)
+        report = proc.stdout + proc.stderr
+        assert proc.returncode == 0, report
+        assert " passed" in report and "skipped" not in report, report
+
+    def test_fake_driver_never_loaded_in_this_process(fake_libcuda_dir: Path) -> None:
+        with open("/proc/self/maps") as maps:
+            assert str(fake_libcuda_dir) not in maps.read()
+
+    def test_auto_engine_without_a_device_picks_posix(fake_libcuda_dir: Path) -> None:
+        code = """
+            from hybridstore.backends.engines import select_engine, cuda_driver_usable
+            assert not cuda_driver_usable()
+            print(select_engine("auto", 2).name)
+        """
+        for mode in ("nodevice", "uninit"):
+            proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], text=True,
+                                  env=fake_driver_env(fake_libcuda_dir, mode),
+                                  capture_output=True, timeout=120, check=False)
+            assert proc.returncode == 0, proc.stderr
+            assert proc.stdout.strip() == "posix-odirect", mode
+
+    def test_kvikio_engine_works_with_an_uninitialised_driver(fake_libcuda_dir: Path,
+                                                             tmp_path: Path) -> None:
+        code = f"""
+            import numpy as np
+            from hybridstore.backends.disk import DiskTier
+            t = DiskTier({str(tmp_path / 'd')!r}, 16 << 20, engine="kvikio",
+                         segment_bytes=1 << 20)
+            a = np.arange(300_000, dtype=np.uint32).view(np.uint8)
+            t.put(bytes(17), a, nbytes=a.nbytes).result()
+            assert (t.get(bytes(17)) == a).all()
+            print(t.stats()["engine"])
+            t.close()
+        """
+        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], text=True,
+                              env=fake_driver_env(fake_libcuda_dir, "uninit"),
+                              capture_output=True, timeout=120, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == "kvikio-compat"
+
+    def test_select_engine_in_this_process() -> None:
+        assert select_engine("posix", 2).name == "posix-odirect"
+        auto = select_engine("auto", 2)
+        if not cuda_driver_usable():
+            assert auto.name == "posix-odirect"
+        auto.close()
+        with pytest.raises(ConfigError):
+            select_engine("nvme", 2)
+
+else:
+
+    def test_engine_is_kvikio_compat(tmp_path: Path) -> None:
+        with open_tier(tmp_path / "d") as tier:
+            assert tier.stats()["engine"] == "kvikio-compat"
+            assert tier.engine.compat_mode
+
+
+# ---------------------------------------------------------------------------------
+# the tier contract, once per engine
+# ---------------------------------------------------------------------------------
+class _DiskConformance(TierConformance):
+    def make_tier(self, tmp_path: Path, capacity_bytes: int) -> DiskTier:
+        return DiskTier(tmp_path / "disk", capacity_bytes, engine=ENGINE, segment_bytes=1 * MiB,
+                        io_threads=4)
+
+
+if IN_FAKE_DRIVER:
+
+    class TestKvikioDiskConformance(_DiskConformance):
+        """The contract with kvikio's engine (run by ``test_kvikio_engine_suite``)."""
+
+else:
+
+    class TestPosixDiskConformance(_DiskConformance):
+        """The contract with the POSIX O_DIRECT engine."""
+
+
+# ---------------------------------------------------------------------------------
+# round trips
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 65536, 3 * MiB + 17])
+def test_round_trip_sizes(tmp_path: Path, n: int) -> None:
+    with open_tier(tmp_path / "d") as tier:
+        data = payload(n, n)
+        assert tier.put(key(1), data, nbytes=n, meta=b"m").result() == n
+        assert tier.nbytes(key(1)) == n and tier.meta(key(1)) == b"m"
+        assert np.array_equal(tier.get(key(1)), data)
+
+
+def test_unaligned_buffers_bounce_and_never_write_past_nbytes(tmp_path: Path) -> None:
+    with open_tier(tmp_path / "d") as tier:
+        backing = payload(2 * MiB + 3 * ALIGN, 7)
+        src = backing[1:1 + 2 * MiB + 5]  # odd address, odd length
+        tier.put(key(1), src, nbytes=src.size).result()
+        out_backing = np.full(src.size + 100, 0xAB, dtype=np.uint8)
+        out = out_backing[3:]
+        assert tier.get_into(key(1), out).result() == src.size
+        assert np.array_equal(out[:src.size], src)
+        assert (out[src.size:] == 0xAB).all() and out_backing[:3].tolist() == [0xAB] * 3
+        aligned = aligned_empty(src.size + ALIGN)
+        aligned[src.size:] = 0xCD
+        tier.get_into(key(1), aligned).result()
+        assert np.array_equal(aligned[:src.size], src) and (aligned[src.size:] == 0xCD).all()
+
+
+def test_torch_cpu_tensors(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    with open_tier(tmp_path / "d") as tier:
+        src = torch.arange(10_000, dtype=torch.float32)
+        tier.put(key(1), src, nbytes=src.numel() * 4).result()
+        out = torch.empty(10_000, dtype=torch.float32)
+        tier.get_into(key(1), out).result()
+        assert torch.equal(out, src)
+
+
+if not IN_FAKE_DRIVER:  # the stand-in driver has no devices
+
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("engine", ["auto", "posix"])
+    def test_get_into_device_tensor(tmp_path: Path, engine: str) -> None:
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device")
+        with DiskTier(tmp_path / "d", 64 * MiB, engine=engine, segment_bytes=4 * MiB) as tier:
+            src = payload(5 * MiB + 1, 3)
+            tier.put(key(1), src, nbytes=src.size).result()
+            out = torch.empty(src.size + 10, dtype=torch.uint8, device="cuda")
+            tier.get_into(key(1), out).result()
+            assert np.array_equal(out[:src.size].cpu().numpy(), src)
+
+
+def test_objects_larger_than_a_segment(tmp_path: Path) -> None:
+    path = tmp_path / "d"
+    big = payload(5 * MiB + 123, 1)
+    with open_tier(path, capacity=32 * MiB, segment_bytes=1 * MiB) as tier:
+        tier.put(key(1), big, nbytes=big.size).result()
+        tier.put(key(2), big[:1000], nbytes=1000).result()
+        assert np.array_equal(tier.get(key(1)), big)
+        segments_before = set(os.listdir(path))
+    with open_tier(path, capacity=32 * MiB, segment_bytes=1 * MiB) as tier:
+        assert np.array_equal(tier.get(key(1)), big)
+        assert tier.delete(key(1)) >= big.size
+        assert not tier.contains(key(1))
+        assert np.array_equal(tier.get(key(2)), big[:1000])
+    assert len(set(os.listdir(path))) == len(segments_before) - 1  # dedicated segment removed
+
+
+def test_replace_and_delete(tmp_path: Path) -> None:
+    with open_tier(tmp_path / "d") as tier:
+        tier.put(key(1), payload(100_000, 1), nbytes=100_000).result()
+        newer = payload(50_000, 2)
+        tier.put(key(1), newer, nbytes=50_000, meta=b"v2").result()
+        assert tier.nbytes(key(1)) == 50_000 and tier.meta(key(1)) == b"v2"
+        assert tier.used_bytes == tier.charge(50_000)
+        assert np.array_equal(tier.get(key(1)), newer)
+        assert tier.delete(key(1)) == tier.charge(50_000)
+        assert tier.delete(key(1)) == 0 and tier.used_bytes == 0
+        with pytest.raises(KeyError):
+            tier.get_into(key(1), np.empty(10, np.uint8))
+
+
+def test_concurrent_puts_and_gets(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with open_tier(tmp_path / "d") as tier:
+        objs = {i: payload(int(n), i) for i, n in
+                enumerate(np.random.default_rng(0).integers(1, 600_000, 64))}
+        futures = [tier.put(key(i), a, nbytes=a.size) for i, a in objs.items()]
+        for f in futures:
+            f.result()
+
+        def check(i: int) -> bool:
+            return bool(np.array_equal(tier.get(key(i)), objs[i]))
+
+        with ThreadPoolExecutor(8) as pool:
+            assert all(pool.map(check, list(objs) * 3))
+        assert tier.stats()["objects"] == 64
+
+
+# ---------------------------------------------------------------------------------
+# budget
+# ---------------------------------------------------------------------------------
+def test_capacity_budget_holds(tmp_path: Path) -> None:
+    capacity = 4 * MiB
+    with open_tier(tmp_path / "d", capacity=capacity, segment_bytes=1 * MiB) as tier:
+        stored = []
+        with pytest.raises(CapacityError):
+            for i in range(100):
+                tier.put(key(i), payload(300_000, i), nbytes=300_000).result()
+                stored.append(i)
+                assert tier.used_bytes <= capacity
+        assert 0 < len(stored) < 100 and tier.used_bytes <= capacity
+        before = (tier.used_bytes, sorted(k for k, _, _ in tier.entries()))
+        with pytest.raises(CapacityError):
+            tier.put(key(999), payload(300_000, 9), nbytes=300_000)
+        assert (tier.used_bytes, sorted(k for k, _, _ in tier.entries())) == before
+        tier.delete(key(stored[0]))
+        tier.put(key(999), payload(300_000, 9), nbytes=300_000).result()
+        with pytest.raises(ObjectTooLargeError):
+            tier.charge(capacity + 1)
+        with pytest.raises(ObjectTooLargeError):
+            tier.put(key(1000), np.zeros(capacity + 1, np.uint8), nbytes=capacity + 1)
+        disk_bytes = sum(os.path.getsize(tmp_path / "d" / n)
+                         for n in os.listdir(tmp_path / "d") if n.startswith("seg-"))
+        assert disk_bytes <= capacity
+
+
+# ---------------------------------------------------------------------------------
+# durability and recovery
+# ---------------------------------------------------------------------------------
+def test_reopen_in_a_new_process_sees_every_object(tmp_path: Path) -> None:
+    path = tmp_path / "d"
+    sizes = [1, 4096, 70_000, 2 * MiB + 5, 6 * MiB]
+    with open_tier(path) as tier:
+        for i, n in enumerate(sizes):
+            tier.put(key(i), payload(n, i), nbytes=n, meta=f"meta{i}".encode()).result()
+        tier.put_info("layout", b"pages:f16[2,16,8,64]")
+    proc = run_python(f"""
+        import numpy as np
+        from hybridstore.backends.disk import DiskTier
+        from hybridstore.backends.base import ObjectKind, object_key
+        tier = DiskTier({str(path)!r}, 64 << 20, engine={ENGINE!r}, segment_bytes=4 << 20)
+        sizes = {sizes!r}
+        assert sorted(k for k, _, _ in tier.entries()) == sorted(
+            object_key(ObjectKind.PAGE, i.to_bytes(16, "little")) for i in range(len(sizes)))
+        for i, n in enumerate(sizes):
+            k = object_key(ObjectKind.PAGE, i.to_bytes(16, "little"))
+            want = np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8)
+            assert tier.nbytes(k) == n and tier.meta(k) == f"meta{{i}}".encode()
+            assert np.array_equal(tier.get(k), want), i
+        assert tier.get_info("layout") == b"pages:f16[2,16,8,64]"
+        print(tier.stats()["recovered_objects"], tier.stats()["recovery_dropped"])
+        tier.close()
+    """)
+    assert proc.stdout.split() == [str(len(sizes)), "0"]
+
+
+def test_killed_before_commit_leaves_no_object(tmp_path: Path) -> None:
+    """A torn write: bytes written and synced, process killed before the catalog commit."""
+    path = tmp_path / "d"
+    proc = run_python(f"""
+        import os, signal
+        import numpy as np
+        from hybridstore.backends import catalog
+        from hybridstore.backends.disk import DiskTier
+        tier = DiskTier({str(path)!r}, 64 << 20, engine={ENGINE!r}, segment_bytes=4 << 20)
+        tier.put(b"A" * 17, np.full(10_000, 1, np.uint8), nbytes=10_000).result()
+        def die(self, items):
+            os.kill(os.getpid(), signal.SIGKILL)
+        catalog.Catalog.put_many = die
+        tier.put(b"B" * 17, np.full(3 << 20, 2, np.uint8), nbytes=3 << 20).result()
+        print("not reached")
+    """, check=False)
+    assert proc.returncode == -9 and "not reached" not in proc.stdout
+    with open_tier(path) as tier:
+        assert tier.contains(b"A" * 17) and not tier.contains(b"B" * 17)
+        assert [k for k, _, _ in tier.entries()] == [b"A" * 17]
+        assert (tier.get(b"A" * 17) == 1).all()
+        assert tier.used_bytes == tier.charge(10_000)  # the torn bytes' space is free again
+
+
+def test_entries_pointing_past_the_file_are_dropped(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "d"
+    with open_tier(path) as tier:
+        tier.put(key(1), payload(50_000, 1), nbytes=50_000).result()
+        seg = tier.catalog.get(key(1))
+        assert seg is not None
+    cat = Catalog(path / CATALOG_DIR)
+    size = os.path.getsize(path / segment_name(seg.segment))
+    cat.put(key(2), CatalogRecord(seg.segment, size + 8 * ALIGN, 40_000, 40_960, 0))
+    cat.put(key(3), CatalogRecord(77, 0, 4096, 4096, 0))  # segment file missing
+    cat.close()
+    with caplog.at_level(logging.WARNING), open_tier(path) as tier:
+        assert tier.contains(key(1)) and not tier.contains(key(2)) and not tier.contains(key(3))
+        assert tier.stats()["recovery_dropped"] == 2
+        assert np.array_equal(tier.get(key(1)), payload(50_000, 1))
+    assert "too short" in caplog.text and "missing" in caplog.text
+    cat = Catalog(path / CATALOG_DIR)
+    assert cat.get(key(2)) is None and cat.get(key(3)) is None and len(cat) == 1
+    cat.close()
+
+
+def test_corrupt_byte_is_reported_once_then_dropped(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "d"
+    with open_tier(path) as tier:
+        for i in range(3):
+            tier.put(key(i), payload(200_000, i), nbytes=200_000).result()
+        rec = tier.catalog.get(key(1))
+        assert rec is not None
+        fd = os.open(path / segment_name(rec.segment), os.O_RDWR)
+        byte = os.pread(fd, 1, rec.offset + 12_345)
+        os.pwrite(fd, bytes([byte[0] ^ 0xFF]), rec.offset + 12_345)
+        os.close(fd)
+        with caplog.at_level(logging.WARNING), pytest.raises(CorruptObjectError) as err:
+            tier.get(key(1))
+        assert err.value.key == key(1) and err.value.expected == rec.checksum
+        assert err.value.got != rec.checksum
+        assert "checksum" in caplog.text
+        assert not tier.contains(key(1)) and tier.nbytes(key(1)) is None
+        with pytest.raises(KeyError):
+            tier.get(key(1))
+        assert tier.stats()["corrupt_dropped"] == 1
+        for i in (0, 2):
+            assert np.array_equal(tier.get(key(i)), payload(200_000, i))
+    with open_tier(path) as tier:
+        assert sorted(k for k, _, _ in tier.entries()) == [key(0), key(2)]
+
+
+def test_unverified_reads_skip_the_checksum(tmp_path: Path) -> None:
+    path = tmp_path / "d"
+    with open_tier(path, verify_checksums=False) as tier:
+        tier.put(key(1), payload(10_000, 1), nbytes=10_000).result()
+        rec = tier.catalog.get(key(1))
+        assert rec is not None
+        fd = os.open(path / segment_name(rec.segment), os.O_RDWR)
+        os.pwrite(fd, b"\0", rec.offset)
+        os.close(fd)
+        assert tier.get(key(1))[0] == 0 and tier.contains(key(1))
+
+
+# ---------------------------------------------------------------------------------
+# paths, locking, lifecycle
+# ---------------------------------------------------------------------------------
+def test_second_opener_in_another_process_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "d"
+    with open_tier(path):
+        proc = run_python(f"""
+            from hybridstore.backends.disk import DiskTier
+            from hybridstore.errors import DiskPathError
+            try:
+                DiskTier({str(path)!r}, 1 << 30, engine="posix")
+            except DiskPathError as e:
+                print("refused:", e)
+        """)
+        assert proc.stdout.startswith("refused:") and "in use" in proc.stdout
+        with pytest.raises(DiskPathError, match="in use"):
+            open_tier(path)  # a second open in this process is refused too
+    open_tier(path).close()  # free again after close
+
+
+def test_unusable_path_is_a_disk_path_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"x")
+    with pytest.raises(DiskPathError, match="disk_path"):
+        open_tier(blocker / "sub")
+    with pytest.raises(DiskPathError):
+        open_tier(blocker)
+    if os.geteuid() != 0:  # root ignores permission bits
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(DiskPathError):
+            open_tier(ro / "d")
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        DiskTier(tmp_path / "a", -1, engine="posix")
+    with pytest.raises(ConfigError):
+        DiskTier(tmp_path / "b", 1 * MiB, engine="posix", segment_bytes=1000)
+    with pytest.raises(ConfigError):
+        DiskTier(tmp_path / "c", 1 * MiB, engine="posix", io_threads=0)
+    with open_tier(tmp_path / "d") as tier:
+        with pytest.raises(ValueError):
+            tier.put(b"short", payload(10, 1), nbytes=10)
+        with pytest.raises(ValueError):
+            tier.put(key(1), payload(10, 1), nbytes=11)
+        with pytest.raises(TypeError):
+            tier.put(key(1), None, nbytes=10)
+
+
+def test_closed_tier_refuses_calls_and_keeps_written_objects(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "d")
+    futures = [tier.put(key(i), payload(500_000, i), nbytes=500_000) for i in range(8)]
+    tier.close()  # waits for the in-flight writes
+    assert all(f.done() and f.exception() is None for f in futures)
+    tier.close()
+    with pytest.raises(StoreClosedError):
+        tier.contains(key(1))
+    with pytest.raises(StoreClosedError):
+        tier.put(key(1), payload(1, 1), nbytes=1)
+    with open_tier(tmp_path / "d") as again:
+        assert len(list(again.entries())) == 8
+
+
+def test_read_seconds_is_histate_eq2(tmp_path: Path) -> None:
+    with open_tier(tmp_path / "d", ssd_gbps=5.0, h2d_gbps=64.0) as tier:
+        assert tier.read_seconds(10**9) == pytest.approx(1 / 5 + 1 / 64)
+        assert tier.read_seconds(0) == 0
+
+
+# ---------------------------------------------------------------------------------
+# catalog and engine details
+# ---------------------------------------------------------------------------------
+def test_catalog_versions_and_info(tmp_path: Path) -> None:
+    cat = Catalog(tmp_path / "c", map_size=1 << 16)
+    for i in range(3000):  # grows the lmdb map on demand
+        cat.put(key(i), CatalogRecord(0, i * ALIGN, 10, ALIGN, i, b"m" * 40))
+    cat.put_info("layout", b"abc")
+    assert len(cat) == 3000 and cat.get_info("layout") == b"abc" and cat.get_info("x") is None
+    assert cat.get(key(5)) == CatalogRecord(0, 5 * ALIGN, 10, ALIGN, 5, b"m" * 40)
+    assert cat.delete_many([key(5), key(99_999)]) == 1
+    env = cat._env
+    with env.begin(write=True) as txn:
+        txn.put(key(6), b"\x09" + b"\0" * 60, db=cat._objects)
+    with pytest.raises(CatalogError, match="version 9"):
+        cat.get(key(6))
+    with env.begin(write=True) as txn:
+        txn.put(b"format", (99).to_bytes(4, "little"), db=cat._meta)
+    cat.close()
+    with pytest.raises(CatalogError, match="format version 99"):
+        Catalog(tmp_path / "c")
+
+
+def test_posix_engine_chunks_and_buffered_fallback(tmp_path: Path) -> None:
+    for direct in (True, False):
+        engine = PosixEngine(3, chunk_bytes=2 * ALIGN, direct=direct)
+        path = tmp_path / f"f{direct}"
+        path.write_bytes(b"")
+        os.truncate(path, 4 * MiB)
+        f = engine.open(path)
+        data = payload(100_001, 5)
+        assert engine.pwrite(f, data[1:], 100_000, 8 * ALIGN).result() == 100_000
+        engine.fsync(f)
+        out = np.zeros(100_010, np.uint8)
+        assert engine.pread(f, out[3:], 100_000, 8 * ALIGN).result() == 100_000
+        assert np.array_equal(out[3:100_003], data[1:]) and not out[100_003:].any()
+        engine.close_file(f)
+        engine.close()
+
+
+def test_posix_engine_reports_reads_past_the_end(tmp_path: Path) -> None:
+    from hybridstore.errors import BackendIOError
+
+    engine = PosixEngine(2)
+    path = tmp_path / "short"
+    path.write_bytes(b"\1" * ALIGN)
+    f = engine.open(path)
+    with pytest.raises(BackendIOError) as err:
+        engine.pread(f, aligned_empty(4 * ALIGN), 4 * ALIGN, 0).result()
+    assert err.value.expected == 4 * ALIGN and err.value.offset == 0
+    engine.close_file(f)
+    engine.close()

@@ -1,0 +1,244 @@
+"""The hybrid-state index: matching, token-level covers, refcounts (property tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hybridstore.errors import InvalidTokensError, PlanReleasedError
+from hybridstore.index import keys as K
+from hybridstore.index.prefix import PrefixKeys
+from hybridstore.index.trie import HybridIndex
+
+B = 4
+ROOT = K.namespace_root("test")
+
+
+def P(tokens, block_size=B):
+    return PrefixKeys.from_tokens(list(tokens), block_size=block_size, root=ROOT)
+
+
+def put_prompt(ix: HybridIndex, tokens, tier="host"):
+    prompt = P(tokens)
+    for k in range(prompt.nblocks):
+        ix.add_page(prompt, k, tier, 64)
+    return prompt
+
+
+def test_append_resumes_at_previous_request_end():
+    ix = HybridIndex(B, ROOT)
+    turn1 = list(range(1, 11))                     # 10 tokens: blocks 0,1 full, block 2 partial
+    put_prompt(ix, turn1)
+    ix.add_checkpoint(P(turn1), 10, "host", 128)
+    plan = ix.match(P(turn1 + [50, 51, 52]))
+    assert plan.position == 10
+    assert plan.page_tokens == (4, 4, 2)
+    assert plan.recompute_tokens == 3
+    assert ix.check_refcounts()
+    ix.release(plan)
+    assert ix.check_refcounts()
+
+
+def test_truncation_inside_a_block_uses_a_checkpoint_linked_to_the_later_page():
+    """A state captured mid-block (anchor), its block's page put afterwards."""
+    ix = HybridIndex(B, ROOT)
+    full = list(range(1, 13))
+    prompt = P(full)
+    ix.add_checkpoint(prompt, 6, "host", 128)        # inside block 1 (tokens 4..7)
+    for k in range(prompt.nblocks):
+        ix.add_page(prompt, k, "host", 64)
+    mutated = full[:6] + [99, 98, 97, 96]             # edit right after the checkpoint
+    plan = ix.match(P(mutated))
+    assert plan.position == 6
+    assert plan.page_keys[-1] == prompt.block_key(1)  # the whole page of block 1, first 2 tokens valid
+    assert plan.page_tokens == (4, 2)
+    ix.release(plan)
+
+
+def test_checkpoint_put_with_its_continuation_links_the_existing_page():
+    ix = HybridIndex(B, ROOT)
+    full = list(range(1, 13))
+    prompt = put_prompt(ix, full)
+    ix.add_checkpoint(prompt, 7, "host", 128)         # position=7 of a 12-token prompt
+    plan = ix.match(P(full[:7] + [5, 5]))
+    assert plan.position == 7
+    assert plan.page_keys[-1] == prompt.block_key(1)
+    ix.release(plan)
+
+
+def test_missing_page_or_state_falls_back_to_a_shallower_resume_point():
+    ix = HybridIndex(B, ROOT)
+    full = list(range(1, 17))
+    prompt = put_prompt(ix, full)
+    ix.add_checkpoint(prompt, 4, "host", 128)
+    ix.add_checkpoint(prompt, 12, "host", 128)
+    ix.add_checkpoint(prompt, 16, "host", 128)
+    assert _pos(ix, full) == 16
+    ix.drop_checkpoint_tier(prompt.key_at(16), "host")
+    assert _pos(ix, full) == 12
+    ix.drop_page_tier(ix.find_node(prompt.block_key(2)), "host")   # page of tokens 8..11
+    assert _pos(ix, full) == 4
+    assert ix.check_refcounts()
+
+
+def test_block_id_prompts_match_at_block_ends_only():
+    ix = HybridIndex(64, ROOT)
+    ids = [11, 12, 13, 14]
+    prompt = PrefixKeys.from_block_ids(ids, block_size=64, root=ROOT, length=250)
+    for k in range(prompt.nblocks):
+        ix.add_page(prompt, k, "disk", 1)
+    ix.add_checkpoint(prompt, 250, "disk", 1)
+    ix.add_checkpoint(prompt, 128, "disk", 1)
+    query = PrefixKeys.from_block_ids([11, 12, 13, 99], block_size=64, root=ROOT, length=256)
+    plan = ix.match(query)
+    assert plan.position == 128
+    with pytest.raises(InvalidTokensError):
+        ix.add_checkpoint(prompt, 100, "disk", 1)
+    ix.release(plan)
+    with pytest.raises(PlanReleasedError):
+        ix.release(plan)
+
+
+def test_namespaces_never_share_keys():
+    a = PrefixKeys.from_tokens([1, 2, 3, 4], block_size=B, root=K.namespace_root("a"))
+    b = PrefixKeys.from_tokens([1, 2, 3, 4], block_size=B, root=K.namespace_root("b"))
+    assert a.block_key(0) != b.block_key(0)
+
+
+def test_unreferenced_pages_are_forgotten_and_pinned_ones_are_not():
+    ix = HybridIndex(B, ROOT)
+    prompt = put_prompt(ix, range(1, 9))
+    ix.add_checkpoint(prompt, 8, "host", 1)
+    plan = ix.match(prompt)
+    ix.drop_checkpoint_tier(prompt.key_at(8), "host")
+    for k in (1, 0):
+        ix.drop_page_tier(ix.find_node(prompt.block_key(k)), "host")
+    assert ix.n_pages == 2          # pinned by the plan: still indexed
+    ix.release(plan)
+    assert ix.n_pages == 0
+    assert ix.check_refcounts()
+
+
+def _pos(ix, tokens):
+    plan = ix.match(P(tokens))
+    ix.release(plan)
+    return plan.position
+
+
+# ---------------------------------------------------------------------------------------
+# Model-based property test
+# ---------------------------------------------------------------------------------------
+prompts = st.lists(st.integers(0, 2), min_size=1, max_size=18)
+
+
+class IndexMachine(RuleBasedStateMachine):
+    """Random put/match/release/evict against a brute-force model of the same rules.
+
+    The model keeps token prefixes (tuples) instead of hashes: a page is named
+    by the prefix it ends, a checkpoint by the prefix it was taken after.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ix = HybridIndex(B, ROOT)
+        self.pages: dict[tuple, bool] = {}
+        self.ckpts: dict[tuple, set[tuple]] = {}
+        self.plans: list = []
+
+    # -- operations ----------------------------------------------------------------
+    @rule(tokens=prompts, data=st.data())
+    def put_page(self, tokens, data):
+        prompt = P(tokens)
+        k = data.draw(st.integers(0, prompt.nblocks - 1))
+        self.ix.add_page(prompt, k, "host", 10)
+        end = prompt.block_end(k)
+        page = tuple(tokens[:end])
+        self.pages[page] = True
+        for c, covers in self.ckpts.items():
+            if (len(c) - 1) // B == k and len(c) <= end and page[: len(c)] == c:
+                covers.add(page)
+
+    @rule(tokens=prompts, data=st.data())
+    def put_state(self, tokens, data):
+        p = data.draw(st.integers(1, len(tokens)))
+        self.ix.add_checkpoint(P(tokens), p, "host", 10)
+        c = tuple(tokens[:p])
+        if c not in self.ckpts:
+            k = (p - 1) // B
+            end = min((k + 1) * B, len(tokens))
+            self.ckpts[c] = {c} | ({tuple(tokens[:end])} if end > p else set())
+
+    @rule(tokens=prompts, limit=st.none() | st.integers(0, 18))
+    def match(self, tokens, limit):
+        plan = self.ix.match(P(tokens), limit)
+        assert plan.position == self.deepest(tuple(tokens), limit), (tokens, plan)
+        if plan.position:
+            c = tuple(tokens[: plan.position])
+            assert c in self.ckpts                              # its checkpoint is held
+            for key, n in zip(plan.page_keys, plan.page_tokens):
+                nid = self.ix.find_node(key)
+                assert nid >= 0 and self.ix.page_info(nid)["tiers"]   # every page is held
+                assert self.ix.page_info(nid)["ntok"] >= n
+            assert sum(plan.page_tokens) == plan.position
+        self.plans.append(plan)
+
+    @precondition(lambda self: self.plans)
+    @rule(data=st.data())
+    def release(self, data):
+        plan = self.plans.pop(data.draw(st.integers(0, len(self.plans) - 1)))
+        self.ix.release(plan)
+
+    @precondition(lambda self: any(self.pages.values()))
+    @rule(data=st.data())
+    def evict_page(self, data):
+        held = sorted(p for p, v in self.pages.items() if v)
+        page = data.draw(st.sampled_from(held))
+        nid = self.ix.find_node(P(page).block_key(P(page).nblocks - 1))
+        self.ix.drop_page_tier(nid, "host")
+        self.pages[page] = False
+
+    @precondition(lambda self: self.ckpts)
+    @rule(data=st.data())
+    def evict_state(self, data):
+        c = data.draw(st.sampled_from(sorted(self.ckpts)))
+        self.ix.drop_checkpoint_tier(P(c).key_at(len(c)), "host")
+        del self.ckpts[c]
+
+    # -- model ---------------------------------------------------------------------
+    def deepest(self, q: tuple, limit: int | None) -> int:
+        best = 0
+        top = len(q) if limit is None else min(limit, len(q))
+        for c, covers in self.ckpts.items():
+            p = len(c)
+            if p > top or q[:p] != c:
+                continue
+            kc = (p - 1) // B
+            if not all(self.pages.get(q[: (k + 1) * B]) for k in range(kc)):
+                continue
+            if any(self.pages.get(s) for s in covers):
+                best = max(best, p)
+        return best
+
+    @invariant()
+    def refcounts_equal_a_recount(self):
+        assert self.ix.check_refcounts()
+
+
+TestIndexMachine = IndexMachine.TestCase
+TestIndexMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                     suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_memory_per_cached_block_is_small():
+    ix = HybridIndex(64, ROOT)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        prompt = PrefixKeys.from_tokens(rng.integers(0, 50_000, 64 * 500), block_size=64, root=ROOT)
+        for k in range(prompt.nblocks):
+            ix.add_page(prompt, k, "host", 1)
+    per_block = ix.memory_bytes() / ix.n_pages
+    assert ix.n_pages == 10_000
+    assert per_block < 400, per_block
