@@ -157,7 +157,7 @@ def test_load_into_caller_buffers(tmp_path):
 
 
 def test_write_back_writes_disk_only_on_eviction(tmp_path):
-    config = cfg(tmp_path, write_mode="write-back", host_bytes=1 << 20)
+    config = cfg(tmp_path, tier_policy="write-back", host_bytes=1 << 20)
     tokens = RNG.integers(0, 150_000, 6000)
     with HybridStore(config) as store:
         pages, states = put_conversation(store, tokens, [6000])
@@ -286,3 +286,34 @@ def test_threads_put_match_load_concurrently(tmp_path):
             t.join()
         assert not errors, errors
         assert store.index.check_refcounts()
+
+
+def test_asymmetric_tiering_keeps_the_terminal_state_in_dram(tmp_path):
+    """HiState §3.1: historical checkpoints move to SSD, the terminal one stays in DRAM."""
+    from hybridstore.index.trie import TIER_BITS
+
+    with HybridStore(cfg(tmp_path, tier_policy="asymmetric")) as store:
+        pages, states = put_conversation(store, TOKENS[:300], [100, 203, 300])
+        where = {ck.position: ck.tiers for ck in store.index.checkpoints()}
+        assert where[300] == TIER_BITS["host"]
+        assert where[100] == where[203] == TIER_BITS["disk"]
+        assert_restored(store, np.concatenate([TOKENS[:205], [1]]), pages, states, 203)
+        cost = store.restore_cost(plan := store.match(TOKENS[:300]))
+        store.release(plan)
+        assert set(cost) == {"host"} and cost["host"][0] > 0
+
+
+def test_static_partition_caps_states_at_half_of_dram(tmp_path):
+    config = cfg(tmp_path, disk_path=None, tier_policy="partition", host_bytes=1 << 20)
+    with HybridStore(config) as store:
+        tokens = RNG.integers(0, 150_000, 16 * 100)
+        prompt = store.prefix(tokens)
+        store.put_kv(prompt, [page_of(k) for k in range(100)])
+        for p in range(16, 16 * 100 + 1, 16):
+            store.put_state(prompt, {"s": torch.full((16 << 10,), p % 256, dtype=torch.uint8)}, position=p)
+            assert store._kind_bytes["host"][2] <= config.host_bytes // 2
+        assert store.stats()["checkpoints"] < 100
+        plan = store.match(tokens)
+        _, state = store.load(plan).result()
+        assert int(state["s"][0]) == plan.position % 256
+        store.release(plan)

@@ -12,6 +12,7 @@ variable                           field                      example
 ``HYBRIDSTORE_DISK_BYTES``         ``disk_bytes``             ``512GiB``
 ``HYBRIDSTORE_DEVICE_BYTES``       ``device_bytes``           ``4GiB``
 ``HYBRIDSTORE_POLICY``             ``policy``                 ``lru``
+``HYBRIDSTORE_TIER_POLICY``        ``tier_policy``            ``write-through``
 ``HYBRIDSTORE_DISK_ENGINE``        ``disk_engine``            ``auto``
 ``HYBRIDSTORE_IO_THREADS``         ``io_threads``             ``8``
 =================================  =========================  ==================
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from hybridstore.errors import ConfigError
 
 DISK_ENGINES = ("auto", "kvikio", "posix")
-WRITE_MODES = ("write-through", "write-back")
+TIER_POLICY_NAMES = ("write-through", "write-back", "partition", "asymmetric")
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
           "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
@@ -62,9 +63,11 @@ class StoreConfig:
         policy: eviction policy name (``"lru"``; ``policy/`` lists the rest).
         checkpoint_policy: which checkpoints the engine puts are kept
             (``"keep-all"``: every one).
-        write_mode: ``"write-through"`` writes every object to disk as it is
-            put (vLLM CPU/disk offloading); ``"write-back"`` writes it only when
-            it is evicted from DRAM.
+        tier_policy: where objects live across DRAM and SSD:
+            ``"write-through"`` (every object to disk as it is put, vLLM
+            CPU/disk offloading), ``"write-back"`` (to disk when DRAM evicts
+            it), ``"partition"`` (SGLang HiCache: write-through, half of each
+            tier for states), ``"asymmetric"`` (HiState §3.1).
         disk_engine: ``"kvikio"`` (kvikio ``CuFile``: GDS, or its POSIX compat
             mode), ``"posix"`` (O_DIRECT + a thread pool), or ``"auto"``
             (kvikio when a CUDA driver is present, POSIX otherwise).
@@ -85,7 +88,7 @@ class StoreConfig:
     device_bytes: int = 0
     policy: str = "lru"
     checkpoint_policy: str = "keep-all"
-    write_mode: str = "write-through"
+    tier_policy: str = "write-through"
     disk_engine: str = "auto"
     disk_segment_bytes: int = 256 << 20
     io_threads: int = 8
@@ -103,8 +106,8 @@ class StoreConfig:
                 raise ConfigError(f"{name} must be a non-negative int of bytes, got {value!r}")
         if self.disk_engine not in DISK_ENGINES:
             raise ConfigError(f"disk_engine must be one of {DISK_ENGINES}, got {self.disk_engine!r}")
-        if self.write_mode not in WRITE_MODES:
-            raise ConfigError(f"write_mode must be one of {WRITE_MODES}, got {self.write_mode!r}")
+        if self.tier_policy not in TIER_POLICY_NAMES:
+            raise ConfigError(f"tier_policy must be one of {TIER_POLICY_NAMES}, got {self.tier_policy!r}")
         if self.disk_segment_bytes < (1 << 20) or self.disk_segment_bytes % 4096:
             raise ConfigError("disk_segment_bytes must be a multiple of 4096 and at least 1 MiB, "
                               f"got {self.disk_segment_bytes}")

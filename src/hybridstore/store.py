@@ -12,9 +12,9 @@ The engine contract (ARCHITECTURE.md):
    pressure, as the policies rank.
 
 Objects are written into the pinned host pool first; with
-``write_mode="write-through"`` every object is also written to the disk tier
+``tier_policy="write-through"`` every object is also written to the disk tier
 in the background (it becomes visible there once durable), with
-``"write-back"`` only when DRAM evicts it.  All public methods are
+``"write-back"`` only when DRAM evicts it (``policy/tiering.py`` has the rest).  All public methods are
 thread-safe: index and policy work happens under one lock, byte copies and
 disk I/O outside it, protected by pins and host-slot references.
 """
@@ -53,6 +53,7 @@ from hybridstore.layout import Layout, copy_out
 from hybridstore.policy import admission_policy, eviction_policy
 from hybridstore.policy.base import PlacementPolicy, Victim
 from hybridstore.policy.placement import RequestEnd
+from hybridstore.policy.tiering import tier_policy
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class HybridStore:
         self._eviction = eviction_policy(cfg.policy)
         self._admission = admission_policy(cfg.checkpoint_policy)
         self._placement = placement or RequestEnd()
+        self._tiering = tier_policy(cfg.tier_policy)
         self._root = K.namespace_root(cfg.namespace)
         self.index = HybridIndex(cfg.block_size, self._root)
         self.tiers: dict[str, Tier] = dict(tiers) if tiers is not None else self._open_tiers(cfg)
@@ -105,6 +107,7 @@ class HybridStore:
         self._counters = {"matches": 0, "hit_tokens": 0, "query_tokens": 0, "loads": 0,
                           "evictions": 0, "corrupt": 0}
         self._loaded_bytes = {name: 0 for name in self.tiers}
+        self._kind_bytes = {name: dict.fromkeys(ObjectKind, 0) for name in self.tiers}
         if "disk" in self.tiers:
             self._reopen()
 
@@ -179,35 +182,60 @@ class HybridStore:
         """
         prompt = self.prefix(tokens)
         batch = list(pages) if isinstance(pages, (list, tuple)) else [pages]
-        if prompt.length == 0:
-            raise MisalignedPageError("put_kv got an empty prefix; pass the tokens up to the page's end")
-        last = prompt.nblocks - 1
-        first = last - len(batch) + 1
-        if first < 0:
-            raise MisalignedPageError(
-                f"{len(batch)} pages do not fit in {prompt.length} tokens of {self.config.block_size}-token "
-                "blocks; pass the tokens up to the end of the last page")
+        first = self._first_block(prompt, len(batch))
         with self._lock:
             self._check_open()
             self._drain()
             layout = self._layout(ObjectKind.PAGE, batch[0], "page")
             for page in batch[1:]:
                 layout.check(page, "page")
-            stored = 0
-            for block, page in zip(range(first, last + 1), batch):
-                key16 = prompt.block_key(block)
-                okey = object_key(ObjectKind.PAGE, key16)
-                nid = self.index.find_node(key16)
-                if nid >= 0 and self.index.page_info(nid)["tiers"]:
-                    self.index.add_page(prompt, block, self._holder(nid), layout.nbytes)
-                    continue
-                meta = M.encode_page(block, prompt.block_end(block) - block * self.config.block_size,
-                                     prompt.key_before(block))
-                self._write_host(okey, layout, page, meta)
-                self.index.add_page(prompt, block, "host", layout.nbytes)
-                self._after_host_write(okey, meta, layout.nbytes)
-                stored += 1
-            return stored
+            return self._put_pages(prompt, first, layout.nbytes,
+                                   lambda i, slot: layout.pack_into(batch[i], slot))
+
+    def put_kv_sized(self, tokens: Any, *, nbytes: int, first_block: int = 0) -> int:
+        """Record pages by size only (accounting tiers: the trace simulator).
+
+        Args:
+            tokens: the prompt (token ids, or :class:`PrefixKeys` from block ids).
+            nbytes: bytes of one page.
+            first_block: the first block to record; every later block of the
+                prompt is recorded too.
+        """
+        prompt = self.prefix(tokens)
+        with self._lock:
+            self._check_open()
+            self._drain()
+            return self._put_pages(prompt, first_block, nbytes, None)
+
+    def _first_block(self, prompt: PrefixKeys, npages: int) -> int:
+        if prompt.length == 0:
+            raise MisalignedPageError("put_kv got an empty prefix; pass the tokens up to the page's end")
+        first = prompt.nblocks - npages
+        if first < 0:
+            raise MisalignedPageError(
+                f"{npages} pages do not fit in {prompt.length} tokens of {self.config.block_size}-token "
+                "blocks; pass the tokens up to the end of the last page")
+        return first
+
+    def _put_pages(self, prompt: PrefixKeys, first: int, nbytes: int,
+                   pack: Callable[[int, np.ndarray], None] | None) -> int:
+        B = self.config.block_size
+        stored = 0
+        for i, block in enumerate(range(first, prompt.nblocks)):
+            key16 = prompt.block_key(block)
+            nid = self.index.find_node(key16)
+            if nid >= 0 and self.index.page_info(nid)["tiers"]:
+                self.index.add_page(prompt, block, self._holder(self.index.page_info(nid)["tiers"]),
+                                    nbytes)
+                continue
+            okey = object_key(ObjectKind.PAGE, key16)
+            self._write_host(okey, ObjectKind.PAGE, nbytes,
+                             None if pack is None else (lambda slot, i=i: pack(i, slot)))
+            self.index.add_page(prompt, block, "host", nbytes)
+            meta = M.encode_page(block, prompt.block_end(block) - block * B, prompt.key_before(block))
+            self._placed(okey, ObjectKind.PAGE, nbytes, meta)
+            stored += 1
+        return stored
 
     def put_kv_page(self, tokens: Any, page: Any, *, end: int) -> int:
         """Store the page of the block ending at ``end`` of a longer prompt.
@@ -224,13 +252,10 @@ class HybridStore:
                 f"({prompt.length}); got end={end}. Round it to a block end.")
         if end == prompt.length:
             return self.put_kv(prompt, page)
-        return self.put_kv(self.prefix(prompt.tokens[:end]) if prompt.tokens is not None
-                           else self._truncate_ids(prompt, end), page)
-
-    def _truncate_ids(self, prompt: PrefixKeys, end: int) -> PrefixKeys:
-        n = end // self.config.block_size
-        return PrefixKeys(block_size=prompt.block_size, length=end, root=prompt.root,
-                          keys=prompt.keys[:n], tokens=None)
+        if prompt.tokens is not None:
+            return self.put_kv(self.prefix(prompt.tokens[:end]), page)
+        return self.put_kv(PrefixKeys(block_size=B, length=end, root=prompt.root,
+                                      keys=prompt.keys[: end // B], tokens=None), page)
 
     def put_state(self, tokens: Any, state: Any, *, position: int | None = None) -> bool:
         """Store the recurrent-state checkpoint taken at ``position``.
@@ -245,36 +270,74 @@ class HybridStore:
                 only block ends.
 
         Returns:
-            True when the checkpoint was stored (False: the admission policy
+            True when the checkpoint is held (False: the admission policy
             declined it).
         """
         prompt = self.prefix(tokens)
-        p = prompt.length if position is None else position
-        if not 0 < p <= prompt.length:
-            raise InvalidTokensError(f"position {p} must be in 1..{prompt.length} (the prompt's length)")
-        key16 = prompt.key_at(p)
-        if key16 is None:
-            raise InvalidTokensError(
-                f"position {p} is inside a block of a prompt given as block ids; pass token ids")
+        p = self._state_position(prompt, position)
         with self._lock:
             self._check_open()
             self._drain()
             layout = self._layout(ObjectKind.STATE, state, "state")
-            existing = self.index.checkpoint(key16)
-            if existing is not None and existing.tiers:
-                self.index.add_checkpoint(prompt, p, self._holder_ck(existing), layout.nbytes)
-                return True
-            if not self._admission.admit(self.index, p, layout.nbytes):
-                return False
-            okey = object_key(ObjectKind.STATE, key16)
-            self._write_host(okey, layout, state, b"")
-            ck = self.index.add_checkpoint(prompt, p, "host", layout.nbytes)
-            self._after_host_write(okey, self._state_meta(ck), layout.nbytes)
+            return self._put_state(prompt, p, layout.nbytes,
+                                   lambda slot: layout.pack_into(state, slot))
+
+    def put_state_sized(self, tokens: Any, *, nbytes: int, position: int | None = None) -> bool:
+        """Record a checkpoint by size only (accounting tiers: the trace simulator)."""
+        prompt = self.prefix(tokens)
+        p = self._state_position(prompt, position)
+        with self._lock:
+            self._check_open()
+            self._drain()
+            return self._put_state(prompt, p, nbytes, None)
+
+    @staticmethod
+    def _state_position(prompt: PrefixKeys, position: int | None) -> int:
+        p = prompt.length if position is None else position
+        if not 0 < p <= prompt.length:
+            raise InvalidTokensError(f"position {p} must be in 1..{prompt.length} (the prompt's length)")
+        if prompt.key_at(p) is None:
+            raise InvalidTokensError(
+                f"position {p} is inside a block of a prompt given as block ids; pass token ids")
+        return p
+
+    def _put_state(self, prompt: PrefixKeys, p: int, nbytes: int,
+                   pack: Callable[[np.ndarray], None] | None) -> bool:
+        key16 = prompt.key_at(p)
+        assert key16 is not None
+        existing = self.index.checkpoint(key16)
+        if existing is not None and existing.tiers:
+            self.index.add_checkpoint(prompt, p, self._holder(existing.tiers), nbytes)
             return True
+        if not self._admission.admit(self.index, p, nbytes):
+            return False
+        okey = object_key(ObjectKind.STATE, key16)
+        self._write_host(okey, ObjectKind.STATE, nbytes, pack)
+        ck = self.index.add_checkpoint(prompt, p, "host", nbytes)
+        self._placed(okey, ObjectKind.STATE, nbytes, self._state_meta(ck))
+        if self._tiering.historical_to_ssd and ck.parent is not None:
+            self._to_ssd(ck.parent)
+        return True
 
     def _state_meta(self, ck: Checkpoint) -> bytes:
         base_key = self.index.root_key if ck.base == 0 else self.index.node_key(ck.base)
         return M.encode_state(ck.position, base_key, self.index.cover_keys(ck))
+
+    def _to_ssd(self, ck: Checkpoint) -> None:
+        """HiState §3.1: a checkpoint that stopped being terminal leaves DRAM for SSD."""
+        host_bit = TIER_BITS["host"]
+        if "disk" not in self.tiers or not ck.tiers & host_bit or ck.pins:
+            return
+        okey = object_key(ObjectKind.STATE, ck.key)
+        if not ck.tiers & TIER_BITS["disk"]:
+            fut = self._pending.get(okey) or self._copy_to_disk(okey, ObjectKind.STATE, ck.nbytes,
+                                                                 self._state_meta(ck))
+            try:
+                fut.result()
+            finally:
+                self._drain()
+        if self.index.checkpoint(ck.key) is ck and ck.tiers & TIER_BITS["disk"]:
+            self._drop(okey, "host")
 
     def _layout(self, kind: ObjectKind, value: Any, what: str) -> Layout:
         layout = self._layouts.get(kind)
@@ -293,34 +356,38 @@ class HybridStore:
             layout.check(value, what)
         return layout
 
-    def _write_host(self, okey: bytes, layout: Layout, value: Any, meta: bytes) -> None:
+    def _write_host(self, okey: bytes, kind: ObjectKind, nbytes: int,
+                    pack: Callable[[np.ndarray], None] | None) -> None:
+        """Land a new object in the DRAM pool (every object's first tier)."""
         host = self.tiers["host"]
-        self._make_room("host", host.charge(layout.nbytes))
+        if pack is None and host.stores_bytes:
+            raise HybridStoreError("sized puts (no bytes) need accounting tiers; pass the tensors")
+        self._make_room("host", host.charge(nbytes), kind)
         if isinstance(host, HostPool):
-            slot = self._retry("host", layout.nbytes, lambda: host.reserve_slot(okey, layout.nbytes, meta))
+            slot = self._retry("host", nbytes, lambda: host.reserve_slot(okey, nbytes))
             try:
-                layout.pack_into(value, slot)
+                pack(slot)  # type: ignore[misc]
             except BaseException:
                 host.abort(okey)
                 raise
             host.commit(okey)
         else:
-            buf = np.empty(layout.nbytes, np.uint8) if host.stores_bytes else None
-            if buf is not None:
-                layout.pack_into(value, buf)
-            self._retry("host", layout.nbytes,
-                        lambda: host.put(okey, buf, nbytes=layout.nbytes, meta=meta)).result()
+            buf = None
+            if host.stores_bytes:
+                buf = np.empty(nbytes, np.uint8)
+                pack(buf)  # type: ignore[misc]
+            self._retry("host", nbytes, lambda: host.put(okey, buf, nbytes=nbytes)).result()
+        self._kind_bytes["host"][kind] += host.charge(nbytes)
 
-    def _after_host_write(self, okey: bytes, meta: bytes, nbytes: int) -> None:
-        """Write-through: start the disk write of an object now in the host pool."""
-        disk = self.tiers.get("disk")
-        if disk is None or self.config.write_mode != "write-through":
-            return
-        self._make_room("disk", disk.charge(nbytes))
-        self._start_disk_write(okey, meta, nbytes)
+    def _placed(self, okey: bytes, kind: ObjectKind, nbytes: int, meta: bytes) -> None:
+        """After a put: start the SSD copy when the tier policy writes this kind through."""
+        if "disk" in self.tiers and kind in self._tiering.write_through:
+            self._copy_to_disk(okey, kind, nbytes, meta)
 
-    def _start_disk_write(self, okey: bytes, meta: bytes, nbytes: int) -> Future:
+    def _copy_to_disk(self, okey: bytes, kind: ObjectKind, nbytes: int, meta: bytes) -> Future:
+        """Start writing a DRAM object to SSD; the index learns of it once durable."""
         host, disk = self.tiers["host"], self.tiers["disk"]
+        self._make_room("disk", disk.charge(nbytes), kind)
         if isinstance(host, HostPool):
             host.acquire(okey)
             data = host.view(okey)
@@ -334,6 +401,8 @@ class HybridStore:
             raise
         self._pending[okey] = fut
         fut.add_done_callback(lambda f, k=okey: self._disk_write_done(k, f))
+        if fut.done():
+            self._drain()
         return fut
 
     def _disk_write_done(self, okey: bytes, fut: Future) -> None:
@@ -367,25 +436,26 @@ class HybridStore:
 
     def _mark(self, okey: bytes, tier: str) -> bool:
         """Record that ``tier`` now holds ``okey``; False when the index forgot it."""
-        if okey[0] == ObjectKind.PAGE:
+        kind = ObjectKind(okey[0])
+        if kind == ObjectKind.PAGE:
             nid = self.index.find_node(okey[1:])
             if nid < 0 or not self.index.page_info(nid)["tiers"]:
                 return False
-            self.index.add_page_tier(nid, tier)
+            if not self.index.page_info(nid)["tiers"] & TIER_BITS[tier]:
+                self.index.add_page_tier(nid, tier)
+                self._kind_bytes[tier][kind] += self.tiers[tier].charge(self.index.page_info(nid)["nbytes"])
             return True
         ck = self.index.checkpoint(okey[1:])
         if ck is None or not ck.tiers:
             return False
-        ck.tiers |= TIER_BITS[tier]
+        if not ck.tiers & TIER_BITS[tier]:
+            ck.tiers |= TIER_BITS[tier]
+            self._kind_bytes[tier][kind] += self.tiers[tier].charge(ck.nbytes)
         return True
 
-    def _holder(self, nid: int) -> str:
-        tiers = self.index.page_info(nid)["tiers"]
-        return next(t for t in TIER_ORDER if tiers & TIER_BITS[t])
-
     @staticmethod
-    def _holder_ck(ck: Checkpoint) -> str:
-        return next(t for t in TIER_ORDER if ck.tiers & TIER_BITS[t])
+    def _holder(tier_mask: int) -> str:
+        return next(t for t in TIER_ORDER if tier_mask & TIER_BITS[t])
 
     # -- match / load / release ---------------------------------------------------------
     def match(self, tokens: Any, *, max_position: int | None = None) -> ResumePlan:
@@ -401,6 +471,10 @@ class HybridStore:
             self._check_open()
             self._drain()
             plan = self.index.match(prompt, max_position)
+            if plan.state_key is not None:
+                ck = self.index.checkpoint(plan.state_key)
+                assert ck is not None
+                self._eviction.on_hit(self.index, ck)
             self._counters["matches"] += 1
             self._counters["hit_tokens"] += plan.position
             self._counters["query_tokens"] += prompt.length
@@ -410,6 +484,34 @@ class HybridStore:
         """Drop the plan's pins (each plan is released exactly once)."""
         with self._lock:
             self.index.release(plan)
+
+    def restore_cost(self, plan: ResumePlan) -> dict[str, tuple[int, float]]:
+        """Bytes and modeled seconds to restore ``plan``, per tier it would read from.
+
+        Each object is read from the fastest tier holding it; a tier's
+        ``read_seconds`` models its path into engine memory (HiState eq. 2:
+        ``X / B_H2D`` from DRAM, ``X / B_SSD + X / B_H2D`` from SSD).
+        """
+        with self._lock:
+            if not self.index.is_live(plan):
+                raise PlanReleasedError(f"plan {plan.plan_id} was released; match again first")
+            sizes: dict[str, int] = {}
+            if plan.page_ids:
+                cols = self.index.page_columns(np.asarray(plan.page_ids, dtype=np.int64))
+                taken = np.zeros(len(plan.page_ids), bool)
+                for name in TIER_ORDER:
+                    if name not in self.tiers:
+                        continue
+                    here = ~taken & ((cols["tiers"] & TIER_BITS[name]) != 0)
+                    if here.any():
+                        sizes[name] = int(cols["nbytes"][here].sum())
+                    taken |= here
+            if plan.state_key is not None:
+                ck = self.index.checkpoint(plan.state_key)
+                assert ck is not None
+                name = self._holder(ck.tiers)
+                sizes[name] = sizes.get(name, 0) + ck.nbytes
+            return {name: (n, self.tiers[name].read_seconds(n)) for name, n in sizes.items()}
 
     def load(self, plan: ResumePlan, into: tuple[Sequence[Any], Any] | None = None) -> Future:
         """Restore the plan's pages and checkpoint.
@@ -485,7 +587,7 @@ class HybridStore:
                 except CorruptObjectError:
                     with self._lock:
                         self._counters["corrupt"] += 1
-                        self._forget(jobs[i][0], "disk")
+                        self._forget(jobs[i][0], "disk", self._layouts[jobs[i][1]].nbytes)
                     raise
             for i, ((okey, kind), buf) in enumerate(zip(jobs, bufs)):
                 layout = self._layouts[kind]
@@ -525,23 +627,31 @@ class HybridStore:
             self._drain()
             return self._evict(tier, nbytes)
 
-    def _make_room(self, tier: str, need: int) -> None:
+    def _room(self, tier: str, kind: ObjectKind | None) -> int:
+        """Bytes ``kind`` may still take in ``tier`` (the tier policy may partition it)."""
+        t = self.tiers[tier]
+        share = self._tiering.share(kind) if kind is not None else None
+        if share is None:
+            return t.free_bytes
+        return min(t.free_bytes, int(share * t.capacity_bytes) - self._kind_bytes[tier][kind])
+
+    def _make_room(self, tier: str, need: int, kind: ObjectKind | None = None) -> None:
         t = self.tiers[tier]
         if need > t.capacity_bytes:
             raise ObjectTooLargeError(
                 f"an object of {need} bytes is larger than the whole {tier} tier "
                 f"({t.capacity_bytes} bytes); raise its budget")
-        if t.free_bytes >= need:
+        if self._room(tier, kind) >= need:
             return
         # Evict a little more than needed so that eviction passes are amortised.
         self._drain()
-        target = need - t.free_bytes + t.capacity_bytes // 64
-        self._evict(tier, target)
-        if t.free_bytes < need and self._pending:
+        partition = kind if self._tiering.state_share is not None else None
+        self._evict(tier, need - self._room(tier, kind) + t.capacity_bytes // 64, partition)
+        if self._room(tier, kind) < need and self._pending:
             # Objects whose disk write is still in flight cannot leave DRAM yet.
             self._wait_pending()
-            self._evict(tier, need - t.free_bytes + t.capacity_bytes // 64)
-        if t.free_bytes < need:
+            self._evict(tier, need - self._room(tier, kind) + t.capacity_bytes // 64, partition)
+        if self._room(tier, kind) < need:
             raise CapacityError(
                 f"the {tier} tier cannot free {need} bytes: everything left is pinned by live "
                 "plans or needed by retained checkpoints; release plans or raise its budget")
@@ -566,19 +676,28 @@ class HybridStore:
                     self._wait_pending()
         raise AssertionError("unreachable")
 
-    def _evict(self, tier: str, nbytes: int) -> int:
+    def _evict(self, tier: str, nbytes: int, kind: ObjectKind | None = None) -> int:
+        """Evict in the policy's order until ``nbytes`` are freed (of ``kind`` only, if given)."""
         freed = 0
         for _ in range(8):  # each pass may make more pages reclaimable
             before = freed
             for victim in self._eviction.victims(self.index, tier):
                 if freed >= nbytes:
                     return freed
-                freed += self._evict_one(victim, tier)
+                if kind is None or victim.kind == kind:
+                    freed += self._evict_one(victim, tier)
             if freed >= nbytes or freed == before:
                 break
         return freed
 
     def _evict_one(self, victim: Victim, tier: str) -> int:
+        """Evict one object from ``tier`` if the safety rules allow; returns bytes freed.
+
+        Never a pinned object or one whose SSD write is in flight.  The last
+        copy of an object is written to SSD first when the tier policy spills
+        its kind; otherwise the last copy of a page that retained checkpoints
+        need stays (dependency-aware policies evict the checkpoint first).
+        """
         bit = TIER_BITS[tier]
         if victim.kind == ObjectKind.PAGE:
             nid = int(victim.ref)
@@ -586,54 +705,57 @@ class HybridStore:
             if info["block"] < 0 or not info["tiers"] & bit or info["pins"]:
                 return 0
             okey = object_key(ObjectKind.PAGE, self.index.node_key(nid))
-            elsewhere = info["tiers"] & ~bit
-            needed = info["deps"] > 0
+            elsewhere, needed, nbytes = info["tiers"] & ~bit, info["deps"] > 0, info["nbytes"]
         else:
             ck = self.index.checkpoint(bytes(victim.ref))
             if ck is None or not ck.tiers & bit or ck.pins:
                 return 0
             okey = object_key(ObjectKind.STATE, ck.key)
-            elsewhere = ck.tiers & ~bit
-            needed = False
+            elsewhere, needed, nbytes = ck.tiers & ~bit, False, ck.nbytes
         if okey in self._pending:
             return 0
         if not elsewhere:
-            if tier == "host" and "disk" in self.tiers and self.config.write_mode == "write-back":
-                self._demote(okey)
-            elif needed:
+            if tier == "host" and "disk" in self.tiers and victim.kind in self._tiering.spill:
+                self._spill(okey, victim.kind, nbytes)
+            elif needed and self._eviction.dependency_aware:
                 return 0
-        freed = self.tiers[tier].charge(self.tiers[tier].nbytes(okey) or 0)
+        freed = self.tiers[tier].charge(nbytes)
         self._drop(okey, tier)
         self._counters["evictions"] += 1
         return freed
 
-    def _demote(self, okey: bytes) -> None:
-        """Write-back: copy a host-only object to disk before DRAM drops it."""
-        disk = self.tiers["disk"]
-        host = self.tiers["host"]
-        nbytes = host.nbytes(okey) or 0
-        self._make_room("disk", disk.charge(nbytes))
-        if okey[0] == ObjectKind.PAGE:
+    def _spill(self, okey: bytes, kind: ObjectKind, nbytes: int) -> None:
+        """Write-back: copy a DRAM-only object to SSD before DRAM drops it."""
+        if kind == ObjectKind.PAGE:
             nid = self.index.find_node(okey[1:])
             info = self.index.page_info(nid)
             meta = M.encode_page(info["block"], info["ntok"], self.index.parent_key(nid))
         else:
-            meta = self._state_meta(self.index.checkpoint(okey[1:]))
-        self._start_disk_write(okey, meta, nbytes).result()
-        self._mark(okey, "disk")
+            ck = self.index.checkpoint(okey[1:])
+            assert ck is not None
+            meta = self._state_meta(ck)
+        self._copy_to_disk(okey, kind, nbytes, meta).result()
+        self._drain()
 
     def _drop(self, okey: bytes, tier: str) -> None:
-        self.tiers[tier].delete(okey)
-        self._forget(okey, tier)
+        t = self.tiers[tier]
+        n = t.nbytes(okey)
+        t.delete(okey)
+        self._forget(okey, tier, n)
 
-    def _forget(self, okey: bytes, tier: str) -> None:
-        """Record in the index that ``tier`` no longer holds ``okey``."""
-        if okey[0] == ObjectKind.PAGE:
+    def _forget(self, okey: bytes, tier: str, nbytes: int | None) -> None:
+        """Record that ``tier`` no longer holds ``okey`` (of ``nbytes``)."""
+        kind = ObjectKind(okey[0])
+        if kind == ObjectKind.PAGE:
             nid = self.index.find_node(okey[1:])
-            if nid >= 0:
+            if nid >= 0 and self.index.page_info(nid)["tiers"] & TIER_BITS[tier]:
                 self.index.drop_page_tier(nid, tier)
-        elif self.index.checkpoint(okey[1:]) is not None:
-            self.index.drop_checkpoint_tier(okey[1:], tier)
+                self._kind_bytes[tier][kind] -= self.tiers[tier].charge(nbytes or 0)
+        else:
+            ck = self.index.checkpoint(okey[1:])
+            if ck is not None and ck.tiers & TIER_BITS[tier]:
+                self.index.drop_checkpoint_tier(okey[1:], tier)
+                self._kind_bytes[tier][kind] -= self.tiers[tier].charge(nbytes or 0)
 
     # -- engine helpers -------------------------------------------------------------
     def checkpoint_positions(self, *, cached: int, length: int, anchors: Sequence[int] = ()) -> list[int]:

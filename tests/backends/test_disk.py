@@ -11,6 +11,7 @@ memory).  The main test process never loads the stand-in.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import subprocess
@@ -68,7 +69,8 @@ def run_python(code: str, *, check: bool = True) -> subprocess.CompletedProcess[
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, text=True,
                           capture_output=True, timeout=120, check=False)
     if check and proc.returncode != 0:
-        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\n"
+                             f"{proc.stdout}\n{proc.stderr}")
     return proc
 
 
@@ -143,7 +145,9 @@ if not IN_FAKE_DRIVER:
         assert proc.stdout.strip() == "kvikio-compat"
 
     def test_select_engine_in_this_process() -> None:
-        assert select_engine("posix", 2).name == "posix-odirect"
+        posix = select_engine("posix", 2)
+        assert posix.name == "posix-odirect"
+        posix.close()
         auto = select_engine("auto", 2)
         if not cuda_driver_usable():
             assert auto.name == "posix-odirect"
@@ -151,12 +155,40 @@ if not IN_FAKE_DRIVER:
         with pytest.raises(ConfigError):
             select_engine("nvme", 2)
 
+    def test_kvikio_without_a_driver_is_a_config_error() -> None:
+        try:
+            ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            with pytest.raises(ConfigError, match="libcuda.so.1"):
+                select_engine("kvikio", 2)
+        else:
+            pytest.skip("this machine has a CUDA driver")
+
 else:
 
     def test_engine_is_kvikio_compat(tmp_path: Path) -> None:
         with open_tier(tmp_path / "d") as tier:
             assert tier.stats()["engine"] == "kvikio-compat"
             assert tier.engine.compat_mode
+
+    def test_kvikio_engine_futures(tmp_path: Path) -> None:
+        from hybridstore.errors import BackendIOError
+
+        engine = select_engine("kvikio", 3)
+        path = tmp_path / "f"
+        path.write_bytes(b"")
+        os.truncate(path, 2 * MiB)
+        f = engine.open(path)
+        data = payload(300_001, 4)
+        assert engine.pwrite(f, data[1:], 300_000, 4 * ALIGN).result() == 300_000
+        engine.fsync(f)
+        out = np.zeros(300_010, np.uint8)
+        assert engine.pread(f, out[3:], 300_000, 4 * ALIGN).result() == 300_000
+        assert np.array_equal(out[3:300_003], data[1:]) and not out[300_003:].any()
+        with pytest.raises(BackendIOError):  # past the end of the file
+            engine.pread(f, out, 300_000, 2 * MiB - ALIGN).result()
+        engine.close_file(f)
+        engine.close()
 
 
 # ---------------------------------------------------------------------------------
@@ -352,15 +384,19 @@ def test_killed_before_commit_leaves_no_object(tmp_path: Path) -> None:
         def die(self, items):
             os.kill(os.getpid(), signal.SIGKILL)
         catalog.Catalog.put_many = die
-        tier.put(b"B" * 17, np.full(3 << 20, 2, np.uint8), nbytes=3 << 20).result()
+        # 5 MiB > segment_bytes: written into a dedicated segment file of its own
+        tier.put(b"B" * 17, np.full(5 << 20, 2, np.uint8), nbytes=5 << 20).result()
         print("not reached")
     """, check=False)
     assert proc.returncode == -9 and "not reached" not in proc.stdout
+    assert len([n for n in os.listdir(path) if n.startswith("seg-")]) == 2
     with open_tier(path) as tier:
         assert tier.contains(b"A" * 17) and not tier.contains(b"B" * 17)
         assert [k for k, _, _ in tier.entries()] == [b"A" * 17]
         assert (tier.get(b"A" * 17) == 1).all()
         assert tier.used_bytes == tier.charge(10_000)  # the torn bytes' space is free again
+    # the torn object's dedicated segment was removed on reopen
+    assert [n for n in os.listdir(path) if n.startswith("seg-")] == [segment_name(0)]
 
 
 def test_entries_pointing_past_the_file_are_dropped(tmp_path: Path,

@@ -102,6 +102,24 @@ def test_block_id_prompts_match_at_block_ends_only():
         ix.release(plan)
 
 
+def test_checkpoint_tree_and_exclusive_pages():
+    """Trajectories (HiState Fig. 6): intermediate states, a terminal bundle."""
+    ix = HybridIndex(B, ROOT)
+    full = list(range(1, 25))
+    prompt = put_prompt(ix, full)
+    s1 = ix.add_checkpoint(prompt, 8, "host", 1)
+    s3 = ix.add_checkpoint(prompt, 24, "host", 1)
+    s2 = ix.add_checkpoint(prompt, 14, "host", 1)       # inserted between, inside block 3
+    assert s2.parent is s1 and s3.parent is s2 and s1.parent is None
+    assert s3.terminal and not s2.terminal
+    assert list(ix.ancestors(s3)) == [s2, s1]
+    # the terminal bundle: pages after s2's block that only s3 needs
+    exclusive = ix.exclusive_pages(s3)
+    assert sorted(ix.page_info(n)["block"] for n in exclusive) == [4, 5]
+    ix.drop_checkpoint_tier(s2.key, "host")
+    assert s3.parent is s1 and s1.children == [s3]
+
+
 def test_namespaces_never_share_keys():
     a = PrefixKeys.from_tokens([1, 2, 3, 4], block_size=B, root=K.namespace_root("a"))
     b = PrefixKeys.from_tokens([1, 2, 3, 4], block_size=B, root=K.namespace_root("b"))
@@ -225,6 +243,20 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def refcounts_equal_a_recount(self):
         assert self.ix.check_refcounts()
+
+    @invariant()
+    def checkpoint_tree_follows_prefixes(self):
+        by_key = {P(c).key_at(len(c)): c for c in self.ckpts}
+        assert set(by_key) == {ck.key for ck in self.ix.checkpoints()}
+        for ck in self.ix.checkpoints():
+            c = by_key[ck.key]
+            if ck.parent is not None:
+                parent = by_key[ck.parent.key]
+                assert len(parent) < len(c) and c[: len(parent)] == parent
+                assert ck in ck.parent.children
+            for child in ck.children:
+                assert child.parent is ck
+            assert ck.terminal == (not ck.children)
 
 
 TestIndexMachine = IndexMachine.TestCase

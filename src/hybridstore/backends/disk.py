@@ -149,7 +149,8 @@ class DiskTier(Tier):
         try:
             self._catalog = Catalog(os.path.join(self.path, CATALOG_DIR))
             self.segment_bytes = self._geometry(segment_bytes)
-            self._engine = engine if isinstance(engine, Engine) else select_engine(engine, io_threads)
+            self._engine = (engine if isinstance(engine, Engine)
+                            else select_engine(engine, io_threads))
             self._alloc = SlabAllocator(budget_bytes=capacity_bytes, arena_bytes=self.segment_bytes,
                                         alignment=ALIGN, on_new_arena=self._create_segment,
                                         on_release_arena=self._remove_segment)
@@ -203,7 +204,9 @@ class DiskTier(Tier):
         """Write an object; the future completes (yielding ``nbytes``) once it is durable.
 
         The bytes are written from ``data`` without a copy: keep ``data``
-        unchanged until the future completes.
+        unchanged until the future completes.  The future completes on the
+        tier's commit thread: its callbacks must not block on locks held by a
+        thread that waits for another disk write.
 
         Raises:
             ObjectTooLargeError: it can never fit.

@@ -17,11 +17,13 @@ engine (``name``)          how it moves bytes
 Every engine offers ``open(path) -> file``, ``pread(file, buf, nbytes, offset)``
 and ``pwrite(...)`` (both return a :class:`~concurrent.futures.Future` that
 yields ``nbytes``; a short or failed I/O raises
-:class:`~hybridstore.errors.BackendIOError`), ``fsync(file)``,
-``close_file(file)`` and ``close()``.  Offsets are 4 KiB aligned (the disk
-tier's records are); a write of ``nbytes`` may occupy ``nbytes`` rounded up to
-4 KiB on disk, zero padded.  The caller keeps ``buf`` alive and unchanged until
-the future completes.
+:class:`~hybridstore.errors.BackendIOError`), their blocking twins ``read`` and
+``write`` (which may run part of the I/O on the calling thread: one thread hop
+less for small objects), ``fsync(file)``, ``close_file(file)`` and ``close()``.
+Offsets are 4 KiB aligned (the disk tier's records are); a write of ``nbytes``
+may occupy ``nbytes`` rounded up to 4 KiB on disk, zero padded, and a read
+never writes past ``buf[nbytes - 1]``.  The caller keeps ``buf`` alive and
+unchanged until the future completes.
 
 :func:`select_engine` maps the ``disk_engine`` setting (``"auto"``, ``"kvikio"``,
 ``"posix"``) to an engine.  kvikio is imported lazily and only here; ``"auto"``
@@ -212,7 +214,8 @@ class PosixEngine(Engine):
         if io_threads < 1:
             raise ConfigError(f"io_threads must be at least 1, got {io_threads}")
         if chunk_bytes < ALIGN or chunk_bytes % ALIGN:
-            raise ConfigError(f"chunk_bytes must be a positive multiple of {ALIGN}, got {chunk_bytes}")
+            raise ConfigError(f"chunk_bytes must be a positive multiple of {ALIGN}, "
+                              f"got {chunk_bytes}")
         self.io_threads = io_threads
         self.chunk_bytes = chunk_bytes
         self._try_direct = direct and hasattr(os, "O_DIRECT")
@@ -400,7 +403,8 @@ class KvikioEngine(Engine):
 
     kvikio runs each I/O on its own thread pool (sized here from ``io_threads``
     through ``kvikio.defaults``, which is process-wide) and returns an
-    ``IOFuture``; a small waiter pool turns those into standard futures.
+    ``IOFuture``; a small waiter pool turns those into standard futures, and
+    the blocking :meth:`read`/:meth:`write` wait on them directly.
 
     Args:
         io_threads: size of kvikio's thread pool.
@@ -431,7 +435,8 @@ class KvikioEngine(Engine):
                 reset(io_threads)
         self._compat = _kvikio_compat_mode(kvikio)
         self.name = "kvikio-compat" if self._compat else "kvikio-gds"
-        self._waiters = ThreadPoolExecutor(max(2, io_threads), thread_name_prefix="hs-kvikio-wait")
+        self._waiters = ThreadPoolExecutor(max(2, io_threads),
+                                           thread_name_prefix="hs-kvikio-wait")
 
     @property
     def compat_mode(self) -> bool:
@@ -450,57 +455,46 @@ class KvikioEngine(Engine):
         self._waiters.shutdown(wait=True)
 
     def pread(self, file: Any, buf: Any, nbytes: int, offset: int) -> Future:
-        return self._io(file.pread, buf, nbytes, offset, "read")
+        io = self._start(file.pread, buf, nbytes, offset, "read")
+        return self._waiters.submit(self._finish, io, buf, nbytes, offset, "read")
 
     def pwrite(self, file: Any, buf: Any, nbytes: int, offset: int) -> Future:
-        return self._io(file.pwrite, buf, nbytes, offset, "write")
+        io = self._start(file.pwrite, buf, nbytes, offset, "write")
+        return self._waiters.submit(self._finish, io, buf, nbytes, offset, "write")
 
     def read(self, file: Any, buf: Any, nbytes: int, offset: int) -> int:
-        return self._blocking(file.pread, buf, nbytes, offset, "read")
+        io = self._start(file.pread, buf, nbytes, offset, "read")
+        return self._finish(io, buf, nbytes, offset, "read")
 
     def write(self, file: Any, buf: Any, nbytes: int, offset: int) -> int:
-        return self._blocking(file.pwrite, buf, nbytes, offset, "write")
+        io = self._start(file.pwrite, buf, nbytes, offset, "write")
+        return self._finish(io, buf, nbytes, offset, "write")
 
-    def _blocking(self, call: Callable[..., Any], buf: Any, nbytes: int, offset: int,
-                  what: str) -> int:
+    @staticmethod
+    def _start(call: Callable[..., Any], buf: Any, nbytes: int, offset: int, what: str) -> Any:
+        """Issue a kvikio I/O; returns its ``IOFuture`` (``None`` for an empty I/O)."""
         if nbytes == 0:
+            return None
+        try:
+            return call(buf, nbytes, offset)
+        except Exception as e:  # noqa: BLE001 - kvikio raises RuntimeError for driver errors
+            raise BackendIOError(f"kvikio {what} of {nbytes} bytes at offset {offset} failed: {e}",
+                                 offset=offset, expected=nbytes, got=0) from e
+
+    @staticmethod
+    def _finish(io: Any, buf: Any, nbytes: int, offset: int, what: str) -> int:
+        """Wait for an ``IOFuture`` (``buf`` is passed only to keep it alive until then)."""
+        if io is None:
             return 0
         try:
-            got = int(call(buf, nbytes, offset).get())
-        except Exception as e:  # noqa: BLE001 - kvikio raises RuntimeError for driver errors
+            got = int(io.get())
+        except Exception as e:  # noqa: BLE001
             raise BackendIOError(f"kvikio {what} of {nbytes} bytes at offset {offset} failed: {e}",
                                  offset=offset, expected=nbytes, got=0) from e
         if got != nbytes:
-            raise BackendIOError(f"kvikio {what} at offset {offset} moved {got} of {nbytes} "
-                                 "bytes (truncated segment?)", offset=offset, expected=nbytes,
-                                 got=got)
+            raise BackendIOError(f"kvikio {what} at offset {offset} moved {got} of {nbytes} bytes "
+                                 "(truncated segment?)", offset=offset, expected=nbytes, got=got)
         return got
-
-    def _io(self, call: Callable[..., Any], buf: Any, nbytes: int, offset: int,
-            what: str) -> Future:
-        if nbytes == 0:
-            done: Future = Future()
-            done.set_result(0)
-            return done
-        try:
-            io_future = call(buf, nbytes, offset)
-        except Exception as e:  # noqa: BLE001 - kvikio raises RuntimeError for driver errors
-            raise BackendIOError(f"kvikio {what} of {nbytes} bytes at offset {offset} failed: {e}",
-                                 offset=offset, expected=nbytes, got=0) from e
-
-        def wait(_keep_alive: Any = buf) -> int:
-            try:
-                got = int(io_future.get())
-            except Exception as e:  # noqa: BLE001
-                raise BackendIOError(f"kvikio {what} of {nbytes} bytes at offset {offset} "
-                                     f"failed: {e}", offset=offset, expected=nbytes, got=0) from e
-            if got != nbytes:
-                raise BackendIOError(f"kvikio {what} at offset {offset} moved {got} of {nbytes} "
-                                     "bytes (truncated segment?)",
-                                     offset=offset, expected=nbytes, got=got)
-            return got
-
-        return self._waiters.submit(wait)
 
 
 def _kvikio_compat_mode(kvikio: Any) -> bool:

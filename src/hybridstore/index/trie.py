@@ -63,9 +63,12 @@ class Checkpoint:
         nbytes: size of its bytes.
         atime: logical time of its last put or hit.
         pins: live plans resuming from it.
+        parent, children: the checkpoint tree (trajectories: HiState Fig. 6).
+        hits: resumes served from it.
     """
 
-    __slots__ = ("key", "position", "base", "offset", "covers", "tiers", "nbytes", "atime", "pins")
+    __slots__ = ("key", "position", "base", "offset", "covers", "tiers", "nbytes", "atime", "pins",
+                 "parent", "children", "hits", "created")
 
     def __init__(self, key: bytes, position: int, base: int, offset: int, nbytes: int,
                  atime: int) -> None:
@@ -78,6 +81,15 @@ class Checkpoint:
         self.nbytes = nbytes
         self.atime = atime
         self.pins = 0
+        self.parent: Checkpoint | None = None   # nearest retained checkpoint before it on its path
+        self.children: list[Checkpoint] = []     # checkpoints whose nearest ancestor it is
+        self.hits = 0                            # resumes served from it
+        self.created = atime
+
+    @property
+    def terminal(self) -> bool:
+        """No retained checkpoint continues its trajectory (HiState's terminal state)."""
+        return not self.children
 
     def __repr__(self) -> str:
         return (f"Checkpoint(position={self.position}, base={self.base}, offset={self.offset}, "
@@ -151,6 +163,7 @@ class HybridIndex:
         self._grow(max(capacity, 16))
         self._ckpts: dict[bytes, Checkpoint] = {}
         self._by_base: dict[int, list[Checkpoint]] = {}
+        self._tree_roots: list[Checkpoint] = []
         self._plans: dict[int, tuple[tuple[int, ...], bytes | None]] = {}
         self._plan_ids = itertools.count(1)
         self._clock = 0
@@ -352,6 +365,7 @@ class HybridIndex:
                     nid = self._new_node(lo, hi, k, ntok, base)
                 ck.covers.append(nid)
                 self._deps[nid] += 1
+            self._attach(ck, prompt)
         ck.tiers |= TIER_BITS[tier]
         ck.nbytes = nbytes
         ck.atime = self._tick()
@@ -399,9 +413,80 @@ class HybridIndex:
                     nid = self._new_node(lo, hi, k, ntok, base)
                 ck.covers.append(nid)
                 self._deps[nid] += 1
+            self._attach(ck, None)
         ck.tiers |= TIER_BITS[tier]
         ck.nbytes = nbytes
         return ck
+
+    # -- the checkpoint tree ------------------------------------------------------------
+    def _precedes(self, a: Checkpoint, b: Checkpoint, prompt: PrefixKeys | None) -> bool:
+        """Whether checkpoint ``a`` lies on ``b``'s path, before it."""
+        if a.position >= b.position:
+            return False
+        B = self.block_size
+        block_a = (a.position - 1) // B
+        if a.base == b.base:
+            if prompt is not None and prompt.tokens is not None:
+                return prompt.key_at(a.position) == a.key
+            return not set(a.covers).isdisjoint(b.covers)
+        # the node of a's block on b's path
+        node = b.base
+        parent = self._parent
+        while node > ROOT and self._block[node] > block_a:
+            node = parent[node]
+        return node > ROOT and self._block[node] == block_a and node in a.covers
+
+    def _attach(self, ck: Checkpoint, prompt: PrefixKeys | None) -> None:
+        """Link ``ck`` into the checkpoint tree under its nearest ancestor."""
+        parent: Checkpoint | None = None
+        for cand in self._by_base.get(ck.base, ()):
+            if cand is not ck and self._precedes(cand, ck, prompt):
+                if parent is None or cand.position > parent.position:
+                    parent = cand
+        if parent is None:
+            node, par = ck.base, self._parent
+            while node > ROOT and parent is None:
+                up = par[node]
+                if up == _NO_PARENT:   # restored without its ancestors
+                    break
+                for cand in self._by_base.get(up, ()):
+                    if node in cand.covers and (parent is None or cand.position > parent.position):
+                        parent = cand
+                node = up
+        ck.parent = parent
+        siblings = parent.children if parent is not None else self._tree_roots
+        for child in list(siblings):
+            if self._precedes(ck, child, None):
+                siblings.remove(child)
+                child.parent = ck
+                ck.children.append(child)
+        siblings.append(ck)
+
+    def _detach(self, ck: Checkpoint) -> None:
+        siblings = ck.parent.children if ck.parent is not None else self._tree_roots
+        siblings.remove(ck)
+        for child in ck.children:
+            child.parent = ck.parent
+            siblings.append(child)
+        ck.children = []
+        ck.parent = None
+
+    def ancestors(self, ck: Checkpoint) -> Iterator[Checkpoint]:
+        """Checkpoints before ``ck`` on its path, nearest first."""
+        cur = ck.parent
+        while cur is not None:
+            yield cur
+            cur = cur.parent
+
+    def exclusive_pages(self, ck: Checkpoint) -> list[int]:
+        """Pages only ``ck`` needs: its trajectory's last KV segment (HiState Fig. 6)."""
+        out = [n for n in ck.covers if self._deps[n] == 1]
+        node = ck.base
+        parent = self._parent
+        while node > ROOT and self._deps[node] == 1:
+            out.append(node)
+            node = parent[node]
+        return out
 
     def checkpoint(self, key: bytes) -> Checkpoint | None:
         return self._ckpts.get(key)
@@ -420,6 +505,7 @@ class HybridIndex:
         if ck.tiers:
             return
         del self._ckpts[key]
+        self._detach(ck)
         siblings = self._by_base[ck.base]
         siblings.remove(ck)
         if not siblings:
@@ -495,6 +581,7 @@ class HybridIndex:
             self._atime[arr] = t
         if ck is not None:
             ck.pins += 1
+            ck.hits += 1
             ck.atime = t
         self._plans[plan_id] = (tuple(page_ids), ck.key if ck else None)
         n = len(page_ids)
@@ -531,6 +618,10 @@ class HybridIndex:
         sel = live[(self._tiers[live] & TIER_BITS[tier]) != 0] if live.size else live
         return {"ids": sel, "atime": self._atime[sel], "deps": self._deps[sel],
                 "pins": self._pins[sel], "nbytes": self._nbytes[sel], "tiers": self._tiers[sel]}
+
+    def page_columns(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """``tiers`` and ``nbytes`` of the pages ``ids`` (vectorised, for restore costs)."""
+        return {"tiers": self._tiers[ids], "nbytes": self._nbytes[ids]}
 
     def page_info(self, nid: int) -> dict[str, int]:
         return {"block": int(self._block[nid]), "ntok": int(self._ntok[nid]),

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from hybridstore.backends.base import ObjectKind
-from hybridstore.index.trie import HybridIndex
+from hybridstore.index.trie import Checkpoint, HybridIndex
 
 
 class Victim(NamedTuple):
@@ -40,9 +40,21 @@ class Victim(NamedTuple):
 
 
 class EvictionPolicy(ABC):
-    """Ranks the objects of one tier for eviction."""
+    """Ranks the objects of one tier for eviction.
+
+    Attributes:
+        dependency_aware: when True the store never drops the last copy of a
+            page that a retained checkpoint needs (the checkpoint is evicted
+            first, FlashStates' hybrid-state unit); when False pages go in
+            plain policy order and checkpoints may be left without their KV
+            (the dependency misses vLLM and SGLang show).
+    """
 
     name: str = "eviction"
+    dependency_aware: bool = True
+
+    def on_hit(self, index: HybridIndex, checkpoint: Checkpoint) -> None:  # noqa: B027
+        """Called after a resume from ``checkpoint`` (e.g. to refresh ancestors)."""
 
     @abstractmethod
     def victims(self, index: HybridIndex, tier: str) -> Iterator[Victim]:
