@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -51,7 +51,7 @@ from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import TIER_BITS, Checkpoint, HybridIndex, ResumePlan
 from hybridstore.layout import Layout, copy_out
 from hybridstore.policy import admission_policy, eviction_policy
-from hybridstore.policy.base import PlacementPolicy, Victim
+from hybridstore.policy.base import PlacementPolicy, ResidenceStats, Victim
 from hybridstore.policy.placement import RequestEnd
 from hybridstore.policy.tiering import tier_policy
 
@@ -94,6 +94,7 @@ class HybridStore:
         self._admission = admission_policy(cfg.checkpoint_policy)
         self._placement = placement or RequestEnd()
         self._tiering = tier_policy(cfg.tier_policy)
+        self.residence = ResidenceStats()
         self._root = K.namespace_root(cfg.namespace)
         self.index = HybridIndex(cfg.block_size, self._root)
         self.tiers: dict[str, Tier] = dict(tiers) if tiers is not None else self._open_tiers(cfg)
@@ -101,8 +102,10 @@ class HybridStore:
             if name not in TIER_BITS:
                 raise UnknownTierError(f"unknown tier {name!r}; tiers are {list(TIER_BITS)}")
         self._layouts: dict[ObjectKind, Layout] = {}
-        self._pending: dict[bytes, Future] = {}
-        self._completed: deque[tuple[bytes, Future]] = deque()
+        self._chain = [name for name in TIER_ORDER if name in self.tiers]
+        self._pending: dict[tuple[bytes, str], Future] = {}   # (key, target tier) -> copy
+        self._inflight: Counter[bytes] = Counter()             # copies in flight per key
+        self._completed: deque[tuple[bytes, str, Future]] = deque()
         self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hybridstore-load")
         self._counters = {"matches": 0, "hit_tokens": 0, "query_tokens": 0, "loads": 0,
                           "evictions": 0, "corrupt": 0}
@@ -229,9 +232,9 @@ class HybridStore:
                                     nbytes)
                 continue
             okey = object_key(ObjectKind.PAGE, key16)
-            self._write_host(okey, ObjectKind.PAGE, nbytes,
-                             None if pack is None else (lambda slot, i=i: pack(i, slot)))
-            self.index.add_page(prompt, block, "host", nbytes)
+            self._land(okey, ObjectKind.PAGE, nbytes,
+                       None if pack is None else (lambda slot, i=i: pack(i, slot)))
+            self.index.add_page(prompt, block, self._chain[0], nbytes)
             meta = M.encode_page(block, prompt.block_end(block) - block * B, prompt.key_before(block))
             self._placed(okey, ObjectKind.PAGE, nbytes, meta)
             stored += 1
@@ -312,8 +315,8 @@ class HybridStore:
         if not self._admission.admit(self.index, p, nbytes):
             return False
         okey = object_key(ObjectKind.STATE, key16)
-        self._write_host(okey, ObjectKind.STATE, nbytes, pack)
-        ck = self.index.add_checkpoint(prompt, p, "host", nbytes)
+        self._land(okey, ObjectKind.STATE, nbytes, pack)
+        ck = self.index.add_checkpoint(prompt, p, self._chain[0], nbytes)
         self._placed(okey, ObjectKind.STATE, nbytes, self._state_meta(ck))
         if self._tiering.historical_to_ssd and ck.parent is not None:
             self._to_ssd(ck.parent)
@@ -324,20 +327,22 @@ class HybridStore:
         return M.encode_state(ck.position, base_key, self.index.cover_keys(ck))
 
     def _to_ssd(self, ck: Checkpoint) -> None:
-        """HiState §3.1: a checkpoint that stopped being terminal leaves DRAM for SSD."""
-        host_bit = TIER_BITS["host"]
-        if "disk" not in self.tiers or not ck.tiers & host_bit or ck.pins:
+        """HiState §3.1: a checkpoint that stopped being terminal leaves fast memory for SSD."""
+        disk_bit = TIER_BITS["disk"]
+        if "disk" not in self.tiers or ck.pins or not ck.tiers & ~disk_bit:
             return
         okey = object_key(ObjectKind.STATE, ck.key)
-        if not ck.tiers & TIER_BITS["disk"]:
-            fut = self._pending.get(okey) or self._copy_to_disk(okey, ObjectKind.STATE, ck.nbytes,
-                                                                 self._state_meta(ck))
+        if not ck.tiers & disk_bit:
+            fut = self._pending.get((okey, "disk")) or self._copy(
+                okey, ObjectKind.STATE, ck.nbytes, self._state_meta(ck), self._holder(ck.tiers), "disk")
             try:
                 fut.result()
             finally:
                 self._drain()
-        if self.index.checkpoint(ck.key) is ck and ck.tiers & TIER_BITS["disk"]:
-            self._drop(okey, "host")
+        if self.index.checkpoint(ck.key) is ck and ck.tiers & disk_bit and not self._inflight[okey]:
+            for name in self._chain[:-1]:
+                if ck.tiers & TIER_BITS[name]:
+                    self._drop(okey, name)
 
     def _layout(self, kind: ObjectKind, value: Any, what: str) -> Layout:
         layout = self._layouts.get(kind)
@@ -356,77 +361,85 @@ class HybridStore:
             layout.check(value, what)
         return layout
 
-    def _write_host(self, okey: bytes, kind: ObjectKind, nbytes: int,
-                    pack: Callable[[np.ndarray], None] | None) -> None:
-        """Land a new object in the DRAM pool (every object's first tier)."""
-        host = self.tiers["host"]
-        if pack is None and host.stores_bytes:
+    def _land(self, okey: bytes, kind: ObjectKind, nbytes: int,
+              pack: Callable[[np.ndarray], None] | None) -> None:
+        """Write a new object into the fastest tier (the pinned DRAM pool in a data-plane store)."""
+        name = self._chain[0]
+        tier = self.tiers[name]
+        if pack is None and tier.stores_bytes:
             raise HybridStoreError("sized puts (no bytes) need accounting tiers; pass the tensors")
-        self._make_room("host", host.charge(nbytes), kind)
-        if isinstance(host, HostPool):
-            slot = self._retry("host", nbytes, lambda: host.reserve_slot(okey, nbytes))
+        self._make_room(name, tier.charge(nbytes), kind)
+        if isinstance(tier, HostPool):
+            slot = self._retry(name, nbytes, lambda: tier.reserve_slot(okey, nbytes))
             try:
                 pack(slot)  # type: ignore[misc]
             except BaseException:
-                host.abort(okey)
+                tier.abort(okey)
                 raise
-            host.commit(okey)
+            tier.commit(okey)
         else:
             buf = None
-            if host.stores_bytes:
+            if tier.stores_bytes:
                 buf = np.empty(nbytes, np.uint8)
                 pack(buf)  # type: ignore[misc]
-            self._retry("host", nbytes, lambda: host.put(okey, buf, nbytes=nbytes)).result()
-        self._kind_bytes["host"][kind] += host.charge(nbytes)
+            self._retry(name, nbytes, lambda: tier.put(okey, buf, nbytes=nbytes)).result()
+        self._kind_bytes[name][kind] += tier.charge(nbytes)
 
     def _placed(self, okey: bytes, kind: ObjectKind, nbytes: int, meta: bytes) -> None:
-        """After a put: start the SSD copy when the tier policy writes this kind through."""
-        if "disk" in self.tiers and kind in self._tiering.write_through:
-            self._copy_to_disk(okey, kind, nbytes, meta)
+        """After a put: copy to every slower tier when the tier policy writes this kind through."""
+        if kind in self._tiering.write_through:
+            for name in self._chain[1:]:
+                self._copy(okey, kind, nbytes, meta, self._chain[0], name)
 
-    def _copy_to_disk(self, okey: bytes, kind: ObjectKind, nbytes: int, meta: bytes) -> Future:
-        """Start writing a DRAM object to SSD; the index learns of it once durable."""
-        host, disk = self.tiers["host"], self.tiers["disk"]
-        self._make_room("disk", disk.charge(nbytes), kind)
-        if isinstance(host, HostPool):
-            host.acquire(okey)
-            data = host.view(okey)
+    def _copy(self, okey: bytes, kind: ObjectKind, nbytes: int, meta: bytes, src: str,
+              dst: str) -> Future:
+        """Start copying an object between tiers; the index learns of the copy once it is done
+        (for the disk tier: once durable)."""
+        source, target = self.tiers[src], self.tiers[dst]
+        self._make_room(dst, target.charge(nbytes), kind)
+        if isinstance(source, HostPool):
+            source.acquire(okey)
+            data = source.view(okey)
         else:
-            data = host.get(okey) if host.stores_bytes else None
+            data = source.get(okey) if source.stores_bytes else None
         try:
-            fut = self._retry("disk", nbytes, lambda: disk.put(okey, data, nbytes=nbytes, meta=meta))
+            fut = self._retry(dst, nbytes, lambda: target.put(okey, data, nbytes=nbytes, meta=meta))
         except BaseException:
-            if isinstance(host, HostPool):
-                host.release_ref(okey)
+            if isinstance(source, HostPool):
+                source.release_ref(okey)
             raise
-        self._pending[okey] = fut
-        fut.add_done_callback(lambda f, k=okey: self._disk_write_done(k, f))
+        self._pending[(okey, dst)] = fut
+        self._inflight[okey] += 1
+        fut.add_done_callback(lambda f, k=okey, s=src, d=dst: self._copy_done(k, s, d, f))
         if fut.done():
             self._drain()
         return fut
 
-    def _disk_write_done(self, okey: bytes, fut: Future) -> None:
-        """Runs on the disk tier's thread: only queue the completion (no store lock here,
-        so that a caller holding the lock may wait on disk writes)."""
-        host = self.tiers["host"]
-        if isinstance(host, HostPool):
-            host.release_ref(okey)
-        self._completed.append((okey, fut))
+    def _copy_done(self, okey: bytes, src: str, dst: str, fut: Future) -> None:
+        """Runs on the target tier's thread: only queue the completion (no store lock here,
+        so that a caller holding the lock may wait on copies)."""
+        source = self.tiers[src]
+        if isinstance(source, HostPool):
+            source.release_ref(okey)
+        self._completed.append((okey, dst, fut))
 
     def _drain(self) -> None:
-        """Apply finished disk writes to the index (under the store lock)."""
+        """Apply finished copies to the index (under the store lock)."""
         while self._completed:
-            okey, fut = self._completed.popleft()
-            if self._pending.get(okey) is fut:
-                del self._pending[okey]
+            okey, dst, fut = self._completed.popleft()
+            if self._pending.get((okey, dst)) is fut:
+                del self._pending[(okey, dst)]
+                self._inflight[okey] -= 1
+                if not self._inflight[okey]:
+                    del self._inflight[okey]
             if fut.exception() is not None:
-                log.warning("disk write of %s failed: %s", okey.hex(), fut.exception())
-            elif not self._closed and not self._mark(okey, "disk"):
-                # The object was forgotten while its write was in flight.
-                self.tiers["disk"].delete(okey)
+                log.warning("copy of %s to %s failed: %s", okey.hex(), dst, fut.exception())
+            elif not self._closed and not self._mark(okey, dst):
+                # The object was forgotten while its copy was in flight.
+                self.tiers[dst].delete(okey)
 
     def _wait_pending(self) -> None:
-        """Wait for every in-flight disk write, then apply them."""
+        """Wait for every in-flight copy, then apply them."""
         for fut in list(self._pending.values()):
             try:
                 fut.result()
@@ -564,7 +577,7 @@ class HybridStore:
 
     def _run_load(self, plan: ResumePlan, jobs: list[tuple[bytes, ObjectKind]],
                   sources: list[str], into: tuple[Sequence[Any], Any] | None) -> tuple[list, Any]:
-        host = self.tiers["host"]
+        host = self.tiers.get("host")
         outputs: list[Any] = []
         waits: list[tuple[int, Future]] = []
         bufs: list[np.ndarray | None] = []
@@ -712,11 +725,12 @@ class HybridStore:
                 return 0
             okey = object_key(ObjectKind.STATE, ck.key)
             elsewhere, needed, nbytes = ck.tiers & ~bit, False, ck.nbytes
-        if okey in self._pending:
+        if self._inflight[okey]:
             return 0
         if not elsewhere:
-            if tier == "host" and "disk" in self.tiers and victim.kind in self._tiering.spill:
-                self._spill(okey, victim.kind, nbytes)
+            below = self._below(tier)
+            if below is not None and victim.kind in self._tiering.spill:
+                self._spill(okey, victim.kind, nbytes, tier, below)
             elif needed and self._eviction.dependency_aware:
                 return 0
         freed = self.tiers[tier].charge(nbytes)
@@ -724,8 +738,13 @@ class HybridStore:
         self._counters["evictions"] += 1
         return freed
 
-    def _spill(self, okey: bytes, kind: ObjectKind, nbytes: int) -> None:
-        """Write-back: copy a DRAM-only object to SSD before DRAM drops it."""
+    def _below(self, tier: str) -> str | None:
+        """The next slower tier of this store, or None."""
+        i = self._chain.index(tier)
+        return self._chain[i + 1] if i + 1 < len(self._chain) else None
+
+    def _spill(self, okey: bytes, kind: ObjectKind, nbytes: int, src: str, dst: str) -> None:
+        """Write-back: copy the last copy of an object one tier down before ``src`` drops it."""
         if kind == ObjectKind.PAGE:
             nid = self.index.find_node(okey[1:])
             info = self.index.page_info(nid)
@@ -734,7 +753,7 @@ class HybridStore:
             ck = self.index.checkpoint(okey[1:])
             assert ck is not None
             meta = self._state_meta(ck)
-        self._copy_to_disk(okey, kind, nbytes, meta).result()
+        self._copy(okey, kind, nbytes, meta, src, dst).result()
         self._drain()
 
     def _drop(self, okey: bytes, tier: str) -> None:
@@ -746,21 +765,32 @@ class HybridStore:
     def _forget(self, okey: bytes, tier: str, nbytes: int | None) -> None:
         """Record that ``tier`` no longer holds ``okey`` (of ``nbytes``)."""
         kind = ObjectKind(okey[0])
+        bit = TIER_BITS[tier]
         if kind == ObjectKind.PAGE:
             nid = self.index.find_node(okey[1:])
-            if nid >= 0 and self.index.page_info(nid)["tiers"] & TIER_BITS[tier]:
-                self.index.drop_page_tier(nid, tier)
-                self._kind_bytes[tier][kind] -= self.tiers[tier].charge(nbytes or 0)
+            if nid < 0:
+                return
+            info = self.index.page_info(nid)
+            if not info["tiers"] & bit:
+                return
+            if info["tiers"] == bit:
+                self.residence.observe(kind, self.index.now() - info["ctime"])
+            self.index.drop_page_tier(nid, tier)
         else:
             ck = self.index.checkpoint(okey[1:])
-            if ck is not None and ck.tiers & TIER_BITS[tier]:
-                self.index.drop_checkpoint_tier(okey[1:], tier)
-                self._kind_bytes[tier][kind] -= self.tiers[tier].charge(nbytes or 0)
+            if ck is None or not ck.tiers & bit:
+                return
+            if ck.tiers == bit:
+                self.residence.observe(kind, self.index.now() - ck.created)
+            self.index.drop_checkpoint_tier(okey[1:], tier)
+        self._kind_bytes[tier][kind] -= self.tiers[tier].charge(nbytes or 0)
 
     # -- engine helpers -------------------------------------------------------------
     def checkpoint_positions(self, *, cached: int, length: int, anchors: Sequence[int] = ()) -> list[int]:
         """Positions of a new segment ``(cached, length]`` where the engine should capture states."""
-        return self._placement.positions(cached=cached, length=length, anchors=anchors)
+        with self._lock:
+            return self._placement.positions(cached=cached, length=length, anchors=anchors,
+                                             stats=self.residence)
 
     def flush(self) -> None:
         """Wait until every disk write has completed and is recorded in the index."""

@@ -106,7 +106,8 @@ class DiskTier(Tier):
     Args:
         path: directory of the tier (created if missing).
         capacity_bytes: hard budget of the segment files.
-        engine: ``"auto"``, ``"kvikio"``, ``"posix"`` or an :class:`Engine`.
+        engine: ``"auto"``, ``"kvikio"``, ``"posix"``, or an :class:`Engine`
+            (the tier then owns it and closes it).
         segment_bytes: size of one segment file (an existing tier keeps the
             size it was created with).
         io_threads: threads of the I/O pool (and of the engine).

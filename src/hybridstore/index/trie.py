@@ -154,6 +154,7 @@ class HybridIndex:
         self._pins = np.zeros(0, np.int32)       # live plans using the page
         self._nchild = np.zeros(0, np.int32)
         self._atime = np.zeros(0, np.int64)
+        self._ctime = np.zeros(0, np.int64)      # logical time the page was first held
         self._nbytes = np.zeros(0, np.int64)
         self._parent = array("q")                # scalar-walked, so a plain array
         self._ids: dict[int, int] = {}
@@ -175,7 +176,7 @@ class HybridIndex:
     def _grow(self, need: int) -> None:
         new = max(need, self._cap * 2)
         for name in ("_klo", "_khi", "_block", "_ntok", "_tiers", "_deps", "_pins", "_nchild",
-                     "_atime", "_nbytes"):
+                     "_atime", "_ctime", "_nbytes"):
             old = getattr(self, name)
             arr = np.zeros(new, old.dtype)
             arr[: self._cap] = old
@@ -199,7 +200,7 @@ class HybridIndex:
         self._deps[nid] = 0
         self._pins[nid] = 0
         self._nchild[nid] = 0
-        self._atime[nid] = self._tick()
+        self._atime[nid] = self._ctime[nid] = self._tick()
         self._nbytes[nid] = 0
         self._parent[nid] = parent
         if parent != _NO_PARENT:
@@ -627,7 +628,8 @@ class HybridIndex:
         return {"block": int(self._block[nid]), "ntok": int(self._ntok[nid]),
                 "tiers": int(self._tiers[nid]), "deps": int(self._deps[nid]),
                 "pins": int(self._pins[nid]), "nbytes": int(self._nbytes[nid]),
-                "parent": int(self._parent[nid]), "atime": int(self._atime[nid])}
+                "parent": int(self._parent[nid]), "atime": int(self._atime[nid]),
+                "ctime": int(self._ctime[nid])}
 
     def parent_key(self, nid: int) -> bytes:
         parent = self._parent[nid]
@@ -650,7 +652,7 @@ class HybridIndex:
 
         arrays = sum(getattr(self, n).nbytes for n in (
             "_klo", "_khi", "_block", "_ntok", "_tiers", "_deps", "_pins", "_nchild", "_atime",
-            "_nbytes")) + self._parent.itemsize * len(self._parent)
+            "_ctime", "_nbytes")) + self._parent.itemsize * len(self._parent)
         dict_bytes = sys.getsizeof(self._ids) + sum(sys.getsizeof(k) for k in self._ids)
         return arrays + dict_bytes
 

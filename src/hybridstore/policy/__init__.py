@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from hybridstore.errors import ConfigError
 from hybridstore.policy.admission import KeepAll
-from hybridstore.policy.base import AdmissionPolicy, EvictionPolicy, PlacementPolicy, Victim
+from hybridstore.policy.base import (
+    AdmissionPolicy,
+    EvictionPolicy,
+    PlacementPolicy,
+    ResidenceStats,
+    Victim,
+)
 from hybridstore.policy.lru import LRUEviction
 from hybridstore.policy.placement import RequestEnd
 
@@ -30,4 +36,4 @@ def admission_policy(name: str) -> AdmissionPolicy:
 
 
 __all__ = ["AdmissionPolicy", "EvictionPolicy", "KeepAll", "LRUEviction", "PlacementPolicy",
-           "RequestEnd", "Victim", "admission_policy", "eviction_policy"]
+           "RequestEnd", "ResidenceStats", "Victim", "admission_policy", "eviction_policy"]

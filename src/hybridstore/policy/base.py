@@ -17,6 +17,7 @@ The same policies drive the real store and the accounting-only simulator.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -37,6 +38,33 @@ class Victim(NamedTuple):
 
     kind: ObjectKind
     ref: int | bytes
+
+
+@dataclass
+class ResidenceStats:
+    """How long objects stay cached before eviction, as EMAs (HiState §3.2).
+
+    ``t_kv`` and ``t_state`` estimate the residence times T_KV and T_state of
+    eq. 4, in the index's logical time (their ratio is what matters).  The
+    store calls :meth:`observe` whenever an object leaves its last tier.
+    """
+
+    alpha: float = 0.05
+    t_kv: float | None = None
+    t_state: float | None = None
+
+    def observe(self, kind: ObjectKind, lifetime: float) -> None:
+        if kind == ObjectKind.PAGE:
+            self.t_kv = lifetime if self.t_kv is None else self.t_kv + self.alpha * (lifetime - self.t_kv)
+        else:
+            prev = self.t_state
+            self.t_state = lifetime if prev is None else prev + self.alpha * (lifetime - prev)
+
+    def kv_state_ratio(self) -> float:
+        """T_KV / T_state (1.0 until both have been observed)."""
+        if not self.t_kv or not self.t_state:
+            return 1.0
+        return self.t_kv / self.t_state
 
 
 class EvictionPolicy(ABC):
@@ -76,5 +104,14 @@ class PlacementPolicy(ABC):
     name: str = "placement"
 
     @abstractmethod
-    def positions(self, *, cached: int, length: int, anchors: Sequence[int] = ()) -> list[int]:
-        """Positions in ``(cached, length]`` to checkpoint, ascending."""
+    def positions(self, *, cached: int, length: int, anchors: Sequence[int] = (),
+                  stats: ResidenceStats | None = None) -> list[int]:
+        """Positions in ``(cached, length]`` to checkpoint, ascending.
+
+        Args:
+            cached: tokens restored from the cache (the new segment starts here).
+            length: the prompt's length.
+            anchors: semantic boundaries the engine knows (turn starts, tool
+                calls and results, thinking blocks: seed 003).
+            stats: residence-time estimates (adaptive placement uses them).
+        """

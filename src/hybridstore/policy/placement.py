@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hybridstore.policy.base import PlacementPolicy
+from hybridstore.policy.base import PlacementPolicy, ResidenceStats
 
 
 class RequestEnd(PlacementPolicy):
@@ -18,7 +18,8 @@ class RequestEnd(PlacementPolicy):
 
     name = "request-end"
 
-    def positions(self, *, cached: int, length: int, anchors: Sequence[int] = ()) -> list[int]:
+    def positions(self, *, cached: int, length: int, anchors: Sequence[int] = (),
+                  stats: ResidenceStats | None = None) -> list[int]:
         picked = {p for p in anchors if cached < p <= length}
         if length > cached:
             picked.add(length)
