@@ -18,11 +18,36 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if all(r["bit_exact"] for r in rows) else 1
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from hybridstore.replay.loaders import load
+    from hybridstore.replay.report import plot, print_table, summarize, write_json
+    from hybridstore.replay.sim import ReplayConfig, replay
+    from hybridstore.replay.trace import merge
+
+    traces = [load(spec) for spec in args.trace]
+    trace = traces[0] if len(traces) == 1 else merge(traces)
+    cfg = ReplayConfig(model=args.model, live_sessions=args.live_sessions, gpu_gib=args.gpu_gib,
+                       host_gib=args.host_gib, disk_gib=args.disk_gib, seed=args.seed,
+                       token_level=not args.block_level, max_requests=args.max_requests)
+    names = [n.strip() for n in args.policy.split(",") if n.strip()]
+    runs = replay(trace, names, cfg, progress=not args.no_progress)
+    doc = summarize(trace, runs, cfg)
+    print_table(doc)
+    if args.json:
+        write_json(doc, args.json)
+    if args.plot:
+        plot(runs, args.plot, title=f"{trace.name} ({cfg.model})")
+    return 0
+
+
 def _bench_core(args: argparse.Namespace) -> int:
     from hybridstore.bench.core import run_core_bench
 
     run_core_bench(json_path=args.json, disk_dir=args.dir, quick=args.quick)
     return 0
+
+
+DEFAULT_POLICIES = "unlimited,vllm-disk,sglang-hicache,flashstates,histate"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +57,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--disk-path", default=None, help="SSD tier directory (default: a temp dir)")
     demo.add_argument("--json", default=None, help="also write the per-request rows as JSON")
     demo.set_defaults(func=_demo)
+    rep = sub.add_parser("replay", help="replay agent traces under several policies, side by side")
+    rep.add_argument("trace", nargs="+",
+                     help="trace files/directories (WEKA, Mooncake, TraceLab, canonical jsonl) or "
+                          "synthetic:agent?... / synthetic:rewind?... specs")
+    rep.add_argument("--policy", default=DEFAULT_POLICIES,
+                     help=f"comma-separated presets (default: {DEFAULT_POLICIES})")
+    rep.add_argument("--model", default="qwen3.5-9b", help="model preset (replay/models.py)")
+    rep.add_argument("--live-sessions", type=int, default=24)
+    rep.add_argument("--gpu-gib", type=float, default=45.0)
+    rep.add_argument("--host-gib", type=float, default=96.0)
+    rep.add_argument("--disk-gib", type=float, default=150.0)
+    rep.add_argument("--seed", type=int, default=0)
+    rep.add_argument("--max-requests", type=int, default=None)
+    rep.add_argument("--block-level", action="store_true",
+                     help="match at block boundaries only (no synthesized token ids)")
+    rep.add_argument("--json", default=None, help="write the summary JSON here")
+    rep.add_argument("--plot", default=None, help="write the TTFT / hit-rate plot (PNG) here")
+    rep.add_argument("--no-progress", action="store_true")
+    rep.set_defaults(func=_replay)
     bench = sub.add_parser("bench", help="benchmarks (print JSON and a table)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     core = bsub.add_parser("core", help="tier put/load throughput, match latency, hashing, index memory")

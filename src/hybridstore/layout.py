@@ -111,7 +111,12 @@ class Layout:
             if spec.framework == "torch":
                 torch = _torch()
                 src = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-                torch.from_numpy(dst).copy_(src)
+                if src.is_cuda:
+                    torch.from_numpy(dst).copy_(src)   # D2H into the (pinned) slot
+                else:
+                    # numpy's single-threaded memcpy: torch's intra-op threads only
+                    # add jitter to a copy this size on a busy host.
+                    dst[:] = src.numpy()
             else:
                 dst[:] = np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)
 

@@ -111,7 +111,7 @@ class HybridStore:
                           "evictions": 0, "corrupt": 0}
         self._loaded_bytes = {name: 0 for name in self.tiers}
         self._kind_bytes = {name: dict.fromkeys(ObjectKind, 0) for name in self.tiers}
-        if "disk" in self.tiers:
+        if "disk" in self.tiers and self.tiers["disk"].durable:
             self._reopen()
 
     # -- construction ---------------------------------------------------------------
@@ -354,8 +354,8 @@ class HybridStore:
                         f"a {what} of {layout.nbytes} bytes is larger than the {tier.name} tier "
                         f"({tier.capacity_bytes} bytes); raise its budget")
             disk = self.tiers.get("disk")
-            if disk is not None and hasattr(disk, "put_info"):
-                disk.put_info(_LAYOUT_INFO[kind], layout.to_json())
+            if disk is not None and disk.durable:
+                disk.put_info(_LAYOUT_INFO[kind], layout.to_json())  # type: ignore[attr-defined]
             self._layouts[kind] = layout
         else:
             layout.check(value, what)

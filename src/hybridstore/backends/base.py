@@ -97,6 +97,10 @@ class Tier(ABC):
     name: ClassVar[str] = "tier"
     #: False for the accounting tier, which keeps sizes but no bytes.
     stores_bytes: ClassVar[bool] = True
+    #: True when objects survive a restart and ``entries()`` lists them after
+    #: a reopen; such a tier also keeps small named blobs (``put_info`` /
+    #: ``get_info``), where the store records its tensor layouts.
+    durable: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._lock = threading.RLock()

@@ -122,6 +122,7 @@ class DiskTier(Tier):
     """
 
     name = "disk"
+    durable = True
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *,
                  engine: str | Engine = "auto", segment_bytes: int = 256 << 20,

@@ -311,16 +311,25 @@ class _TierBench:
         working = wl.n * wl.size + wl.store_bytes
         host_bytes = 2 * working + (256 * MIB)
         disk_bytes = 4 * working + (1024 * MIB)
-        self.pool = HostPool(host_bytes)
-        self.disk_path = os.path.join(root_dir, f"{wl.name}-tier")
-        self.disk = DiskTier(self.disk_path, disk_bytes, engine="posix")
-        base = dict(block_size=STORE_BLOCK, host_bytes=host_bytes, disk_engine="posix")
-        self.store_host = HybridStore(StoreConfig(**base))
-        self.store_disk_path = os.path.join(root_dir, f"{wl.name}-store")
-        # The default DRAM/SSD policy is write-through (every put also goes to disk).
-        self.store_disk = HybridStore(StoreConfig(**base, disk_path=self.store_disk_path,
-                                                  disk_bytes=disk_bytes))
+        self._opened: list[Any] = []
+        try:
+            self.pool = self._open(HostPool(host_bytes))
+            self.disk = self._open(DiskTier(os.path.join(root_dir, f"{wl.name}-tier"), disk_bytes,
+                                            engine="posix"))
+            base = dict(block_size=STORE_BLOCK, host_bytes=host_bytes, disk_engine="posix")
+            self.store_host = self._open(HybridStore(StoreConfig(**base)))
+            # The default DRAM/SSD policy is write-through (every put also goes to disk).
+            self.store_disk = self._open(HybridStore(StoreConfig(
+                **base, disk_path=os.path.join(root_dir, f"{wl.name}-store"),
+                disk_bytes=disk_bytes)))
+        except BaseException:
+            self.close()
+            raise
         self._rep = 0
+
+    def _open(self, obj: Any) -> Any:
+        self._opened.append(obj)
+        return obj
 
     # -- bookkeeping --------------------------------------------------------------
     def _series(self, tier: str, path: str, op: str, note: str = "") -> _Series:
@@ -472,11 +481,12 @@ class _TierBench:
         return None if None in flags else all(flags)
 
     def close(self) -> None:
-        for closer in (self.store_host.close, self.store_disk.close, self.pool.close, self.disk.close):
+        for obj in reversed(self._opened):
             try:
-                closer()
+                obj.close()
             except Exception as e:  # noqa: BLE001 - report, keep closing the rest
-                self.issues.append(f"{self.wl.name}: close failed: {e!r}")
+                self.issues.append(f"{self.wl.name}: closing {type(obj).__name__} failed: {e!r}")
+        self._opened.clear()
 
 
 # ---------------------------------------------------------------------------------
@@ -744,6 +754,7 @@ def run_core_bench(json_path: str | None = None, disk_dir: str | None = None,
     tiers_rows: list[dict[str, Any]] = []
     o_direct = _o_direct_works(root_dir)
     engine_name = None
+    host_pinned = False
     direct_seen: list[bool | None] = []
     try:
         with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
@@ -759,6 +770,7 @@ def run_core_bench(json_path: str | None = None, disk_dir: str | None = None,
                 bench = _TierBench(wl, root_dir, rng, issues)
                 try:
                     engine_name = bench.disk.engine.name
+                    host_pinned = bench.pool.is_pinned
                     for r in range(reps + 1):  # repetition 0 warms up (arenas, segments)
                         bench.rep(timed=r > 0,
                                   step=lambda what, r=r, name=name: step(
@@ -796,6 +808,9 @@ def run_core_bench(json_path: str | None = None, disk_dir: str | None = None,
                       "cache"),
             "verify_checksums": True,
         },
+        "host": {"pinned": bool(host_pinned),
+                 "note": ("arenas page-locked with cudaHostRegister" if host_pinned else
+                          "pageable mmap arenas (pinning needs a CUDA device)")},
         "tiers": tiers_rows,
         "match": match,
         "hashing": hashing,

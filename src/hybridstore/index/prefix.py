@@ -38,7 +38,7 @@ class PrefixKeys:
         tokens: the uint32 token ids, or ``None`` when built from block ids.
     """
 
-    __slots__ = ("block_size", "length", "root", "keys", "tokens", "_lo", "_inner")
+    __slots__ = ("block_size", "length", "root", "keys", "tokens", "_lo", "_inner", "_paths")
 
     def __init__(self, *, block_size: int, length: int, root: bytes, keys: np.ndarray,
                  tokens: np.ndarray | None) -> None:
@@ -49,6 +49,7 @@ class PrefixKeys:
         self.tokens = tokens
         self._lo: list[int] | None = None
         self._inner: dict[int, np.ndarray] = {}
+        self._paths: dict[int, list[int]] = {}
 
     # -- construction ---------------------------------------------------------------
     @classmethod
@@ -94,6 +95,13 @@ class PrefixKeys:
         if self._lo is None:
             self._lo = self.keys[:, 0].tolist()
         return self._lo
+
+    def path_cache(self, index: object) -> list[int]:
+        """A scratch list of node ids of this prompt's blocks, kept per index.
+
+        The index validates it before trusting it; see ``HybridIndex._ensure_path``.
+        """
+        return self._paths.setdefault(id(index), [])
 
     def block_key(self, k: int) -> bytes:
         """16-byte key of block ``k``."""

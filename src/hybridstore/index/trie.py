@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridstore.errors import InvalidTokensError, PlanReleasedError
+from hybridstore.index import keys as K
 from hybridstore.index.prefix import PrefixKeys
 
 ROOT = 0
@@ -112,6 +113,8 @@ class ResumePlan:
     ``state_key``       16-byte key of the checkpoint at ``position`` (``None``
                         when ``position == 0``)
     ``plan_id``         identifies the pins this plan holds
+    ``kv_tokens``       how far the prompt's KV pages are known to the index
+                        (the branch point where it leaves cached context)
     ==================  ==========================================================
     """
 
@@ -122,6 +125,7 @@ class ResumePlan:
     state_key: bytes | None
     plan_id: int
     page_ids: tuple[int, ...] = ()
+    kv_tokens: int = 0
 
     @property
     def recompute_tokens(self) -> int:
@@ -155,7 +159,7 @@ class HybridIndex:
         self._nchild = np.zeros(0, np.int32)
         self._atime = np.zeros(0, np.int64)
         self._ctime = np.zeros(0, np.int64)      # logical time the page was first held
-        self._nbytes = np.zeros(0, np.int64)
+        self._nbytes = np.zeros(0, np.int32)     # a page is one block: < 2 GiB
         self._parent = array("q")                # scalar-walked, so a plain array
         self._ids: dict[int, int] = {}
         self._free: list[int] = []
@@ -174,7 +178,7 @@ class HybridIndex:
 
     # -- storage ----------------------------------------------------------------------
     def _grow(self, need: int) -> None:
-        new = max(need, self._cap * 2)
+        new = max(need, self._cap + self._cap // 2)
         for name in ("_klo", "_khi", "_block", "_ntok", "_tiers", "_deps", "_pins", "_nchild",
                      "_atime", "_ctime", "_nbytes"):
             old = getattr(self, name)
@@ -242,13 +246,31 @@ class HybridIndex:
         return out
 
     def _ensure_path(self, prompt: PrefixKeys, upto: int) -> list[int]:
-        """Ids of the nodes of blocks ``0..upto-1`` of ``prompt``, creating missing ones."""
-        ids: list[int] = []
-        parent = ROOT
+        """Ids of the nodes of blocks ``0..upto-1`` of ``prompt``, creating missing ones.
+
+        The ids are cached on ``prompt`` (per index), so the engine's usual
+        sequence (match, put pages block by block, put states) walks each
+        block once.  A cached path is trusted when its last node still holds
+        the expected key: a node with children is never collected, so its
+        ancestors are then intact too.
+        """
+        cached = prompt.path_cache(self)
+        if cached:
+            n = min(len(cached), upto)
+            last = cached[n - 1]
+            if (self._block[last] == n - 1 and int(self._klo[last]) == prompt.lo[n - 1]
+                    and int(self._khi[last]) == int(prompt.keys[n - 1, 1])):
+                if n == upto:
+                    return cached[:upto]
+                del cached[n:]
+            else:
+                cached.clear()
+        ids = cached
+        parent = ids[-1] if ids else ROOT
         keys = prompt.keys
         lo_list = prompt.lo
         B = self.block_size
-        for k in range(upto):
+        for k in range(len(ids), upto):
             lo = lo_list[k]
             hi = int(keys[k, 1])
             nid = self._lookup(lo, hi)
@@ -260,7 +282,7 @@ class HybridIndex:
                 self._relink(nid, parent)
             ids.append(nid)
             parent = nid
-        return ids
+        return ids[:upto]
 
     def _relink(self, nid: int, parent: int) -> None:
         """Give a node restored without its parent (after a reopen) its parent."""
@@ -548,20 +570,20 @@ class HybridIndex:
                 cover = self._present_cover(ck, ids[j] if j < len(ids) else -1)
                 if cover < 0:
                     continue
-                return self._pin(prompt, ids[:j] + [cover], p, ck)
-        return self._pin(prompt, [], 0, None)
+                return self._pin(prompt, ids[:j] + [cover], p, ck, len(ids))
+        return self._pin(prompt, [], 0, None, len(ids))
 
     def _walk(self, prompt: PrefixKeys) -> list[int]:
-        ids: list[int] = []
+        """Ids of the prompt's leading blocks the index knows (one dict probe per block,
+        high halves compared vectorised)."""
+        if not prompt.nblocks:
+            return []
         get = self._ids.get
-        khi = self._khi
-        his = prompt.keys[:, 1]
-        for k, lo in enumerate(prompt.lo):
-            nid = get(lo)
-            if nid is None or nid == ROOT or khi[nid] != his[k]:
-                break
-            ids.append(nid)
-        return ids
+        ids = [get(lo, ROOT) for lo in prompt.lo]
+        arr = np.asarray(ids, dtype=np.int64)
+        ok = (arr != ROOT) & (self._khi[arr] == prompt.keys[:, 1])
+        bad = np.flatnonzero(~ok)
+        return ids[: int(bad[0])] if bad.size else ids
 
     def _present_cover(self, ck: Checkpoint, preferred: int) -> int:
         if preferred in ck.covers and self._tiers[preferred]:
@@ -572,7 +594,7 @@ class HybridIndex:
         return -1
 
     def _pin(self, prompt: PrefixKeys, page_ids: list[int], position: int,
-             ck: Checkpoint | None) -> ResumePlan:
+             ck: Checkpoint | None, walked: int) -> ResumePlan:
         plan_id = next(self._plan_ids)
         t = self._tick()
         B = self.block_size
@@ -587,10 +609,13 @@ class HybridIndex:
         self._plans[plan_id] = (tuple(page_ids), ck.key if ck else None)
         n = len(page_ids)
         tokens = tuple([B] * (n - 1) + [position - (n - 1) * B]) if n else ()
+        # Every page but the last is the prompt's own block; the last may be a cover.
+        page_keys = K.keys_to_bytes(prompt.keys[: n - 1]) + [self.node_key(page_ids[-1])] if n else []
         return ResumePlan(position=position, length=prompt.length,
-                          page_keys=tuple(self.node_key(i) for i in page_ids),
+                          page_keys=tuple(page_keys),
                           page_tokens=tokens, state_key=ck.key if ck else None,
-                          plan_id=plan_id, page_ids=tuple(page_ids))
+                          plan_id=plan_id, page_ids=tuple(page_ids),
+                          kv_tokens=min(walked * B, prompt.length))
 
     def release(self, plan: ResumePlan) -> None:
         """Drop the pins of ``plan``; raises PlanReleasedError when done twice."""
@@ -598,12 +623,14 @@ class HybridIndex:
         if entry is None:
             raise PlanReleasedError(f"plan {plan.plan_id} was already released; release each plan once")
         page_ids, ckey = entry
-        if page_ids:
-            self._pins[np.asarray(page_ids, dtype=np.int64)] -= 1
         if ckey is not None and ckey in self._ckpts:
             self._ckpts[ckey].pins -= 1
-        for nid in page_ids:
-            self._collect(nid)
+        if page_ids:
+            arr = np.asarray(page_ids, dtype=np.int64)
+            self._pins[arr] -= 1
+            # Only pages that lost their bytes while pinned can now be forgotten.
+            for nid in arr[self._tiers[arr] == 0].tolist():
+                self._collect(nid)
 
     def is_live(self, plan: ResumePlan) -> bool:
         return plan.plan_id in self._plans

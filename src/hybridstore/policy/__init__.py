@@ -1,9 +1,28 @@
-"""Policies: eviction ranking, checkpoint admission and placement (pure, no I/O)."""
+"""Policies: eviction ranking, checkpoint admission and placement (pure, no I/O).
+
+==================  ======================================================
+eviction            ranking
+==================  ======================================================
+``lru``             dependency-aware LRU, reclaimable pages first
+``lru-vllm``        plain per-object LRU, not dependency-aware (vLLM)
+``lru-refresh``     ``lru`` whose hits refresh the whole checkpoint chain
+``marconi``         recency + alpha * FLOP efficiency (Marconi)
+``histate``         HiState eq. 7 over checkpoints and terminal bundles
+``flashstates``     prefill time saved per byte freed, decayed by idleness
+==================  ======================================================
+
+Admission: ``keep-all``, ``flashstates`` (cost-aware).  Placement:
+``request-end``, ``marconi``, ``interval``, ``block-aligned``, ``adaptive``,
+``anchors``; ``placement_policy("adaptive+anchors")`` composes several.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 from hybridstore.errors import ConfigError
 from hybridstore.policy.admission import KeepAll
+from hybridstore.policy.anchors import SemanticAnchors
 from hybridstore.policy.base import (
     AdmissionPolicy,
     EvictionPolicy,
@@ -11,29 +30,73 @@ from hybridstore.policy.base import (
     ResidenceStats,
     Victim,
 )
+from hybridstore.policy.flashstates import FlashStatesAdmission, FlashStatesEviction
+from hybridstore.policy.histate import HiStateEviction
+from hybridstore.policy.intervals import AdaptiveInterval, FixedInterval
 from hybridstore.policy.lru import LRUEviction
-from hybridstore.policy.placement import RequestEnd
+from hybridstore.policy.lru_refresh import LRURefreshEviction
+from hybridstore.policy.lru_vllm import PlainLRUEviction
+from hybridstore.policy.marconi import MarconiEviction
+from hybridstore.policy.placement import BlockAligned, BranchPoints, Compose, RequestEnd
+from hybridstore.policy.units import PrefillCost
 
-EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUEviction}
-ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {"keep-all": KeepAll}
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUEviction,
+    "lru-vllm": PlainLRUEviction,
+    "lru-refresh": LRURefreshEviction,
+    "marconi": MarconiEviction,
+    "histate": HiStateEviction,
+    "flashstates": FlashStatesEviction,
+}
+ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
+    "keep-all": KeepAll,
+    "flashstates": FlashStatesAdmission,
+}
+PLACEMENT_POLICIES: dict[str, type[PlacementPolicy]] = {
+    "request-end": RequestEnd,
+    "marconi": BranchPoints,
+    "interval": FixedInterval,
+    "block-aligned": BlockAligned,
+    "adaptive": AdaptiveInterval,
+    "anchors": SemanticAnchors,
+}
 
 
-def eviction_policy(name: str) -> EvictionPolicy:
+def _build(registry: dict[str, type], kind: str, name: str, params: dict[str, Any]) -> Any:
+    try:
+        cls = registry[name]
+    except KeyError:
+        raise ConfigError(f"unknown {kind} {name!r}; choose one of {sorted(registry)}") from None
+    try:
+        return cls(**params)
+    except TypeError as exc:
+        raise ConfigError(f"bad parameters for {kind} {name!r}: {exc}") from None
+
+
+def eviction_policy(name: str, **params: Any) -> EvictionPolicy:
     """The eviction policy called ``name``; ConfigError lists the known ones."""
-    try:
-        return EVICTION_POLICIES[name]()
-    except KeyError:
-        raise ConfigError(f"unknown policy {name!r}; choose one of {sorted(EVICTION_POLICIES)}") from None
+    return _build(EVICTION_POLICIES, "policy", name, params)
 
 
-def admission_policy(name: str) -> AdmissionPolicy:
+def admission_policy(name: str, **params: Any) -> AdmissionPolicy:
     """The checkpoint admission policy called ``name``."""
-    try:
-        return ADMISSION_POLICIES[name]()
-    except KeyError:
-        raise ConfigError(
-            f"unknown checkpoint_policy {name!r}; choose one of {sorted(ADMISSION_POLICIES)}") from None
+    return _build(ADMISSION_POLICIES, "checkpoint_policy", name, params)
 
 
-__all__ = ["AdmissionPolicy", "EvictionPolicy", "KeepAll", "LRUEviction", "PlacementPolicy",
-           "RequestEnd", "ResidenceStats", "Victim", "admission_policy", "eviction_policy"]
+def placement_policy(name: str, **params: Any) -> PlacementPolicy:
+    """The placement called ``name``; ``"a+b"`` composes placements (then without parameters)."""
+    parts = name.split("+")
+    if len(parts) == 1:
+        return _build(PLACEMENT_POLICIES, "placement", name, params)
+    if params:
+        raise ConfigError(f"composite placement {name!r} takes no parameters; build the parts "
+                          "with placement_policy() and pass them to Compose")
+    return Compose(*(_build(PLACEMENT_POLICIES, "placement", part, {}) for part in parts))
+
+
+__all__ = ["ADMISSION_POLICIES", "AdaptiveInterval", "AdmissionPolicy", "BlockAligned",
+           "BranchPoints", "Compose", "EVICTION_POLICIES", "EvictionPolicy", "FixedInterval",
+           "FlashStatesAdmission", "FlashStatesEviction", "HiStateEviction", "KeepAll",
+           "LRUEviction", "LRURefreshEviction", "MarconiEviction", "PLACEMENT_POLICIES",
+           "PlacementPolicy", "PlainLRUEviction", "PrefillCost", "RequestEnd", "ResidenceStats",
+           "SemanticAnchors", "Victim", "admission_policy", "eviction_policy", "placement_policy"]

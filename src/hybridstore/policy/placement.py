@@ -1,15 +1,32 @@
-"""Checkpoint placement: request end plus engine-given anchors.
+"""Checkpoint placement: request end, branch points, block-aligned steps, and their unions.
 
-The request end inside its block (FlashStates ASC) is where the next turn of
-an agent most often resumes; anchors are positions the engine knows to be
-semantic boundaries (turn starts, tool calls and results).  Richer placement
-(fixed and adaptive intervals) plugs in through :class:`PlacementPolicy`.
+Placements answer one question for a new prompt segment ``(cached, length]``:
+where should the engine capture recurrent states?  Each policy here is one
+rule; :class:`Compose` takes the union of several.
+
+=====================  ====================================================
+policy                 positions
+=====================  ====================================================
+:class:`RequestEnd`    the request end (FlashStates ASC: exactly where the
+                       next turn resumes, even inside a KV block) and every
+                       anchor the engine gives
+:class:`BranchPoints`  Marconi: the request end plus the branch point where
+                       the prompt left the cached context
+:class:`BlockAligned`  vLLM align mode: every scheduler chunk's end and the
+                       last block boundary, all on block boundaries
+:class:`Compose`       the union of its parts
+=====================  ====================================================
+
+Interval placements (SGLang's fixed interval, HiState's adaptive interval)
+live in :mod:`~hybridstore.policy.intervals`, semantic anchors in
+:mod:`~hybridstore.policy.anchors`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hybridstore.errors import ConfigError
 from hybridstore.policy.base import PlacementPolicy, ResidenceStats
 
 
@@ -24,3 +41,77 @@ class RequestEnd(PlacementPolicy):
         if length > cached:
             picked.add(length)
         return sorted(picked)
+
+
+class BranchPoints(RequestEnd):
+    """Marconi's placement: the request end plus the branch point.
+
+    The branch point is where the prompt diverges from the cached context (the
+    end of its longest cached token prefix).  When it lies past ``cached`` —
+    the KV matched further than a checkpoint did — the prefill passes it
+    anyway, and a state there serves every later request that shares the same
+    prefix and diverges at the same place.  Pass it as ``branch``; through
+    :meth:`HybridStore.checkpoint_positions`, which forwards only anchors, the
+    engine passes it as an anchor (anchors are taken as branch points).
+    """
+
+    name = "marconi"
+
+    def positions(self, *, cached: int, length: int, anchors: Sequence[int] = (),
+                  stats: ResidenceStats | None = None, branch: int | None = None) -> list[int]:
+        extra = () if branch is None else (branch,)
+        return super().positions(cached=cached, length=length, anchors=(*anchors, *extra))
+
+
+class BlockAligned(PlacementPolicy):
+    """vLLM's align mode: states at scheduler-step ends that fall on block boundaries.
+
+    The prefill of the new segment runs in chunks of ``chunk`` tokens rounded
+    down to whole blocks; a state is kept at the end of each chunk and at the
+    last block boundary at or before ``length``.  A request end inside a block
+    gets no state (the placement misses that FlashStates' ASC avoids).
+
+    Args:
+        block_size: tokens per KV block.
+        chunk: tokens per scheduler step; ``None``: only the last block boundary.
+    """
+
+    name = "block-aligned"
+
+    def __init__(self, *, block_size: int = 16, chunk: int | None = None) -> None:
+        if block_size < 1 or (chunk is not None and chunk < 1):
+            raise ConfigError(f"block_size and chunk must be positive, got {block_size}, {chunk}")
+        self.block_size = block_size
+        self.chunk = chunk
+
+    def positions(self, *, cached: int, length: int, anchors: Sequence[int] = (),
+                  stats: ResidenceStats | None = None) -> list[int]:
+        B = self.block_size
+        picked = set()
+        last = length // B * B
+        if last > cached:
+            picked.add(last)
+        if self.chunk is not None:
+            step = max(B, self.chunk // B * B)
+            picked.update(range(cached // B * B + step, last, step))
+        return sorted(p for p in picked if p > cached)
+
+
+class Compose(PlacementPolicy):
+    """The union of several placements (e.g. adaptive intervals plus semantic anchors)."""
+
+    def __init__(self, *policies: PlacementPolicy) -> None:
+        if not policies:
+            raise ConfigError("Compose needs at least one placement policy")
+        self.policies = policies
+        self.name = "+".join(p.name for p in policies)
+
+    def positions(self, *, cached: int, length: int, anchors: Sequence[int] = (),
+                  stats: ResidenceStats | None = None) -> list[int]:
+        picked: set[int] = set()
+        for policy in self.policies:
+            picked.update(policy.positions(cached=cached, length=length, anchors=anchors, stats=stats))
+        return sorted(picked)
+
+
+__all__ = ["BlockAligned", "BranchPoints", "Compose", "RequestEnd"]

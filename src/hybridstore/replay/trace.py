@@ -1,4 +1,4 @@
-"""Canonical in-memory form of a serving trace: :class:`Trace` > :class:`Session` > :class:`Request`.
+"""Canonical in-memory form of a trace: :class:`Trace` > :class:`Session` > :class:`Request`.
 
 Every loader (WEKA, Mooncake, TraceLab, the canonical jsonl) and every
 synthetic generator produces this one form, so the replay never sees a source
@@ -175,7 +175,8 @@ class Request:
         a = self.anchors
         if a and (a[0] <= 0 or a[-1] >= self.input_tokens or any(x >= y for x, y in zip(a, a[1:]))):
             raise TraceFormatError(
-                f"{where}: anchors must be strictly increasing positions in (0, {self.input_tokens})")
+                f"{where}: anchors must be strictly increasing positions in "
+                f"(0, {self.input_tokens})")
 
     @property
     def kind(self) -> str:
@@ -455,7 +456,8 @@ class SessionBuilder:
         parent: parent session id, if any.
     """
 
-    def __init__(self, session: str, model: str, block_size: int, parent: str | None = None) -> None:
+    def __init__(self, session: str, model: str, block_size: int,
+                 parent: str | None = None) -> None:
         self.session = session
         self.model = model
         self.block_size = block_size

@@ -1,0 +1,128 @@
+"""HiState unified eviction (§3.3): staleness- and cost-aware ranking of checkpoints and bundles.
+
+Candidates are HiState's eviction units (Fig. 6): every intermediate
+checkpoint on its own, and every trajectory's *terminal bundle* — its terminal
+checkpoint plus the last KV segment only it needs (:mod:`~hybridstore.policy.units`).
+Each is ranked GreedyDual-Size style (HiState eq. 7)::
+
+    H_x = t_x + tau * C_x / M_x
+
+``t_x`` is the unit's last access (refresh-all: a hit refreshes the hit
+checkpoint and every checkpoint before it on the matched prefix), ``M_x`` the
+bytes the tier gets back, in KV-token equivalents, and ``C_x`` the expected
+extra recomputation (tokens) if ``x`` disappears.  The lowest ``H`` goes
+first.
+
+``C_x`` follows the paper's access model.  Trajectories (root-to-terminal
+paths of the checkpoint tree) are equally likely; within a trajectory of
+``P`` tokens the terminal state is hit with probability ``q`` — an EMA of how
+often the resumed checkpoint was terminal — and the rest ``1 - q`` is spread
+uniformly over its ``P - 1`` internal positions.  Then, with ``p_-`` the
+position of the nearest retained checkpoint before ``x`` (0 if none):
+
+* terminal ``x``:      ``C_x = q * (p_x - p_-)`` — a resume at the terminal
+  falls back to ``p_-``;
+* intermediate ``x``:  ``C_x = sum over children d of W_d (p_d - p_x)(p_x - p_-)``
+  — the ``p_d - p_x`` internal positions resumed from ``x`` now recompute
+  ``p_x - p_-`` tokens more; ``W_d`` sums ``(1 - q) / (P_l - 1)`` over the
+  trajectories ``l`` through ``d``.
+
+The common factor ``1/T`` (T trajectories) is folded into ``tau``.  For a
+tier that is not the last copy (a DRAM copy also on SSD) ``C_x`` is an upper
+bound: the object only moves down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybridstore.errors import ConfigError
+from hybridstore.index.trie import Checkpoint, HybridIndex
+from hybridstore.policy.units import HybridUnit, UnitEviction, kv_bytes_per_token
+
+
+@dataclass(slots=True)
+class _Pass:
+    tau: float
+    bytes_per_token: float
+    q: float
+    weight: dict[bytes, float]   # W: internal access mass of the trajectories through a checkpoint
+
+
+class HiStateEviction(UnitEviction):
+    """HiState eq. 7 over intermediate checkpoints and terminal bundles, with refresh-all.
+
+    Args:
+        tau: time scale of eq. 7 in the index's logical ticks per token of
+            expected recomputation per token-equivalent freed.  ``None``: the
+            number of objects the tier holds (every put advances the clock, so
+            that is about one turnover of the tier).
+        kv_bytes_per_token: bytes of KV per token (``M_x``'s unit); ``None``
+            estimates it from the tier's page sizes.
+        terminal_prob: initial ``q``, the probability that a resume hits a
+            trajectory's terminal state.
+        ema: weight of each observed resume in the EMA of ``q``.
+    """
+
+    name = "histate"
+
+    def __init__(self, *, tau: float | None = None, kv_bytes_per_token: float | None = None,
+                 terminal_prob: float = 0.5, ema: float = 0.05) -> None:
+        if tau is not None and tau < 0:
+            raise ConfigError(f"tau must be non-negative, got {tau}")
+        if not 0.0 <= terminal_prob <= 1.0 or not 0.0 < ema <= 1.0:
+            raise ConfigError(f"terminal_prob must be in [0, 1] and ema in (0, 1]; got {terminal_prob}, {ema}")
+        self.tau = tau
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.terminal_prob = terminal_prob
+        self.ema = ema
+
+    def on_hit(self, index: HybridIndex, checkpoint: Checkpoint) -> None:
+        """Refresh-all (§3.3) and update the terminal-access EMA ``q``."""
+        self.terminal_prob += self.ema * (float(checkpoint.terminal) - self.terminal_prob)
+        for ck in index.ancestors(checkpoint):
+            ck.atime = max(ck.atime, checkpoint.atime)
+
+    # -- eq. 7 ---------------------------------------------------------------------
+    def prepare(self, index: HybridIndex, tier: str, pages: dict[str, np.ndarray],
+                units: list[HybridUnit]) -> _Pass:
+        q = self.terminal_prob
+        weight: dict[bytes, float] = {}
+        # children before parents: a child's position is larger than its parent's
+        for ck in sorted(index.checkpoints(), key=lambda c: -c.position):
+            w = _leaf_weight(ck, q) if ck.terminal else 0.0
+            weight[ck.key] = weight.get(ck.key, 0.0) + w
+            if ck.parent is not None:
+                weight[ck.parent.key] = weight.get(ck.parent.key, 0.0) + weight[ck.key]
+        held = len(pages["ids"]) + sum(u.held for u in units)
+        tau = float(held) if self.tau is None else self.tau
+        bpt = self.kv_bytes_per_token or kv_bytes_per_token(index, pages)
+        return _Pass(tau=tau, bytes_per_token=bpt, q=q, weight=weight)
+
+    def rescored(self, index: HybridIndex, unit: HybridUnit, ctx: _Pass) -> None:
+        ck = unit.ck
+        if ck.terminal:   # a parent whose last child left became a trajectory's end
+            ctx.weight[ck.key] = _leaf_weight(ck, ctx.q)
+
+    def score(self, index: HybridIndex, unit: HybridUnit, ctx: _Pass) -> float:
+        freed = max(unit.nbytes / ctx.bytes_per_token, 1e-9)
+        return unit.ck.atime + ctx.tau * self.expected_recompute(unit.ck, ctx) / freed
+
+    @staticmethod
+    def expected_recompute(ck: Checkpoint, ctx: _Pass) -> float:
+        """``C_x``: expected extra tokens recomputed per trajectory access if ``ck`` goes."""
+        before = ck.parent.position if ck.parent is not None else 0
+        gap = ck.position - before
+        if ck.terminal:
+            return ctx.q * gap
+        return gap * sum(ctx.weight.get(d.key, 0.0) * (d.position - ck.position) for d in ck.children)
+
+
+def _leaf_weight(ck: Checkpoint, q: float) -> float:
+    """Internal access mass per position of the trajectory ending at ``ck``."""
+    return (1.0 - q) / max(ck.position - 1, 1)
+
+
+__all__ = ["HiStateEviction"]

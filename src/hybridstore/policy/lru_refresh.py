@@ -1,0 +1,27 @@
+"""LRU with refresh-all: a hit also refreshes every checkpoint before it (HiState §2.3).
+
+Refreshing the hit checkpoint *and* all preceding checkpoints on the matched
+prefix propagates a session's activity to its historical states, so an early
+checkpoint survives until the session forks there (HiState Fig. 3(a)).  The
+price is cache competition: an active session keeps a growing set of
+checkpoints recent and can displace the latest state of a slower session
+(Fig. 3(b), Fig. 7).  Ranking is otherwise :class:`~hybridstore.policy.lru.LRUEviction`'s.
+"""
+
+from __future__ import annotations
+
+from hybridstore.index.trie import Checkpoint, HybridIndex
+from hybridstore.policy.lru import LRUEviction
+
+
+class LRURefreshEviction(LRUEviction):
+    """Dependency-aware LRU whose hits refresh the whole matched checkpoint chain."""
+
+    name = "lru-refresh"
+
+    def on_hit(self, index: HybridIndex, checkpoint: Checkpoint) -> None:
+        for ck in index.ancestors(checkpoint):
+            ck.atime = max(ck.atime, checkpoint.atime)
+
+
+__all__ = ["LRURefreshEviction"]

@@ -1,0 +1,43 @@
+"""Plain per-object LRU, not dependency-aware (vLLM's CPU offloading order).
+
+Pages and checkpoints are offered strictly by last access, each on its own:
+the store may drop the last copy of a page that a retained checkpoint still
+needs, leaving that checkpoint without its KV.  Such dependency misses are
+what FlashStates measures for vLLM; this policy is the baseline that shows
+them.  Use :class:`~hybridstore.policy.lru.LRUEviction` for the
+dependency-aware order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from hybridstore.backends.base import ObjectKind
+from hybridstore.index.trie import TIER_BITS, HybridIndex
+from hybridstore.policy.base import EvictionPolicy, Victim
+
+
+class PlainLRUEviction(EvictionPolicy):
+    """Least recently used object first, pages and checkpoints alike."""
+
+    name = "lru-vllm"
+    dependency_aware = False
+
+    def victims(self, index: HybridIndex, tier: str) -> Iterator[Victim]:
+        bit = TIER_BITS[tier]
+        pages = index.page_table(tier)
+        cks = [ck for ck in index.checkpoints() if ck.tiers & bit]
+        ids = pages["ids"].tolist()
+        n = len(ids)
+        atime = np.concatenate([pages["atime"],
+                                np.fromiter((ck.atime for ck in cks), np.int64, len(cks))])
+        for i in np.argsort(atime, kind="stable").tolist():
+            if i < n:
+                yield Victim(ObjectKind.PAGE, ids[i])
+            else:
+                yield Victim(ObjectKind.STATE, cks[i - n].key)
+
+
+__all__ = ["PlainLRUEviction"]

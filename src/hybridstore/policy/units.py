@@ -1,0 +1,200 @@
+"""Hybrid-state units and the cost-ranked eviction they share (FlashStates, HiState, Marconi).
+
+A checkpoint is useless without the KV before it, and the KV that only this
+checkpoint needs cannot resume anything without it (FlashStates' dependency-
+aware hybrid state; HiState's eviction unit, Fig. 6).  A :class:`HybridUnit`
+is therefore a checkpoint plus :meth:`~hybridstore.index.trie.HybridIndex.exclusive_pages`
+— for a terminal checkpoint its trajectory's last KV segment (HiState's
+terminal bundle), for an intermediate one usually nothing, or the partial page
+that ends at it.
+
+:class:`UnitEviction` ranks such units by a policy-specific score (lowest
+first) and offers them to the store as the checkpoint followed by its pages.
+A pass over a tier yields:
+
+1. reclaimable pages (no retained checkpoint needs them), oldest first;
+2. units, lowest score first.  After each unit the store has applied (or
+   refused) the eviction; when its checkpoint left the index, the neighbours
+   whose score depends on it (tree parent and children) are scored again
+   ("affected costs are updated after eviction", HiState §3.3);
+3. the remaining pages (shared by several checkpoints) by LRU: the store can
+   only drop copies that another tier also holds (or any copy, for policies
+   that are not dependency-aware).
+
+Each object is offered at most once per pass, and only objects ``tier`` holds.
+"""
+
+from __future__ import annotations
+
+import heapq
+from abc import abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hybridstore.backends.base import ObjectKind
+from hybridstore.errors import ConfigError
+from hybridstore.index.trie import TIER_BITS, Checkpoint, HybridIndex
+from hybridstore.policy.base import EvictionPolicy, Victim
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillCost:
+    """Per-model prefill cost: a per-token term plus an attention term growing with context.
+
+    Prefilling token ``i`` (0-based) costs ``per_token + per_context_token * i``
+    (projections, MLPs and recurrent layers are linear; attention reads the
+    ``i`` earlier keys), so tokens ``[a, b)`` cost
+    ``per_token * (b - a) + per_context_token * (b² - a²) / 2``.
+    The unit is whatever the caller prices in: FLOPs (Marconi) or seconds
+    (FlashStates).
+    """
+
+    per_token: float
+    per_context_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.per_token < 0 or self.per_context_token < 0 or not (self.per_token or self.per_context_token):
+            raise ConfigError("a prefill cost needs non-negative terms, at least one positive; "
+                              f"got per_token={self.per_token}, per_context_token={self.per_context_token}")
+
+    def between(self, start: float, end: float) -> float:
+        """Cost of prefilling tokens ``[start, end)`` with ``start`` tokens of context before them."""
+        return self.per_token * (end - start) + self.per_context_token * (end * end - start * start) / 2
+
+
+class HybridUnit:
+    """A checkpoint and the pages only it needs, restricted to what one tier holds.
+
+    Attributes:
+        ck: the checkpoint.
+        held: whether the tier holds the checkpoint itself (else only pages).
+        pages: ids of its exclusive pages the tier holds (nearest the checkpoint first).
+        nbytes: bytes the tier frees when the unit leaves it.
+    """
+
+    __slots__ = ("ck", "held", "pages", "nbytes")
+
+    def __init__(self, ck: Checkpoint, held: bool, pages: np.ndarray, nbytes: int) -> None:
+        self.ck = ck
+        self.held = held
+        self.pages = pages
+        self.nbytes = nbytes
+
+    def __repr__(self) -> str:
+        return (f"HybridUnit(position={self.ck.position}, held={self.held}, "
+                f"pages={len(self.pages)}, nbytes={self.nbytes})")
+
+
+def units_of(index: HybridIndex, tier: str, cks: list[Checkpoint] | None = None) -> list[HybridUnit]:
+    """The hybrid-state units of ``tier`` (of ``cks``, or of every retained checkpoint).
+
+    A checkpoint forms a unit when the tier holds it or one of its exclusive
+    pages.  Page tiers and sizes are read in one vectorised call.
+    """
+    bit = TIER_BITS[tier]
+    cks = list(index.checkpoints()) if cks is None else cks
+    owned = [index.exclusive_pages(ck) for ck in cks]
+    counts = np.fromiter((len(o) for o in owned), dtype=np.int64, count=len(owned))
+    flat = np.fromiter((n for o in owned for n in o), dtype=np.int64, count=int(counts.sum()))
+    cols = index.page_columns(flat)
+    here = (cols["tiers"] & bit) != 0
+    page_bytes = np.where(here, cols["nbytes"], 0)
+    owner = np.repeat(np.arange(len(cks)), counts)
+    owner_bytes = np.bincount(owner, weights=page_bytes, minlength=len(cks)).astype(np.int64)
+    ends = np.cumsum(counts).tolist()
+    units = []
+    for i, ck in enumerate(cks):
+        e = ends[i]
+        s = e - int(counts[i])
+        held = bool(ck.tiers & bit)
+        pages = flat[s:e][here[s:e]]
+        nbytes = int(owner_bytes[i]) + (ck.nbytes if held else 0)
+        if held or pages.size:
+            units.append(HybridUnit(ck, held, pages, nbytes))
+    return units
+
+
+def kv_bytes_per_token(index: HybridIndex, pages: dict[str, np.ndarray]) -> float:
+    """KV bytes per token, estimated from the page sizes of a page table (1.0 when it is empty)."""
+    if not pages["nbytes"].size:
+        return 1.0
+    return max(float(np.median(pages["nbytes"])) / index.block_size, 1e-9)
+
+
+class UnitEviction(EvictionPolicy):
+    """Dependency-aware eviction of hybrid-state units, lowest :meth:`score` first.
+
+    Subclasses implement :meth:`prepare` (per-pass constants) and
+    :meth:`score` (a unit's rank; lower is evicted earlier).
+    """
+
+    dependency_aware = True
+
+    @abstractmethod
+    def prepare(self, index: HybridIndex, tier: str, pages: dict[str, np.ndarray],
+                units: list[HybridUnit]) -> Any:
+        """Constants of one pass (normalisers, clocks), computed once per :meth:`victims` call."""
+
+    @abstractmethod
+    def score(self, index: HybridIndex, unit: HybridUnit, ctx: Any) -> float:
+        """Rank of ``unit`` in this pass; the lowest is evicted first."""
+
+    def victims(self, index: HybridIndex, tier: str) -> Iterator[Victim]:
+        pages = index.page_table(tier)
+        ids, atime, deps = pages["ids"], pages["atime"], pages["deps"]
+        free = deps == 0
+        for nid in ids[free][np.argsort(atime[free], kind="stable")].tolist():
+            yield Victim(ObjectKind.PAGE, nid)
+
+        units = units_of(index, tier)
+        ctx = self.prepare(index, tier, pages, units)
+        version: dict[bytes, int] = {}
+        heap: list[tuple[float, int, int, bytes, HybridUnit]] = []
+        seq = 0
+        for unit in units:
+            heap.append((self.score(index, unit, ctx), seq, 0, unit.ck.key, unit))
+            version[unit.ck.key] = 0
+            seq += 1
+        heapq.heapify(heap)
+        offered: set[int] = set()
+        done: set[bytes] = set()
+        while heap:
+            _, _, ver, key, unit = heapq.heappop(heap)
+            if version.get(key) != ver or key in done:
+                continue
+            done.add(key)
+            ck = unit.ck
+            neighbours = ([ck.parent] if ck.parent is not None else []) + list(ck.children)
+            if unit.held:
+                yield Victim(ObjectKind.STATE, key)
+            for nid in unit.pages.tolist():
+                if nid not in offered:
+                    offered.add(nid)
+                    yield Victim(ObjectKind.PAGE, nid)
+            if index.checkpoint(key) is not None:
+                continue
+            # The checkpoint left the index: its neighbours' costs (and a parent
+            # that became terminal, its bundle) change.
+            live = [n for n in neighbours if index.checkpoint(n.key) is n and n.key not in done]
+            for fresh in units_of(index, tier, live):
+                fresh.pages = np.asarray([n for n in fresh.pages.tolist() if n not in offered],
+                                         dtype=np.int64)
+                self.rescored(index, fresh, ctx)
+                v = version.get(fresh.ck.key, -1) + 1
+                version[fresh.ck.key] = v
+                heapq.heappush(heap, (self.score(index, fresh, ctx), seq, v, fresh.ck.key, fresh))
+                seq += 1
+
+        shared = ~free
+        for nid in ids[shared][np.argsort(atime[shared], kind="stable")].tolist():
+            if nid not in offered:
+                yield Victim(ObjectKind.PAGE, nid)
+
+    def rescored(self, index: HybridIndex, unit: HybridUnit, ctx: Any) -> None:  # noqa: B027
+        """Hook: ``unit`` is about to be scored again after a neighbour left (update ``ctx``)."""
+
+
+__all__ = ["HybridUnit", "PrefillCost", "UnitEviction", "kv_bytes_per_token", "units_of"]

@@ -1,0 +1,96 @@
+"""Model presets for the replay: bytes per token, checkpoint bytes, and a prefill cost model.
+
+Prefill time of tokens ``[start, end)`` on one GPU follows a per-token term
+(dense FLOPs: 2 x active parameters) plus an attention term that grows with
+context (full-attention layers only; recurrent layers cost no more at long
+context)::
+
+    T(start, end) = (end - start) * (2 * P_active) / F
+                  + (end^2 - start^2) / 2 * (4 * L_attn * H_q * d_head) / F
+
+with ``F`` the effective prefill FLOP/s of the GPU.  Decode runs at a fixed
+time per output token.  The numbers below come from the models' public
+configs; where a figure is rounded it says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridstore.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelPreset:
+    """A hybrid model as the cache sees it.
+
+    Attributes:
+        name: preset name.
+        kv_bytes_per_token: attention KV of one token, all attention layers.
+        checkpoint_bytes: one recurrent-state checkpoint, all recurrent layers.
+        active_params: parameters touched per token (MoE: active only).
+        attn_layers, q_heads, head_dim: full-attention shape (attention term).
+        prefill_flops: effective prefill FLOP/s of the serving GPU.
+        decode_s_per_token: decode time per output token.
+        source: where the numbers come from.
+    """
+
+    name: str
+    kv_bytes_per_token: int
+    checkpoint_bytes: int
+    active_params: float
+    attn_layers: int
+    q_heads: int
+    head_dim: int
+    prefill_flops: float = 400e12
+    decode_s_per_token: float = 0.012
+    source: str = ""
+
+    def prefill_seconds(self, start: int, end: int) -> float:
+        """Seconds to prefill tokens ``[start, end)`` given a cached ``[0, start)``."""
+        if end <= start:
+            return 0.0
+        dense = (end - start) * 2.0 * self.active_params
+        attention = (end * end - start * start) / 2.0 * 4.0 * self.attn_layers * self.q_heads * self.head_dim
+        return (dense + attention) / self.prefill_flops
+
+    def page_bytes(self, block_size: int) -> int:
+        """Bytes of one KV page of ``block_size`` tokens."""
+        return self.kv_bytes_per_token * block_size
+
+    def state_tokens(self) -> float:
+        """N_s of HiState eq. 4: one checkpoint in token equivalents of KV."""
+        return self.checkpoint_bytes / self.kv_bytes_per_token
+
+
+MODELS: dict[str, ModelPreset] = {
+    # HiState's setting: BF16 KV, FP32 recurrent matrices; ~1.1 GB of KV and
+    # ~1.6 GB of checkpoints at a 1,024-token interval over 32K tokens
+    # (32 checkpoints of ~50 MB).  8 of 32 layers full attention.
+    "qwen3.5-9b": ModelPreset(
+        name="qwen3.5-9b", kv_bytes_per_token=1_100_000_000 // 32_768,
+        checkpoint_bytes=1_600_000_000 // 32, active_params=9e9, attn_layers=8, q_heads=16,
+        head_dim=256, source="HiState §3.1 (1.1 GB KV, 1.6 GB checkpoints / 32K @ I=1024)"),
+    # Qwen3-Next-80B-A3B: 48 layers, every 4th full attention (12), 2 KV heads
+    # x 256, 16 query heads; 36 Gated DeltaNet layers with 32 value heads of
+    # 128x128 FP32 state (+ a small conv state): ~75 MB per checkpoint.
+    "qwen3-next-80b-a3b": ModelPreset(
+        name="qwen3-next-80b-a3b", kv_bytes_per_token=12 * 2 * 2 * 256 * 2,
+        checkpoint_bytes=36 * (32 * 128 * 128 * 4 + 3 * 8192 * 2), active_params=3e9,
+        attn_layers=12, q_heads=16, head_dim=256,
+        source="Qwen3-Next-80B-A3B config.json (rounded conv state)"),
+    # Nemotron-H-8B: 52 layers, 4 attention (8 KV heads x 128), Mamba-2 layers
+    # with 128 heads x 64 head dim x 128 state, kept in FP32.
+    "nemotron-h-8b": ModelPreset(
+        name="nemotron-h-8b", kv_bytes_per_token=4 * 2 * 8 * 128 * 2,
+        checkpoint_bytes=24 * 128 * 64 * 128 * 4, active_params=8e9, attn_layers=4, q_heads=32,
+        head_dim=128, source="Nemotron-H-8B config (24 Mamba-2 layers counted, FP32 SSM state)"),
+}
+
+
+def model_preset(name: str) -> ModelPreset:
+    """The model preset called ``name``; ConfigError lists the known ones."""
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ConfigError(f"unknown model {name!r}; choose one of {sorted(MODELS)}") from None

@@ -1,0 +1,108 @@
+"""Presets: the systems the replay compares, each a combination of the store's policies.
+
+Every preset runs the same index and store; only the policies, tier policy
+and the tiers it may use differ.  What each models, and where it simplifies:
+
+==================  ===========================================================
+preset              models
+==================  ===========================================================
+``unlimited``       every block boundary and request end checkpointed, nothing
+                    evicted: the reference upper bound of hit rate
+``vllm-marconi``    vLLM v1 hybrid prefix caching (GPU only): states only at
+                    block-aligned positions (align mode: the last block
+                    boundary of each request, plus Marconi-style branch
+                    points), plain LRU that may leave states without their KV
+``vllm-cpu``        the same with vLLM's CPU offloading: write-through to DRAM,
+                    LRU per tier
+``vllm-disk``       vLLM CPU + disk offloading: write-through to DRAM and SSD
+``sglang-hicache``  SGLang's Mamba radix cache with HiCache: a checkpoint every
+                    256 tokens (+ request end aligned to a block), about half of
+                    each tier for states (static partition), LRU
+``marconi``         Marconi: checkpoints at turn ends and branch points only;
+                    eviction by recency + FLOP efficiency (α = 1)
+``flashstates``     FlashStates: exact request-end checkpoints (ASC), hybrid
+                    states evicted as units by prefill time saved per byte,
+                    cost-aware admission; GPU + DRAM
+``semantic``        semantic anchors (seed 003): checkpoints at turn / tool
+                    boundaries the trace records, plus the request end;
+                    dependency-aware LRU; write-through DRAM + SSD
+``histate``         HiState: adaptive interval (eq. 3–6) + terminal state,
+                    asymmetric tiering (§3.1), unified eviction (eq. 7)
+==================  ===========================================================
+
+Simplifications common to all: the GPU tier is a cache of the given budget
+with free restores (the engine's own KV pool), copies between tiers are
+instantaneous for capacity purposes, and restore time is modelled from bytes
+and bandwidth, not simulated transfer by transfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hybridstore.errors import ConfigError
+from hybridstore.policy import placement_policy
+from hybridstore.policy.base import PlacementPolicy
+from hybridstore.replay.models import ModelPreset
+
+PlacementFactory = Callable[[ModelPreset, int], PlacementPolicy]
+
+
+def _place(*specs: tuple[str, dict]) -> PlacementFactory:
+    """A factory composing registered placements; ``"$B"`` / ``"$Ns"`` / ``"$kv"`` / ``"$state"``
+    in params stand for the block size, N_s, KV bytes per token and checkpoint bytes."""
+
+    def build(model: ModelPreset, block_size: int) -> PlacementPolicy:
+        subst = {"$B": block_size, "$Ns": model.state_tokens(), "$kv": model.kv_bytes_per_token,
+                 "$state": model.checkpoint_bytes}
+        parts = [placement_policy(name, **{k: subst.get(v, v) if isinstance(v, str) else v
+                                           for k, v in params.items()}) for name, params in specs]
+        return parts[0] if len(parts) == 1 else placement_policy("compose", parts=parts)
+
+    return build
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Preset:
+    """One compared system (see the module table)."""
+
+    name: str
+    eviction: str
+    placement: PlacementFactory
+    tier_policy: str = "write-through"
+    admission: str = "keep-all"
+    tiers: tuple[str, ...] = ("device", "host", "disk")
+    unlimited: bool = False
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset(name="unlimited", eviction="lru", unlimited=True, tiers=("device",),
+           placement=_place(("interval", {"interval": "$B"}), ("request-end", {}))),
+    Preset(name="vllm-marconi", eviction="lru-vllm", tiers=("device",),
+           placement=_place(("block-aligned", {"block_size": "$B"}), ("branch-points", {}))),
+    Preset(name="vllm-cpu", eviction="lru-vllm", tiers=("device", "host"),
+           placement=_place(("block-aligned", {"block_size": "$B"}))),
+    Preset(name="vllm-disk", eviction="lru-vllm", tiers=("device", "host", "disk"),
+           placement=_place(("block-aligned", {"block_size": "$B"}))),
+    Preset(name="sglang-hicache", eviction="lru-vllm", tier_policy="partition",
+           placement=_place(("interval", {"interval": 256}), ("block-aligned", {"block_size": "$B"}))),
+    Preset(name="marconi", eviction="marconi", tiers=("device", "host"), tier_policy="write-back",
+           placement=_place(("request-end", {}), ("branch-points", {}))),
+    Preset(name="flashstates", eviction="flashstates", admission="flashstates",
+           tiers=("device", "host"), tier_policy="write-back",
+           placement=_place(("request-end", {}))),
+    Preset(name="semantic", eviction="lru",
+           placement=_place(("anchors", {}), ("request-end", {}))),
+    Preset(name="histate", eviction="histate", tier_policy="asymmetric",
+           placement=_place(("adaptive", {"state_tokens": "$Ns", "block_size": "$B"}),
+                            ("request-end", {}))),
+)}
+
+
+def preset(name: str) -> Preset:
+    """The preset called ``name``; ConfigError lists the known ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}") from None

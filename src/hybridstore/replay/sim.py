@@ -1,0 +1,252 @@
+"""Discrete-event replay of agent traces against the real store over accounting tiers.
+
+The model of HiState §4.1: one GPU server with a FIFO prefill queue; at most
+``live_sessions`` sessions are live, and when one ends a random waiting session
+is admitted.  Each request, when the server takes it:
+
+1. ``plan = store.match(prompt)`` — the real index and policies;
+2. restore time = the plan's bytes over the bandwidth of whichever tiers hold
+   them (``store.restore_cost``: device 0, DRAM ``X/B_H2D``, SSD
+   ``X/B_SSD + X/B_H2D``, HiState eq. 2);
+3. recompute time = the model preset's prefill cost of ``[plan.position, len)``;
+4. the engine then puts the pages of the recomputed segment and the
+   checkpoints the preset's placement asks for (sizes only: accounting tiers).
+
+TTFT = queueing + restore + recompute.  Rules for time between requests of a
+session (closed loop): the next request arrives ``decode + think`` after the
+previous one's first token, where decode = output tokens x the model's
+per-token decode time and think = the trace's think time.  Output tokens are
+not cached at decode time; the next prompt carries them and they count as
+new input there (what a trace that records inputs only allows).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from hybridstore.backends.accounting import AccountingTier
+from hybridstore.config import StoreConfig
+from hybridstore.errors import ConfigError
+from hybridstore.index.prefix import PrefixKeys
+from hybridstore.replay.models import ModelPreset, model_preset
+from hybridstore.replay.presets import Preset, preset
+from hybridstore.replay.tokens import session_tokens
+from hybridstore.replay.trace import Request, Session, Trace
+from hybridstore.store import HybridStore
+
+GIB = 1 << 30
+_UNLIMITED_BYTES = 1 << 62
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplayConfig:
+    """Settings of one replay (the defaults are HiState's setup).
+
+    Attributes:
+        model: model preset name (``replay/models.py``).
+        live_sessions: sessions live at once.
+        gpu_gib, host_gib, disk_gib: cache budgets per tier.
+        h2d_gbps, ssd_gbps: bandwidths for restore time.
+        token_level: synthesize token ids from block ids so the index can
+            match inside blocks (FlashStates ASC, anchors); False matches at
+            block boundaries only.
+        seed: session admission order.
+        max_requests: stop after this many requests (None: all).
+    """
+
+    model: str = "qwen3.5-9b"
+    live_sessions: int = 24
+    gpu_gib: float = 45.0
+    host_gib: float = 96.0
+    disk_gib: float = 150.0
+    h2d_gbps: float = 64.0
+    ssd_gbps: float = 5.0
+    token_level: bool = True
+    seed: int = 0
+    max_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.live_sessions < 1:
+            raise ConfigError("live_sessions must be at least 1")
+        if min(self.gpu_gib, self.host_gib, self.disk_gib) < 0:
+            raise ConfigError("tier budgets must be non-negative")
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What one request cost under one policy."""
+
+    session: str
+    index: int
+    kind: str
+    input_tokens: int
+    hit_tokens: int
+    arrival_s: float
+    queue_s: float
+    restore_s: float
+    recompute_s: float
+    restored_bytes: dict[str, int]
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.restore_s + self.recompute_s
+
+
+@dataclass(slots=True)
+class PolicyRun:
+    """All request results of one preset, plus the store's counters."""
+
+    name: str
+    results: list[RequestResult] = field(default_factory=list)
+    evictions: int = 0
+    wall_s: float = 0.0
+    lookups: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        """The per-policy figures the CLI prints and writes to JSON."""
+        res = self.results
+        ttft = np.array([r.ttft_s for r in res]) if res else np.zeros(1)
+        inp = sum(r.input_tokens for r in res)
+        hit = sum(r.hit_tokens for r in res)
+        restored: dict[str, int] = {}
+        for r in res:
+            for tier, n in r.restored_bytes.items():
+                restored[tier] = restored.get(tier, 0) + n
+        return {
+            "requests": len(res), "input_tokens": inp, "hit_tokens": hit,
+            "recomputed_tokens": inp - hit, "token_hit_rate": hit / inp if inp else 0.0,
+            "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p95_s": float(np.percentile(ttft, 95)),
+            "ttft_p99_s": float(np.percentile(ttft, 99)), "ttft_mean_s": float(ttft.mean()),
+            "restored_bytes": restored, "evictions": self.evictions,
+            "requests_per_s": len(res) / self.wall_s if self.wall_s else 0.0,
+            "block_lookups_per_s": self.lookups / self.wall_s if self.wall_s else 0.0,
+        }
+
+
+def build_store(p: Preset, cfg: ReplayConfig, model: ModelPreset, block_size: int) -> HybridStore:
+    """A store with the preset's policies over accounting tiers of the configured sizes."""
+    budgets = {"device": cfg.gpu_gib, "host": cfg.host_gib, "disk": cfg.disk_gib}
+    ssd_path = 1.0 / (1.0 / cfg.ssd_gbps + 1.0 / cfg.h2d_gbps)  # HiState eq. 2, T_SSD
+    gbps = {"device": 1e9, "host": cfg.h2d_gbps, "disk": ssd_path}
+    tiers = {}
+    for name in p.tiers:
+        cap = _UNLIMITED_BYTES if p.unlimited else int(budgets[name] * GIB)
+        if cap > 0:
+            tiers[name] = AccountingTier(name, cap, read_gbps=gbps[name])
+    if not tiers:
+        raise ConfigError(f"preset {p.name} has no tier with a budget")
+    store_cfg = StoreConfig(block_size=block_size, policy=p.eviction, checkpoint_policy=p.admission,
+                            tier_policy=p.tier_policy, h2d_gbps=cfg.h2d_gbps, ssd_gbps=cfg.ssd_gbps)
+    return HybridStore(store_cfg, tiers=tiers, placement=p.placement(model, block_size))
+
+
+class _Sessions:
+    """Closed-loop session admission: ``live`` at once, a random waiting one when one ends."""
+
+    def __init__(self, sessions: Sequence[Session], live: int, seed: int) -> None:
+        order = list(sessions)
+        random.Random(seed).shuffle(order)
+        self.waiting = order
+        self.live = live
+
+    def admit(self) -> Session | None:
+        return self.waiting.pop() if self.waiting else None
+
+
+def replay_policy(trace: Trace, name: str, cfg: ReplayConfig, *, progress: bool = True) -> PolicyRun:
+    """Replay ``trace`` under the preset ``name``."""
+    import time
+
+    p = preset(name)
+    model = model_preset(cfg.model)
+    B = trace.block_size
+    store = build_store(p, cfg, model, B)
+    page_bytes = model.page_bytes(B)
+    run = PolicyRun(name)
+    sessions = _Sessions([s for s in trace.sessions if s.requests], cfg.live_sessions, cfg.seed)
+    total = trace.n_requests if cfg.max_requests is None else min(cfg.max_requests, trace.n_requests)
+    events: list[tuple[float, int, Session, int]] = []
+    seq = 0
+    tokens: dict[str, Iterator[np.ndarray]] = {}
+
+    def start(session: Session, at: float) -> None:
+        nonlocal seq
+        tokens[session.id] = session_tokens(session) if cfg.token_level else iter(())
+        heapq.heappush(events, (at, seq, session, 0))
+        seq += 1
+
+    for _ in range(cfg.live_sessions):
+        s = sessions.admit()
+        if s is None:
+            break
+        start(s, 0.0)
+    server_free = 0.0
+    t0 = time.perf_counter()
+    bar = tqdm(total=total, desc=f"replay {name}", unit="req", disable=not progress, leave=False)
+    with store:
+        while events and len(run.results) < total:
+            arrival, _, session, i = heapq.heappop(events)
+            req = session.requests[i]
+            prompt = _prompt(store, req, tokens[session.id], cfg.token_level)
+            begin = max(arrival, server_free)
+            plan = store.match(prompt)
+            run.lookups += prompt.nblocks
+            cost = store.restore_cost(plan)
+            store.release(plan)
+            restore_s = sum(sec for _, sec in cost.values())
+            recompute_s = model.prefill_seconds(plan.position, req.input_tokens)
+            _put_segment(store, prompt, plan.position, req, page_bytes, model.checkpoint_bytes)
+            done = begin + restore_s + recompute_s
+            server_free = done
+            run.results.append(RequestResult(
+                session=session.id, index=i, kind=req.tags[0] if req.tags else "",
+                input_tokens=req.input_tokens, hit_tokens=plan.position, arrival_s=arrival,
+                queue_s=begin - arrival, restore_s=restore_s, recompute_s=recompute_s,
+                restored_bytes={t: n for t, (n, _) in cost.items()}))
+            bar.update()
+            if i + 1 < len(session.requests):
+                nxt = session.requests[i + 1]
+                at = done + req.output_tokens * model.decode_s_per_token + nxt.think_s
+                heapq.heappush(events, (at, seq, session, i + 1))
+                seq += 1
+            else:
+                tokens.pop(session.id, None)
+                s = sessions.admit()
+                if s is not None:
+                    start(s, done)
+        run.evictions = store.stats()["evictions"]
+    bar.close()
+    run.wall_s = time.perf_counter() - t0
+    return run
+
+
+def _prompt(store: HybridStore, req: Request, toks: Iterator[np.ndarray], token_level: bool) -> PrefixKeys:
+    if token_level:
+        return store.prefix(next(toks))
+    return store.prefix_from_block_ids(req.block_ids, length=min(
+        req.input_tokens, len(req.block_ids) * req.block_size))
+
+
+def _put_segment(store: HybridStore, prompt: PrefixKeys, cached: int, req: Request,
+                 page_bytes: int, state_bytes: int) -> None:
+    """What the engine stores after prefilling ``[cached, len)``: pages, then checkpoints."""
+    if prompt.length == 0:
+        return
+    store.put_kv_sized(prompt, nbytes=page_bytes, first_block=cached // prompt.block_size)
+    anchors = [a for a in req.anchors if a <= prompt.length]
+    for p in store.checkpoint_positions(cached=cached, length=prompt.length, anchors=anchors):
+        if prompt.key_at(p) is not None:
+            store.put_state_sized(prompt, nbytes=state_bytes, position=p)
+
+
+def replay(trace: Trace, names: Sequence[str], cfg: ReplayConfig, *, progress: bool = True
+           ) -> dict[str, PolicyRun]:
+    """Replay ``trace`` under each preset in ``names`` (same sessions, same order)."""
+    return {name: replay_policy(trace, name, cfg, progress=progress) for name in names}
