@@ -24,7 +24,10 @@ def _replay(args: argparse.Namespace) -> int:
     from hybridstore.replay.sim import ReplayConfig, replay
     from hybridstore.replay.trace import merge
 
-    traces = [load(spec) for spec in args.trace]
+    from hybridstore.data import weka_sample
+
+    specs = args.trace or [str(weka_sample())]
+    traces = [load(spec) for spec in specs]
     trace = traces[0] if len(traces) == 1 else merge(traces)
     cfg = ReplayConfig(model=args.model, live_sessions=args.live_sessions, gpu_gib=args.gpu_gib,
                        host_gib=args.host_gib, disk_gib=args.disk_gib, seed=args.seed,
@@ -58,9 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", default=None, help="also write the per-request rows as JSON")
     demo.set_defaults(func=_demo)
     rep = sub.add_parser("replay", help="replay agent traces under several policies, side by side")
-    rep.add_argument("trace", nargs="+",
+    rep.add_argument("trace", nargs="*",
                      help="trace files/directories (WEKA, Mooncake, TraceLab, canonical jsonl) or "
-                          "synthetic:agent?... / synthetic:rewind?... specs")
+                          "synthetic:agent?... / synthetic:rewind?... specs (default: the bundled "
+                          "WEKA sample)")
     rep.add_argument("--policy", default=DEFAULT_POLICIES,
                      help=f"comma-separated presets (default: {DEFAULT_POLICIES})")
     rep.add_argument("--model", default="qwen3.5-9b", help="model preset (replay/models.py)")
