@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridstore.errors import InvalidTokensError, PlanReleasedError
-from hybridstore.index import keys as K
 from hybridstore.index.prefix import PrefixKeys
 
 ROOT = 0
@@ -107,7 +106,7 @@ class ResumePlan:
     ``position``        tokens reusable without recompute (0: nothing cached)
     ``length``          tokens in the prompt that was matched
     ``page_keys``       16-byte keys of the pages covering ``[0, position)``,
-                        in order
+                        in order (a view of ``page_blob``)
     ``page_tokens``     valid tokens of each page for this resume (the last page
                         may be used only partly: it is returned whole)
     ``state_key``       16-byte key of the checkpoint at ``position`` (``None``
@@ -120,12 +119,18 @@ class ResumePlan:
 
     position: int
     length: int
-    page_keys: tuple[bytes, ...]
+    page_blob: bytes          # the page keys, 16 bytes each, concatenated
     page_tokens: tuple[int, ...]
     state_key: bytes | None
     plan_id: int
     page_ids: tuple[int, ...] = ()
     kv_tokens: int = 0
+
+    @property
+    def page_keys(self) -> tuple[bytes, ...]:
+        """16-byte keys of the pages covering ``[0, position)``, in order."""
+        blob = self.page_blob
+        return tuple(blob[i: i + 16] for i in range(0, len(blob), 16))
 
     @property
     def recompute_tokens(self) -> int:
@@ -610,9 +615,8 @@ class HybridIndex:
         n = len(page_ids)
         tokens = tuple([B] * (n - 1) + [position - (n - 1) * B]) if n else ()
         # Every page but the last is the prompt's own block; the last may be a cover.
-        page_keys = K.keys_to_bytes(prompt.keys[: n - 1]) + [self.node_key(page_ids[-1])] if n else []
-        return ResumePlan(position=position, length=prompt.length,
-                          page_keys=tuple(page_keys),
+        blob = prompt.keys[: n - 1].astype("<u8").tobytes() + self.node_key(page_ids[-1]) if n else b""
+        return ResumePlan(position=position, length=prompt.length, page_blob=blob,
                           page_tokens=tokens, state_key=ck.key if ck else None,
                           plan_id=plan_id, page_ids=tuple(page_ids),
                           kv_tokens=min(walked * B, prompt.length))
