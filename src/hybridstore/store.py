@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridstore.backends.base import ObjectKind, Tier, object_key
+from hybridstore.backends.base import ObjectKind, Tier, aligned_empty, object_key
 from hybridstore.backends.host import HostPool
 from hybridstore.config import StoreConfig
 from hybridstore.errors import (
@@ -51,7 +51,13 @@ from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import TIER_BITS, Checkpoint, HybridIndex, ResumePlan
 from hybridstore.layout import Layout, copy_out
 from hybridstore.policy import admission_policy, eviction_policy
-from hybridstore.policy.base import PlacementPolicy, ResidenceStats, Victim
+from hybridstore.policy.base import (
+    AdmissionPolicy,
+    EvictionPolicy,
+    PlacementPolicy,
+    ResidenceStats,
+    Victim,
+)
 from hybridstore.policy.placement import RequestEnd
 from hybridstore.policy.tiering import tier_policy
 
@@ -73,6 +79,9 @@ class HybridStore:
             accounting-only tiers here.
         placement: where :meth:`checkpoint_positions` asks the engine to
             capture states (request end and anchors by default).
+        eviction, admission: policy instances that override ``config.policy``
+            and ``config.checkpoint_policy`` (for policies with parameters,
+            e.g. a model's prefill cost).
 
     Example::
 
@@ -86,12 +95,13 @@ class HybridStore:
     """
 
     def __init__(self, config: StoreConfig | None = None, *, tiers: dict[str, Tier] | None = None,
-                 placement: PlacementPolicy | None = None) -> None:
+                 placement: PlacementPolicy | None = None, eviction: EvictionPolicy | None = None,
+                 admission: AdmissionPolicy | None = None) -> None:
         self.config = cfg = config or StoreConfig()
         self._lock = threading.RLock()
         self._closed = False
-        self._eviction = eviction_policy(cfg.policy)
-        self._admission = admission_policy(cfg.checkpoint_policy)
+        self._eviction = eviction or eviction_policy(cfg.policy)
+        self._admission = admission or admission_policy(cfg.checkpoint_policy)
         self._placement = placement or RequestEnd()
         self._tiering = tier_policy(cfg.tier_policy)
         self.residence = ResidenceStats()
@@ -588,7 +598,7 @@ class HybridStore:
                 if isinstance(tier, HostPool):
                     bufs.append(tier.view(okey))
                 elif tier.stores_bytes:
-                    buf = _aligned_empty(layout.nbytes)
+                    buf = aligned_empty(layout.nbytes)
                     waits.append((i, tier.get_into(okey, buf)))
                     bufs.append(buf)
                 else:
@@ -613,7 +623,7 @@ class HybridStore:
                         copy_out(spec, buf, dst)
                     outputs.append(target)
                 elif sources[i] == "host":
-                    copy = _aligned_empty(layout.nbytes)
+                    copy = aligned_empty(layout.nbytes)
                     copy[:] = buf[: layout.nbytes]
                     outputs.append(layout.unpack(copy))
                 else:
@@ -838,13 +848,6 @@ class HybridStore:
                 self.close()
             except Exception:
                 pass
-
-
-def _aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:
-    """An uninitialised uint8 array whose data starts on an ``align`` boundary (O_DIRECT/GDS)."""
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    start = (-raw.ctypes.data) % align
-    return raw[start: start + nbytes]
 
 
 __all__ = ["HybridStore", "ResumePlan", "TIER_ORDER"]

@@ -41,6 +41,13 @@ class Session:
         self.tokens = np.zeros(0, dtype=np.int64)
         self.ends: dict[int, int] = {}    # turn -> position of its checkpoint S_turn
 
+    def fork(self, turn: int, name: str) -> Session:
+        """A new trajectory that continues this one's context after turn ``turn``."""
+        other = Session(self.store, name)
+        other.tokens = self.tokens[: self.ends[turn]].copy()
+        other.ends = {t: p for t, p in self.ends.items() if p <= self.ends[turn]}
+        return other
+
     def _fresh(self, n: int) -> np.ndarray:
         return np.array([next(_ids) for _ in range(n)], dtype=np.int64)
 

@@ -80,6 +80,13 @@ def key_kind(key: ObjectKey) -> ObjectKind:
     return ObjectKind(key[0])
 
 
+def aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:
+    """An uninitialised uint8 array whose first byte is ``align``-aligned (O_DIRECT / GDS in place)."""
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    start = -raw.__array_interface__["data"][0] % align
+    return raw[start:start + nbytes]
+
+
 def done_future(result: Any = None) -> Future:
     """A future that is already complete (for synchronous tiers)."""
     fut: Future = Future()

@@ -46,7 +46,7 @@ import numpy as np
 import xxhash
 
 from hybridstore.backends.alloc import Extent, SlabAllocator
-from hybridstore.backends.base import KEY_BYTES, ObjectKey, Tier
+from hybridstore.backends.base import KEY_BYTES, ObjectKey, Tier, aligned_empty
 from hybridstore.backends.catalog import Catalog, CatalogRecord
 from hybridstore.backends.engines import ALIGN, Engine, round_up, select_engine
 from hybridstore.errors import (
@@ -69,13 +69,6 @@ _STOP = object()
 def segment_name(segment: int) -> str:
     """File name of a segment: ``seg-000042.dat``."""
     return f"seg-{segment:06d}.dat"
-
-
-def aligned_empty(nbytes: int) -> np.ndarray:
-    """An uninitialised uint8 array whose first byte is 4 KiB aligned (O_DIRECT in place)."""
-    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
-    start = -raw.__array_interface__["data"][0] % ALIGN
-    return raw[start:start + nbytes]
 
 
 @dataclass(slots=True)

@@ -186,7 +186,7 @@ def replay_policy(trace: Trace, name: str, cfg: ReplayConfig, *, progress: bool 
         s = sessions.admit()
         if s is None:
             break
-        start(s, 0.0)
+        start(s, max(0.0, s.requests[0].arrival_s))  # the trace's own start offsets
     server_free = 0.0
     t0 = time.perf_counter()
     bar = tqdm(total=total, desc=f"replay {name}", unit="req", disable=not progress, leave=False)

@@ -1,0 +1,202 @@
+"""Eviction policies: what every ranking must offer, and what each one is for."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridstore import HybridStore, StoreConfig
+from hybridstore.backends.accounting import AccountingTier
+from hybridstore.backends.base import ObjectKind
+from hybridstore.index.trie import TIER_BITS, HybridIndex
+from hybridstore.policy import (
+    EVICTION_POLICIES,
+    FlashStatesEviction,
+    HiStateEviction,
+    MarconiEviction,
+    PrefillCost,
+    eviction_policy,
+)
+from hybridstore.policy.units import units_of
+from tests.policy.sessions import PAGE, STATE, Session
+
+POLICIES = sorted(EVICTION_POLICIES)
+
+
+def busy_store(policy: str, seed: int, *, host: int = 48 * STATE, disk: int = 96 * STATE) -> HybridStore:
+    """Write-through DRAM + SSD under pressure: shared system prompt, forks, request ends
+    inside blocks, resumes (hits) and evictions on both tiers."""
+    rng = np.random.default_rng(seed)
+    store = HybridStore(StoreConfig(block_size=16, policy=policy, tier_policy="write-through"),
+                        tiers={"host": AccountingTier("host", host, read_gbps=64),
+                               "disk": AccountingTier("disk", disk, read_gbps=5)})
+    system = Session(store, "system")
+    system.turn(0, 100)
+    sessions = [system.fork(0, f"s{i}") for i in range(4)]
+    for round_ in range(1, 9):
+        for s in list(sessions):
+            s.turn(round_, int(rng.integers(20, 400)))
+            if rng.random() < 0.2:
+                sessions.append(s.fork(int(rng.choice(list(s.ends))), f"{s.name}.{round_}"))
+    assert store.stats()["evictions"] > 0
+    return store
+
+
+def held(index: HybridIndex, tier: str) -> set[tuple[ObjectKind, object]]:
+    bit = TIER_BITS[tier]
+    objs = {(ObjectKind.PAGE, int(n)) for n in index.page_table(tier)["ids"]}
+    objs |= {(ObjectKind.STATE, ck.key) for ck in index.checkpoints() if ck.tiers & bit}
+    return objs
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_victims_offer_each_held_object_exactly_once(policy, seed):
+    store = busy_store(policy, seed)
+    for tier in ("host", "disk"):
+        offered = [(v.kind, v.ref) for v in store._eviction.victims(store.index, tier)]
+        assert len(offered) == len(set(offered)), "an object was offered twice"
+        assert set(offered) == held(store.index, tier)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_evicting_through_the_store_keeps_the_index_consistent(policy):
+    store = busy_store(policy, 3)
+    for tier in ("host", "disk"):
+        before = store.tiers[tier].used_bytes
+        freed = store.evict(before // 2, tier)
+        assert freed > 0 and store.tiers[tier].used_bytes == before - freed
+        assert store.index.check_refcounts()
+        assert set(v.ref for v in store._eviction.victims(store.index, tier)) <= \
+            {ref for _, ref in held(store.index, tier)}
+
+
+def test_only_lru_vllm_strands_checkpoints_without_their_kv():
+    """Dependency misses (FlashStates): plain LRU drops the KV pages of a retained
+    checkpoint (they are older than it) and leaves the checkpoint unusable."""
+    def stranded(policy: str) -> int:
+        store = HybridStore(StoreConfig(block_size=16, policy=policy),
+                            tiers={"host": AccountingTier("host", 10 * STATE, read_gbps=64)})
+        sessions = [Session(store, f"s{i}") for i in range(12)]
+        count = 0
+        for i, s in enumerate(sessions):
+            s.turn(1, 200 + 37 * i)
+            count += sum(1 for o in sessions[: i + 1]
+                         if o.has(1) and o.resume_if_forked_at(1) != o.ends[1])
+        assert store.stats()["evictions"] > 0
+        return count
+
+    assert stranded("lru-vllm") > 0
+    for policy in ("lru", "lru-refresh", "histate", "flashstates", "marconi"):
+        assert stranded(policy) == 0, policy
+
+
+def chain(store: HybridStore) -> Session:
+    """One session of four turns, the last resumed (hit) at its terminal state."""
+    s = Session(store, "A")
+    s.turn(1, 1000)
+    s.turn(2, 200)
+    s.turn(3, 200)
+    s.turn(4, 37)                                   # resumes from S3, ends inside a block
+    return s
+
+
+def store_for(policy: str) -> HybridStore:
+    return HybridStore(StoreConfig(block_size=16, policy=policy),
+                       tiers={"host": AccountingTier("host", 1 << 30, read_gbps=64)})
+
+
+@pytest.mark.parametrize("policy,refreshes", [("lru", False), ("lru-refresh", True), ("histate", True)])
+def test_refresh_all_on_hit(policy, refreshes):
+    store = store_for(policy)
+    s = chain(store)
+    hit = s.checkpoint(3)
+    assert hit.hits == 1
+    older = [s.checkpoint(1), s.checkpoint(2)]
+    assert all(ck.atime == hit.atime for ck in older) == refreshes
+    assert s.checkpoint(4).atime > hit.atime     # the new terminal was put after the hit
+
+
+def test_histate_learns_how_often_resumes_hit_terminal_states():
+    store = store_for("histate")
+    q0 = store._eviction.terminal_prob
+    chain(store)                                  # three resumes, each at the terminal state
+    assert store._eviction.terminal_prob > q0
+    s = Session(store, "B")
+    s.turn(1, 500)
+    s.turn(2, 500)
+    q1 = store._eviction.terminal_prob
+    store.match(store.prefix(np.concatenate([s.tokens[: s.ends[1]], [7, 7, 7]])))  # internal hit
+    assert store._eviction.terminal_prob < q1
+
+
+def test_histate_offers_a_terminal_bundle_as_state_then_its_last_kv_segment():
+    store = store_for("histate")
+    s = chain(store)
+    policy = HiStateEviction(tau=1e9)            # cost dominates: the cheapest unit goes first
+    victims = list(policy.victims(store.index, "host"))
+    terminal = s.checkpoint(4)
+    at = victims.index((ObjectKind.STATE, terminal.key))
+    segment = store.index.exclusive_pages(terminal)
+    assert segment and [v.ref for v in victims[at + 1: at + 1 + len(segment)]] == segment
+    assert all(v.kind == ObjectKind.PAGE for v in victims[at + 1: at + 1 + len(segment)])
+
+
+def test_histate_costs_follow_eq7_access_model():
+    store = store_for("histate")
+    s = chain(store)
+    ix = store.index
+    policy = HiStateEviction(tau=1.0, kv_bytes_per_token=PAGE / 16, terminal_prob=0.8)
+    units = {u.ck.position: u for u in units_of(ix, "host")}
+    ctx = policy.prepare(ix, "host", ix.page_table("host"), list(units.values()))
+    p1, p2, p3, p4 = (s.ends[t] for t in (1, 2, 3, 4))
+    q, internal = 0.8, 0.2 / (p4 - 1)
+    assert policy.expected_recompute(s.checkpoint(4), ctx) == pytest.approx(q * (p4 - p3))
+    assert policy.expected_recompute(s.checkpoint(2), ctx) == pytest.approx(internal * (p3 - p2) * (p2 - p1))
+    assert policy.expected_recompute(s.checkpoint(1), ctx) == pytest.approx(internal * (p2 - p1) * p1)
+    # eq. 7: H = t + tau * C / M, M in KV-token equivalents
+    u = units[p2]
+    assert policy.score(ix, u, ctx) == pytest.approx(
+        u.ck.atime + policy.expected_recompute(u.ck, ctx) / (STATE / (PAGE / 16)))
+
+
+def test_marconi_trades_recency_for_flop_efficiency():
+    """A long, old prefix outranks a short, recent one once FLOP efficiency weighs enough."""
+    def order(alpha: float) -> list[str]:
+        store = store_for("lru")
+        old, new = Session(store, "old"), Session(store, "new")
+        old.turn(1, 8000)
+        new.turn(1, 40)
+        policy = MarconiEviction(alpha=alpha, flops=PrefillCost(per_token=1.0, per_context_token=1e-3))
+        names = {old.checkpoint(1).key: "old", new.checkpoint(1).key: "new"}
+        return [names[v.ref] for v in policy.victims(store.index, "host") if v.kind == ObjectKind.STATE]
+
+    assert order(0.0) == ["old", "new"]          # recency only: LRU over units
+    assert order(10.0) == ["new", "old"]
+
+
+def test_flashstates_price_and_idle_decay():
+    cost = PrefillCost(per_token=1.0, per_context_token=0.5)
+    assert cost.between(0, 10) == pytest.approx(10 + 0.5 * 100 / 2)
+    assert cost.between(0, 4) + cost.between(4, 10) == pytest.approx(cost.between(0, 10))
+    store = store_for("lru")
+    s = Session(store, "A")
+    s.turn(1, 1000)
+    policy = FlashStatesEviction(cost=cost, half_life=50.0)
+    ix = store.index
+    [unit] = [u for u in units_of(ix, "host") if u.ck.position == 1000]
+    pages = ix.page_table("host")
+    fresh = policy.score(ix, unit, policy.prepare(ix, "host", pages, [unit]))
+    assert fresh == pytest.approx(cost.between(0, 1000) / unit.nbytes)
+    for _ in range(50):                           # 50 ticks of other activity
+        Session(store, "other").turn(1, 16)
+    pages = ix.page_table("host")
+    idle = policy.score(ix, unit, policy.prepare(ix, "host", pages, [unit]))
+    assert idle == pytest.approx(fresh * 0.5 ** ((ix.now() - unit.ck.atime) / 50.0))
+    assert idle < fresh / 2
+
+
+def test_registry_builds_every_policy_with_parameters():
+    assert eviction_policy("histate", tau=10.0).tau == 10.0
+    assert not eviction_policy("lru-vllm").dependency_aware
+    assert all(eviction_policy(n).dependency_aware for n in POLICIES if n != "lru-vllm")
