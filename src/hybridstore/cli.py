@@ -50,6 +50,15 @@ def _bench_core(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_ssd(args: argparse.Namespace) -> int:
+    from hybridstore.bench.ssd import parse_sizes, run_ssd_bench
+
+    run_ssd_bench(json_path=args.json, disk_dir=args.dir, plot_path=args.plot, quick=args.quick,
+                  sizes=parse_sizes(args.sizes) if args.sizes else None, reps=args.reps,
+                  use_fio=not args.no_fio)
+    return 0
+
+
 DEFAULT_POLICIES = "unlimited,vllm-disk,sglang-hicache,flashstates,histate"
 
 
@@ -87,6 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--dir", default=None, help="directory for the disk tier (default: a temp dir)")
     core.add_argument("--quick", action="store_true", help="fewer repetitions")
     core.set_defaults(func=_bench_core)
+    ssd = bsub.add_parser("ssd", help="disk tier vs the device limit (fio), DALI, torch.load, "
+                                      "safetensors, numpy; host pool copies")
+    ssd.add_argument("--dir", default=None,
+                     help="directory on the file system to measure (default: a temp dir)")
+    ssd.add_argument("--json", default=None, help="write the results here as JSON")
+    ssd.add_argument("--plot", default=None, help="write GB/s against object size here (PNG)")
+    ssd.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (< 1 min)")
+    ssd.add_argument("--sizes", default=None,
+                     help="object sizes, e.g. 4K,4M,kv,ckpt,256M (kv: a 576-token Qwen3.5-9B KV "
+                          "block, ckpt: its 50 MB checkpoint)")
+    ssd.add_argument("--reps", type=int, default=None, help="read repetitions")
+    ssd.add_argument("--no-fio", action="store_true",
+                     help="measure the device with the built-in O_DIRECT thread pool, not fio")
+    ssd.set_defaults(func=_bench_ssd)
     return parser
 
 

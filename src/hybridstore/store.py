@@ -113,6 +113,7 @@ class HybridStore:
                 raise UnknownTierError(f"unknown tier {name!r}; tiers are {list(TIER_BITS)}")
         self._layouts: dict[ObjectKind, Layout] = {}
         self._chain = [name for name in TIER_ORDER if name in self.tiers]
+        self._admission.bind(free_bytes=lambda: self._room(self._chain[0], ObjectKind.STATE))
         self._pending: dict[tuple[bytes, str], Future] = {}   # (key, target tier) -> copy
         self._inflight: Counter[bytes] = Counter()             # copies in flight per key
         self._completed: deque[tuple[bytes, str, Future]] = deque()
@@ -322,7 +323,7 @@ class HybridStore:
         if existing is not None and existing.tiers:
             self.index.add_checkpoint(prompt, p, self._holder(existing.tiers), nbytes)
             return True
-        if not self._admission.admit(self.index, p, nbytes):
+        if not self._admission.admit(self.index, p, nbytes, prompt=prompt):
             return False
         okey = object_key(ObjectKind.STATE, key16)
         self._land(okey, ObjectKind.STATE, nbytes, pack)
@@ -666,14 +667,17 @@ class HybridStore:
                 f"({t.capacity_bytes} bytes); raise its budget")
         if self._room(tier, kind) >= need:
             return
-        # Evict a little more than needed so that eviction passes are amortised.
+        # Free a few percent of the tier (or two objects) beyond the need, so that one
+        # eviction pass serves many puts: a pass ranks every object of the tier.
         self._drain()
         partition = kind if self._tiering.state_share is not None else None
-        self._evict(tier, need - self._room(tier, kind) + t.capacity_bytes // 64, partition)
+        share = self._tiering.share(kind) if partition is not None else None
+        slack = int((share or 1.0) * t.capacity_bytes) // 32
+        self._evict(tier, need - self._room(tier, kind) + slack, partition)
         if self._room(tier, kind) < need and self._pending:
             # Objects whose disk write is still in flight cannot leave DRAM yet.
             self._wait_pending()
-            self._evict(tier, need - self._room(tier, kind) + t.capacity_bytes // 64, partition)
+            self._evict(tier, need - self._room(tier, kind) + slack, partition)
         if self._room(tier, kind) < need:
             raise CapacityError(
                 f"the {tier} tier cannot free {need} bytes: everything left is pinned by live "
@@ -705,11 +709,11 @@ class HybridStore:
         for _ in range(8):  # each pass may make more pages reclaimable
             before = freed
             for victim in self._eviction.victims(self.index, tier):
-                if freed >= nbytes:
-                    return freed
                 if kind is None or victim.kind == kind:
                     freed += self._evict_one(victim, tier)
-            if freed >= nbytes or freed == before:
+                    if freed >= nbytes:
+                        return freed
+            if freed == before:
                 break
         return freed
 

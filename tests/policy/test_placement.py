@@ -144,7 +144,8 @@ def test_marconi_keeps_the_request_end_and_the_branch_point():
 
 def test_semantic_anchors_inside_the_new_segment():
     policy = SemanticAnchors()
-    assert policy.positions(cached=100, length=1000, anchors=[50, 100, 420, 777, 1000, 1200]) == [420, 777, 1000]
+    anchors = [50, 100, 420, 777, 1000, 1200]
+    assert policy.positions(cached=100, length=1000, anchors=anchors) == [420, 777, 1000]
     assert SemanticAnchors(end=True).positions(cached=100, length=1000, anchors=[420]) == [420, 1000]
 
 

@@ -6,9 +6,10 @@ One small interface, two implementations:
 engine (``name``)          how it moves bytes
 =========================  ====================================================
 ``"posix-odirect"``        :class:`PosixEngine`: ``O_DIRECT`` files, a thread
-                           pool, large I/Os split into chunks issued in
-                           parallel (queue depth is what an NVMe SSD needs);
-                           unaligned buffers bounce through aligned ones
+                           pool, large I/Os split into pieces that the pool's
+                           threads pull from a shared cursor (queue depth is
+                           what an SSD needs); unaligned buffers bounce
+                           through aligned ones
 ``"kvikio-gds"``           :class:`KvikioEngine`: kvikio ``CuFile`` with
                            GPUDirect Storage (device buffers go SSD -> GPU)
 ``"kvikio-compat"``        :class:`KvikioEngine` in kvikio's POSIX compat mode
@@ -19,7 +20,10 @@ and ``pwrite(...)`` (both return a :class:`~concurrent.futures.Future` that
 yields ``nbytes``; a short or failed I/O raises
 :class:`~hybridstore.errors.BackendIOError`), their blocking twins ``read`` and
 ``write`` (which may run part of the I/O on the calling thread: one thread hop
-less for small objects), ``fsync(file)``, ``close_file(file)`` and ``close()``.
+less for small objects), ``pread_stream`` (a read whose pieces can be waited
+for one by one, in order, while later ones are still in flight: the disk tier
+checksums what has landed while the rest is read), ``fsync(file)``,
+``close_file(file)`` and ``close()``.
 Offsets are 4 KiB aligned (the disk tier's records are); a write of ``nbytes``
 may occupy ``nbytes`` rounded up to 4 KiB on disk, zero padded, and a read
 never writes past ``buf[nbytes - 1]``.  The caller keeps ``buf`` alive and
@@ -53,8 +57,18 @@ log = logging.getLogger(__name__)
 ALIGN = 4096
 """Alignment of file offsets, lengths and buffers for O_DIRECT and GDS."""
 
-DEFAULT_CHUNK_BYTES = 8 << 20
-"""Size of the pieces a large I/O is split into (one per pool task)."""
+DEFAULT_CHUNK_BYTES = 512 << 10
+"""Largest piece a large I/O is split into (the request size the device sees).
+
+Measured with ``hybridstore bench ssd`` (docs/bench.md): the virtio SSD of
+the development VM reads fastest with 2-4 MiB in flight in 256-512 KiB
+requests and slowest with 4-8 MiB requests (what the former 8 MiB split made
+of every large object); NVMe drives saturate with 128 KiB-1 MiB requests at
+a queue depth of 8 or more.  With the default 8 I/O threads, 512 KiB pieces
+keep 4 MiB in flight."""
+
+MIN_PIECE_BYTES = 128 << 10
+"""Smallest piece of a split I/O (see :meth:`PosixEngine.piece_bytes`)."""
 
 
 def round_up(n: int, align: int = ALIGN) -> int:
@@ -96,10 +110,84 @@ def gather(futures: Sequence[Future], total: int) -> Future:
     return out
 
 
+class PieceStream:
+    """A read in flight, split into ``count`` pieces of ``piece_bytes`` (the last may be shorter).
+
+    :meth:`wait_piece` returns once piece ``i`` (bytes ``bounds(i)`` of the
+    buffer) has landed, while later pieces may still be in flight;
+    :meth:`result` waits for every piece and returns ``nbytes``.  Either raises
+    :class:`~hybridstore.errors.BackendIOError` when the I/O failed, and only
+    once no piece is in flight any more.  Call :meth:`result` (or
+    :meth:`wait_quietly`) before the buffer is reused, even after an error.
+    """
+
+    def __init__(self, nbytes: int, piece_bytes: int) -> None:
+        self.nbytes = nbytes
+        self.piece_bytes = piece_bytes
+        self.count = -(-nbytes // piece_bytes) if nbytes else 0
+
+    def bounds(self, i: int) -> tuple[int, int]:
+        """Byte range ``[start, end)`` of piece ``i`` in the buffer."""
+        start = i * self.piece_bytes
+        return start, min(start + self.piece_bytes, self.nbytes)
+
+    def wait_piece(self, i: int) -> None:
+        """Block until piece ``i`` has landed."""
+        raise NotImplementedError
+
+    def wait_prefix(self, pieces: int) -> int:
+        """Block until at least the first ``pieces`` pieces have landed; returns how many have.
+
+        The count returned may exceed ``pieces`` (every piece of a contiguous
+        landed prefix is reported at once), so a consumer wakes up less often.
+        """
+        self.wait_piece(pieces - 1)
+        return pieces
+
+    def result(self) -> int:
+        """Block until every piece has landed; returns ``nbytes``."""
+        raise NotImplementedError
+
+    def wait_quietly(self) -> None:
+        """Block until no piece is in flight, ignoring errors (cleanup after a failure)."""
+        try:
+            self.result()
+        except BaseException:  # noqa: BLE001 - the caller is already handling an error
+            pass
+
+
+class _FuturePieces(PieceStream):
+    """A :class:`PieceStream` over one waitable (``.result()``) per piece."""
+
+    def __init__(self, nbytes: int, piece_bytes: int, waits: list[Any]) -> None:
+        super().__init__(nbytes, piece_bytes)
+        self._waits = waits
+
+    def wait_piece(self, i: int) -> None:
+        try:
+            self._waits[i].result()
+        except BaseException:
+            self.wait_quietly()
+            raise
+
+    def result(self) -> int:
+        first: BaseException | None = None
+        for w in self._waits:
+            try:
+                w.result()
+            except BaseException as e:  # noqa: BLE001 - re-raised once all are done
+                first = first or e
+        if first is not None:
+            raise first
+        return self.nbytes
+
+
 class Engine(ABC):
     """Positional file I/O returning futures; see the module docstring."""
 
     name: str = "engine"
+    #: Piece size of :meth:`pread_stream` unless one is given.
+    stream_piece_bytes: int = 4 << 20
 
     @property
     def compat_mode(self) -> bool:
@@ -125,6 +213,26 @@ class Engine(ABC):
     def write(self, file: Any, buf: Any, nbytes: int, offset: int) -> int:
         """Blocking :meth:`pwrite` (may use the calling thread for part of the I/O)."""
         return int(self.pwrite(file, buf, nbytes, offset).result())
+
+    def pread_stream(self, file: Any, buf: Any, nbytes: int, offset: int,
+                     piece_bytes: int | None = None) -> PieceStream:
+        """Start a read of ``nbytes`` at ``offset`` whose pieces can be awaited in order.
+
+        ``piece_bytes`` (a multiple of 4 KiB; default :attr:`stream_piece_bytes`)
+        is the granularity of :meth:`PieceStream.wait_piece`.
+        """
+        piece = _piece_size(piece_bytes or self.stream_piece_bytes)
+        view = _byte_view(buf, nbytes)
+        waits: list[Any] = []
+        stream = _FuturePieces(nbytes, piece, waits)
+        try:
+            for i in range(stream.count):
+                start, end = stream.bounds(i)
+                waits.append(self.pread(file, view[start:end], end - start, offset + start))
+        except BaseException:
+            stream.wait_quietly()
+            raise
+        return stream
 
     @abstractmethod
     def fileno(self, file: Any) -> int:
@@ -192,18 +300,111 @@ class AlignedBufferPool:
             self._free.clear()
 
 
+class _Striped(PieceStream):
+    """One POSIX I/O split into pieces that worker threads pull from a shared cursor.
+
+    Up to ``io_threads`` pool threads (and, for blocking calls, the caller) run
+    :meth:`work`: claim the next piece, read or write it, repeat.  A thread
+    stays busy for the whole I/O instead of paying a pool hand-off per piece,
+    so small pieces (what the device wants) cost little.  The first failure
+    stops further claims; :attr:`future` completes once no piece is in flight.
+    """
+
+    __slots__ = ("_claimed", "_cond", "_done", "_error", "_file", "_finished", "_offset",
+                 "_prefix", "_task", "_view", "_wanted", "future")
+
+    def __init__(self, task: Callable[..., None], file: PosixFile, view: np.ndarray, offset: int,
+                 piece_bytes: int) -> None:
+        super().__init__(len(view), piece_bytes)
+        self._task = task
+        self._file = file
+        self._view = view
+        self._offset = offset
+        self._cond = threading.Condition(threading.Lock())
+        self._claimed = 0
+        self._finished = 0
+        self._done = bytearray(self.count)
+        self._prefix = 0  # pieces 0.._prefix-1 have all landed
+        self._wanted = self.count + 1  # a waiter's prefix target (count + 1: nobody waits)
+        self._error: BaseException | None = None
+        self.future: Future = Future()
+        if self.count == 0:
+            self.future.set_result(0)
+
+    def work(self) -> None:
+        """Do pieces until none is left or one failed."""
+        cond = self._cond
+        while True:
+            with cond:
+                if self._error is not None or self._claimed >= self.count:
+                    return
+                i = self._claimed
+                self._claimed += 1
+            start, end = self.bounds(i)
+            error: BaseException | None = None
+            try:
+                self._task(self._file, self._view[start:end], self._offset + start)
+            except BaseException as e:  # noqa: BLE001 - reported through the future
+                error = e
+            with cond:
+                self._finished += 1
+                if error is None:
+                    self._done[i] = 1
+                    if i == self._prefix:
+                        done, prefix, count = self._done, i + 1, self.count
+                        while prefix < count and done[prefix]:
+                            prefix += 1
+                        self._prefix = prefix
+                        if prefix >= self._wanted:
+                            cond.notify_all()
+                elif self._error is None:
+                    self._error = error
+                    cond.notify_all()
+                last = self._finished == self._claimed and (
+                    self._error is not None or self._claimed == self.count)
+            if last:
+                if self._error is not None:
+                    self.future.set_exception(self._error)
+                else:
+                    self.future.set_result(self.nbytes)
+                return
+
+    def wait_piece(self, i: int) -> None:
+        self.wait_prefix(i + 1)
+
+    def wait_prefix(self, pieces: int) -> int:
+        with self._cond:
+            while self._prefix < pieces and self._error is None:
+                self._wanted = pieces
+                self._cond.wait()
+            self._wanted = self.count + 1
+            landed = self._prefix
+        if landed < pieces:
+            self.future.result()  # raises, once every claimed piece has stopped
+        return landed
+
+    def result(self) -> int:
+        return int(self.future.result())
+
+
 class PosixEngine(Engine):
     """``O_DIRECT`` reads and writes on a thread pool.
 
-    A large I/O is split into ``chunk_bytes`` pieces issued in parallel.  With
-    ``O_DIRECT``, a buffer whose address is 4 KiB aligned is read/written in
-    place (only a partial last 4 KiB block bounces); an unaligned buffer
-    bounces chunk by chunk through aligned buffers.  File systems that refuse
-    ``O_DIRECT`` (tmpfs) get buffered I/O, with a logged warning.
+    An I/O is split into pieces of up to ``chunk_bytes`` (:meth:`piece_bytes`)
+    that up to ``io_threads`` pool threads pull from a shared cursor (the
+    blocking :meth:`read`/:meth:`write` put the calling thread to work too, so
+    a one-piece I/O never changes threads).  The queue depth the device sees
+    is the number of threads at work, each with one piece in flight.  With
+    ``O_DIRECT``,
+    a buffer whose address is 4 KiB aligned is read/written in place (only a
+    partial last 4 KiB block bounces); an unaligned buffer bounces piece by
+    piece through aligned buffers.  File systems that refuse ``O_DIRECT``
+    (tmpfs) get buffered I/O, with a logged warning.
 
     Args:
         io_threads: worker threads (the I/O queue depth).
-        chunk_bytes: split size of large I/Os (a multiple of 4 KiB).
+        chunk_bytes: largest piece of an I/O (a multiple of 4 KiB): the request
+            size the device sees for large I/Os.
         direct: try ``O_DIRECT`` (``False`` forces buffered I/O).
     """
 
@@ -218,6 +419,7 @@ class PosixEngine(Engine):
                               f"got {chunk_bytes}")
         self.io_threads = io_threads
         self.chunk_bytes = chunk_bytes
+        self.stream_piece_bytes = chunk_bytes
         self._try_direct = direct and hasattr(os, "O_DIRECT")
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hs-posix-io")
         self._chunks = AlignedBufferPool(chunk_bytes, keep=2 * io_threads)
@@ -255,38 +457,49 @@ class PosixEngine(Engine):
 
     # -- I/O ----------------------------------------------------------------------
     def pread(self, file: PosixFile, buf: np.ndarray, nbytes: int, offset: int) -> Future:
-        return self._submit(file, buf, nbytes, offset, write=False)
+        return self._start(file, buf, nbytes, offset, write=False, caller_works=False).future
 
     def pwrite(self, file: PosixFile, buf: np.ndarray, nbytes: int, offset: int) -> Future:
-        return self._submit(file, buf, nbytes, offset, write=True)
+        return self._start(file, buf, nbytes, offset, write=True, caller_works=False).future
 
     def read(self, file: PosixFile, buf: np.ndarray, nbytes: int, offset: int) -> int:
-        return self._run(file, buf, nbytes, offset, write=False)
+        op = self._start(file, buf, nbytes, offset, write=False, caller_works=True)
+        op.work()
+        return op.result()
 
     def write(self, file: PosixFile, buf: np.ndarray, nbytes: int, offset: int) -> int:
-        return self._run(file, buf, nbytes, offset, write=True)
+        op = self._start(file, buf, nbytes, offset, write=True, caller_works=True)
+        op.work()
+        return op.result()
 
-    def _submit(self, file: PosixFile, buf: np.ndarray, nbytes: int, offset: int, *,
-                write: bool) -> Future:
-        pieces = self._plan(file, buf, nbytes, offset, write=write)
-        return gather([self._pool.submit(*p) for p in pieces], nbytes)
+    def piece_bytes(self, nbytes: int) -> int:
+        """Piece size of an I/O of ``nbytes``: ``chunk_bytes``, smaller for smaller I/Os.
 
-    def _run(self, file: PosixFile, buf: np.ndarray, nbytes: int, offset: int, *,
-             write: bool) -> int:
-        """Blocking I/O: the first chunk runs in the calling thread, the rest on the pool."""
-        pieces = self._plan(file, buf, nbytes, offset, write=write)
-        rest = gather([self._pool.submit(*p) for p in pieces[1:]], nbytes)
-        if pieces:
-            task, *args = pieces[0]
-            try:
-                task(*args)
-            finally:
-                rest.exception()  # wait for the others even if ours failed
-        return int(rest.result())
+        An I/O gets at least two waves of ``io_threads`` pieces when that keeps
+        pieces of :data:`MIN_PIECE_BYTES` or more (a power of two): a checksum
+        that follows a read (:meth:`pread_stream`) then hashes the first wave
+        while the second is in flight, instead of hashing all of it at the end.
+        """
+        want = nbytes // (2 * self.io_threads)
+        if want >= self.chunk_bytes:
+            return self.chunk_bytes
+        piece = MIN_PIECE_BYTES
+        while piece * 2 <= want:
+            piece *= 2
+        return min(piece, self.chunk_bytes)
 
-    def _plan(self, file: PosixFile, buf: np.ndarray, nbytes: int, offset: int, *,
-              write: bool) -> list[tuple[Any, ...]]:
-        """``(task, file, piece, offset)`` per chunk of the I/O."""
+    def pread_stream(self, file: PosixFile, buf: np.ndarray, nbytes: int, offset: int,
+                     piece_bytes: int | None = None) -> PieceStream:
+        """A read whose pieces can be awaited in order (see :class:`PieceStream`).
+
+        The pieces are the engine's own I/O requests (:meth:`piece_bytes`);
+        ``piece_bytes`` is accepted for the interface and ignored.
+        """
+        return self._start(file, buf, nbytes, offset, write=False, caller_works=False)
+
+    def _start(self, file: PosixFile, buf: np.ndarray, nbytes: int, offset: int, *,
+               write: bool, caller_works: bool) -> _Striped:
+        """Plan the pieces of an I/O and put pool threads to work on them."""
         view = _byte_view(buf, nbytes)
         if file.direct and offset % ALIGN:
             raise ValueError(f"O_DIRECT offsets must be multiples of {ALIGN}, got {offset}")
@@ -294,8 +507,10 @@ class PosixEngine(Engine):
             task: Callable[..., None] = self._write_in_place if write else self._read_in_place
         else:
             task = self._write_bounced if write else self._read_bounced
-        return [(task, file, view[start:start + self.chunk_bytes], offset + start)
-                for start in range(0, nbytes, self.chunk_bytes)]
+        op = _Striped(task, file, view, offset, self.piece_bytes(nbytes))
+        for _ in range(min(op.count - caller_works, self.io_threads)):
+            self._pool.submit(op.work)
+        return op
 
     def _read_in_place(self, file: PosixFile, piece: np.ndarray, offset: int) -> None:
         n = len(piece)
@@ -466,6 +681,23 @@ class KvikioEngine(Engine):
         io = self._start(file.pread, buf, nbytes, offset, "read")
         return self._finish(io, buf, nbytes, offset, "read")
 
+    def pread_stream(self, file: Any, buf: Any, nbytes: int, offset: int,
+                     piece_bytes: int | None = None) -> PieceStream:
+        """One kvikio ``pread`` per piece, awaited on the caller's thread (no waiter hop)."""
+        piece = _piece_size(piece_bytes or self.stream_piece_bytes)
+        waits: list[Any] = []
+        stream = _FuturePieces(nbytes, piece, waits)
+        try:
+            for i in range(stream.count):
+                start, end = stream.bounds(i)
+                part = buf[start:end]
+                io = self._start(file.pread, part, end - start, offset + start, "read")
+                waits.append(_KvikioWait(self, io, part, end - start, offset + start))
+        except BaseException:
+            stream.wait_quietly()
+            raise
+        return stream
+
     def write(self, file: Any, buf: Any, nbytes: int, offset: int) -> int:
         io = self._start(file.pwrite, buf, nbytes, offset, "write")
         return self._finish(io, buf, nbytes, offset, "write")
@@ -495,6 +727,36 @@ class KvikioEngine(Engine):
             raise BackendIOError(f"kvikio {what} at offset {offset} moved {got} of {nbytes} bytes "
                                  "(truncated segment?)", offset=offset, expected=nbytes, got=got)
         return got
+
+
+class _KvikioWait:
+    """``.result()`` of one kvikio ``IOFuture`` (waited once, the outcome kept)."""
+
+    __slots__ = ("_args", "_engine", "_outcome")
+
+    def __init__(self, engine: KvikioEngine, io: Any, buf: Any, nbytes: int, offset: int) -> None:
+        self._engine = engine
+        self._args = (io, buf, nbytes, offset)
+        self._outcome: tuple[bool, Any] | None = None
+
+    def result(self) -> int:
+        if self._outcome is None:
+            io, buf, nbytes, offset = self._args
+            try:
+                self._outcome = (True, self._engine._finish(io, buf, nbytes, offset, "read"))
+            except BaseException as e:  # noqa: BLE001 - re-raised below, and on every call
+                self._outcome = (False, e)
+            self._args = (None, None, nbytes, offset)
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return int(value)
+
+
+def _piece_size(piece_bytes: int) -> int:
+    if piece_bytes < ALIGN or piece_bytes % ALIGN:
+        raise ValueError(f"piece_bytes must be a positive multiple of {ALIGN}, got {piece_bytes}")
+    return piece_bytes
 
 
 def _kvikio_compat_mode(kvikio: Any) -> bool:
@@ -578,6 +840,7 @@ __all__ = [
     "Engine",
     "KvikioEngine",
     "PosixEngine",
+    "PieceStream",
     "PosixFile",
     "cuda_driver_usable",
     "gather",

@@ -540,9 +540,12 @@ class HybridIndex:
             del self._by_base[ck.base]
         deps = self._deps_of(ck)
         if deps:
-            self._deps[np.asarray(deps, dtype=np.int64)] -= 1
-        for nid in deps:
-            self._collect(nid)
+            arr = np.asarray(deps, dtype=np.int64)
+            self._deps[arr] -= 1
+            # Only pages that hold no bytes and that nothing else needs can go.
+            gone = (self._tiers[arr] == 0) & (self._deps[arr] == 0) & (self._pins[arr] == 0)
+            for nid in arr[gone].tolist():
+                self._collect(nid)
 
     # -- matching ---------------------------------------------------------------------
     def match(self, prompt: PrefixKeys, max_position: int | None = None) -> ResumePlan:
@@ -642,7 +645,8 @@ class HybridIndex:
     # -- inspection (policies read these; they never mutate) ------------------------
     def node_ids(self) -> np.ndarray:
         """Ids of all live page nodes (the root excluded)."""
-        return np.fromiter((i for i in self._ids.values() if i != ROOT), dtype=np.int64)
+        ids = np.flatnonzero(self._block[: self._high_water] >= 0)   # freed: -2, root: -1
+        return ids.astype(np.int64, copy=False)
 
     def page_table(self, tier: str) -> dict[str, np.ndarray]:
         """Columns of the pages held by ``tier``: ids, atime, deps, pins, nbytes, tiers."""

@@ -12,8 +12,9 @@ eviction            ranking
 ==================  ======================================================
 
 Admission: ``keep-all``, ``flashstates`` (cost-aware).  Placement:
-``request-end``, ``marconi``, ``interval``, ``block-aligned``, ``adaptive``,
-``anchors``; ``placement_policy("adaptive+anchors")`` composes several.
+``request-end``, ``branch-points`` (alias ``marconi``), ``interval``,
+``block-aligned``, ``adaptive``, ``anchors``; ``compose`` takes ``parts=[...]``
+and ``placement_policy("adaptive+anchors")`` composes registered defaults.
 """
 
 from __future__ import annotations
@@ -54,11 +55,13 @@ ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
 }
 PLACEMENT_POLICIES: dict[str, type[PlacementPolicy]] = {
     "request-end": RequestEnd,
+    "branch-points": BranchPoints,
     "marconi": BranchPoints,
     "interval": FixedInterval,
     "block-aligned": BlockAligned,
     "adaptive": AdaptiveInterval,
     "anchors": SemanticAnchors,
+    "compose": Compose,     # placement_policy("compose", parts=[...])
 }
 
 

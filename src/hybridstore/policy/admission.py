@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import HybridIndex
 from hybridstore.policy.base import AdmissionPolicy
 
@@ -11,5 +12,6 @@ class KeepAll(AdmissionPolicy):
 
     name = "keep-all"
 
-    def admit(self, index: HybridIndex, position: int, nbytes: int) -> bool:
+    def admit(self, index: HybridIndex, position: int, nbytes: int, *,
+              prompt: PrefixKeys | None = None) -> bool:
         return True

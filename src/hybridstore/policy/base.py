@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 from hybridstore.backends.base import ObjectKind
+from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import Checkpoint, HybridIndex
 
 
@@ -95,7 +96,12 @@ class AdmissionPolicy(ABC):
     name: str = "admission"
 
     @abstractmethod
-    def admit(self, index: HybridIndex, position: int, nbytes: int) -> bool: ...
+    def admit(self, index: HybridIndex, position: int, nbytes: int, *,
+              prompt: PrefixKeys | None = None) -> bool:
+        """Keep the checkpoint of ``prompt`` at ``position`` (``nbytes``)?"""
+
+    def bind(self, *, free_bytes: Callable[[], int]) -> None:  # noqa: B027
+        """The store gives the policy the room left for checkpoints in their landing tier."""
 
 
 class PlacementPolicy(ABC):

@@ -125,10 +125,10 @@ class FlashStatesAdmission(AdmissionPolicy):
         floor = self.eviction.cheapest(index, self.tier)
         if floor is None:
             return True
-        before, extra = (0, 0) if prompt is None else self._context(index, prompt, position)
+        before, extra = (0, 0) if prompt is None else self.context(index, prompt, position)
         return self.eviction.price(position, before, nbytes + extra) > floor
 
-    def _context(self, index: HybridIndex, prompt: PrefixKeys, position: int) -> tuple[int, int]:
+    def context(self, index: HybridIndex, prompt: PrefixKeys, position: int) -> tuple[int, int]:
         """Nearest retained checkpoint position before ``position`` on the prompt, and the
         bytes of the held pages up to ``position`` that no retained checkpoint needs."""
         before = 0

@@ -73,7 +73,8 @@ class HiStateEviction(UnitEviction):
         if tau is not None and tau < 0:
             raise ConfigError(f"tau must be non-negative, got {tau}")
         if not 0.0 <= terminal_prob <= 1.0 or not 0.0 < ema <= 1.0:
-            raise ConfigError(f"terminal_prob must be in [0, 1] and ema in (0, 1]; got {terminal_prob}, {ema}")
+            raise ConfigError("terminal_prob must be in [0, 1] and ema in (0, 1]; "
+                              f"got {terminal_prob}, {ema}")
         self.tau = tau
         self.kv_bytes_per_token = kv_bytes_per_token
         self.terminal_prob = terminal_prob

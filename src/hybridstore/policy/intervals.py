@@ -102,6 +102,7 @@ class AdaptiveInterval(PlacementPolicy):
     Args:
         state_bytes: bytes of one checkpoint (all recurrent layers).
         kv_bytes_per_token: KV bytes per token; ``N_s = state_bytes / kv_bytes_per_token``.
+        state_tokens: ``N_s`` directly (overrides the two above).
         block_size: the candidate grid (and position alignment), in tokens.
         min_interval: the smallest supported interval.
     """
@@ -109,12 +110,17 @@ class AdaptiveInterval(PlacementPolicy):
     name = "adaptive"
 
     def __init__(self, *, state_bytes: int = STATE_BYTES, kv_bytes_per_token: int = KV_BYTES_PER_TOKEN,
-                 block_size: int = 16, min_interval: int = 256) -> None:
-        if state_bytes <= 0 or kv_bytes_per_token <= 0 or block_size < 1 or min_interval < 1:
-            raise ConfigError("state_bytes, kv_bytes_per_token, block_size and min_interval must be "
-                              f"positive; got {state_bytes}, {kv_bytes_per_token}, {block_size}, "
-                              f"{min_interval}")
-        self.state_tokens = state_bytes / kv_bytes_per_token
+                 state_tokens: float | None = None, block_size: int = 16,
+                 min_interval: int = 256) -> None:
+        if state_tokens is None:
+            if state_bytes <= 0 or kv_bytes_per_token <= 0:
+                raise ConfigError("state_bytes and kv_bytes_per_token must be positive; "
+                                  f"got {state_bytes}, {kv_bytes_per_token}")
+            state_tokens = state_bytes / kv_bytes_per_token
+        if state_tokens <= 0 or block_size < 1 or min_interval < 1:
+            raise ConfigError("state_tokens, block_size and min_interval must be positive; "
+                              f"got {state_tokens}, {block_size}, {min_interval}")
+        self.state_tokens = float(state_tokens)
         self.block_size = block_size
         self.min_interval = min_interval
 

@@ -8,7 +8,9 @@ only it needed become reclaimable and follow it on the next pass.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator
+from itertools import repeat
 
 import numpy as np
 
@@ -30,9 +32,11 @@ class LRUEviction(EvictionPolicy):
         reclaimable = int(np.count_nonzero(pages["deps"] == 0))
         for nid in ids[:reclaimable].tolist():
             yield Victim(ObjectKind.PAGE, nid)
-        rest = [(int(a), ObjectKind.PAGE, int(n)) for n, a in
-                zip(ids[reclaimable:].tolist(), pages["atime"][order][reclaimable:].tolist())]
-        rest += [(ck.atime, ObjectKind.STATE, ck.key) for ck in index.checkpoints() if ck.tiers & bit]
-        rest.sort(key=lambda t: t[0])
-        for _, kind, ref in rest:
+        # Merge the (already sorted) pages with the checkpoints lazily: eviction
+        # usually stops long before the end of the list.
+        atimes = pages["atime"][order][reclaimable:].tolist()
+        rest_pages = zip(atimes, repeat(ObjectKind.PAGE), ids[reclaimable:].tolist())
+        states = sorted((ck.atime, ObjectKind.STATE, ck.key) for ck in index.checkpoints()
+                        if ck.tiers & bit)
+        for _, kind, ref in heapq.merge(rest_pages, states, key=lambda t: t[0]):
             yield Victim(kind, ref)

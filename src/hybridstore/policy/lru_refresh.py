@@ -10,7 +10,11 @@ checkpoints recent and can displace the latest state of a slower session
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+from hybridstore.backends.base import ObjectKind
 from hybridstore.index.trie import Checkpoint, HybridIndex
+from hybridstore.policy.base import Victim
 from hybridstore.policy.lru import LRUEviction
 
 
@@ -22,6 +26,13 @@ class LRURefreshEviction(LRUEviction):
     def on_hit(self, index: HybridIndex, checkpoint: Checkpoint) -> None:
         for ck in index.ancestors(checkpoint):
             ck.atime = max(ck.atime, checkpoint.atime)
+
+    def victims(self, index: HybridIndex, tier: str,
+                kind: ObjectKind | None = None) -> Iterator[Victim]:
+        """:class:`LRUEviction`'s order (only objects of ``kind``, when given)."""
+        for victim in super().victims(index, tier):
+            if kind is None or victim.kind == kind:
+                yield victim
 
 
 __all__ = ["LRURefreshEviction"]

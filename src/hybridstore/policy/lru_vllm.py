@@ -25,19 +25,23 @@ class PlainLRUEviction(EvictionPolicy):
     name = "lru-vllm"
     dependency_aware = False
 
-    def victims(self, index: HybridIndex, tier: str) -> Iterator[Victim]:
+    def victims(self, index: HybridIndex, tier: str,
+                kind: ObjectKind | None = None) -> Iterator[Victim]:
+        """Objects of ``tier`` by last access (only those of ``kind``, when given)."""
         bit = TIER_BITS[tier]
-        pages = index.page_table(tier)
-        cks = [ck for ck in index.checkpoints() if ck.tiers & bit]
+        if kind == ObjectKind.STATE:
+            pages = {"ids": np.zeros(0, np.int64), "atime": np.zeros(0, np.int64)}
+        else:
+            pages = index.page_table(tier)
+        cks = ([] if kind == ObjectKind.PAGE
+               else [ck for ck in index.checkpoints() if ck.tiers & bit])
         ids = pages["ids"].tolist()
         n = len(ids)
         atime = np.concatenate([pages["atime"],
                                 np.fromiter((ck.atime for ck in cks), np.int64, len(cks))])
+        page, state = ObjectKind.PAGE, ObjectKind.STATE
         for i in np.argsort(atime, kind="stable").tolist():
-            if i < n:
-                yield Victim(ObjectKind.PAGE, ids[i])
-            else:
-                yield Victim(ObjectKind.STATE, cks[i - n].key)
+            yield Victim(page, ids[i]) if i < n else Victim(state, cks[i - n].key)
 
 
 __all__ = ["PlainLRUEviction"]

@@ -98,9 +98,14 @@ class BlockAligned(PlacementPolicy):
 
 
 class Compose(PlacementPolicy):
-    """The union of several placements (e.g. adaptive intervals plus semantic anchors)."""
+    """The union of several placements (e.g. adaptive intervals plus semantic anchors).
 
-    def __init__(self, *policies: PlacementPolicy) -> None:
+    Args:
+        policies: the parts, positionally or as ``parts=`` (the registry's form).
+    """
+
+    def __init__(self, *policies: PlacementPolicy, parts: Sequence[PlacementPolicy] = ()) -> None:
+        policies = (*policies, *parts)
         if not policies:
             raise ConfigError("Compose needs at least one placement policy")
         self.policies = policies

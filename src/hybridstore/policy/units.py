@@ -12,14 +12,17 @@ that ends at it.
 first) and offers them to the store as the checkpoint followed by its pages.
 A pass over a tier yields:
 
-1. reclaimable pages (no retained checkpoint needs them), oldest first;
+1. reclaimable pages (no retained checkpoint needs them), oldest first —
+   except those touched after the newest checkpoint put or hit: they are most
+   likely the KV of a request whose checkpoint the engine is about to put, and
+   go last;
 2. units, lowest score first.  After each unit the store has applied (or
    refused) the eviction; when its checkpoint left the index, the neighbours
    whose score depends on it (tree parent and children) are scored again
    ("affected costs are updated after eviction", HiState §3.3);
 3. the remaining pages (shared by several checkpoints) by LRU: the store can
-   only drop copies that another tier also holds (or any copy, for policies
-   that are not dependency-aware).
+   only drop copies that another tier also holds; then the young reclaimable
+   pages of step 1.
 
 Each object is offered at most once per pass, and only objects ``tier`` holds.
 """
@@ -142,10 +145,24 @@ class UnitEviction(EvictionPolicy):
     def score(self, index: HybridIndex, unit: HybridUnit, ctx: Any) -> float:
         """Rank of ``unit`` in this pass; the lowest is evicted first."""
 
-    def victims(self, index: HybridIndex, tier: str) -> Iterator[Victim]:
+    def victims(self, index: HybridIndex, tier: str,
+                kind: ObjectKind | None = None) -> Iterator[Victim]:
+        """Objects of ``tier`` in eviction order (only those of ``kind``, when given)."""
+        for victim in self._ranked(index, tier, kind):
+            if kind is None or victim.kind == kind:
+                yield victim
+
+    def _ranked(self, index: HybridIndex, tier: str, kind: ObjectKind | None) -> Iterator[Victim]:
         pages = index.page_table(tier)
         ids, atime, deps = pages["ids"], pages["atime"], pages["deps"]
+        # Reclaimable pages touched after the last checkpoint put or hit most likely
+        # belong to a request whose checkpoint is still to come: offer them last.
+        newest = max((ck.atime for ck in index.checkpoints()), default=-1)
         free = deps == 0
+        young = free & (atime > newest)
+        free &= ~young
+        if kind == ObjectKind.STATE:    # pages are not wanted: skip the page-only phases
+            free[:] = young[:] = False
         for nid in ids[free][np.argsort(atime[free], kind="stable")].tolist():
             yield Victim(ObjectKind.PAGE, nid)
 
@@ -188,10 +205,12 @@ class UnitEviction(EvictionPolicy):
                 heapq.heappush(heap, (self.score(index, fresh, ctx), seq, v, fresh.ck.key, fresh))
                 seq += 1
 
-        shared = ~free
+        shared = deps > 0 if kind != ObjectKind.STATE else np.zeros_like(free)
         for nid in ids[shared][np.argsort(atime[shared], kind="stable")].tolist():
             if nid not in offered:
                 yield Victim(ObjectKind.PAGE, nid)
+        for nid in ids[young][np.argsort(atime[young], kind="stable")].tolist():
+            yield Victim(ObjectKind.PAGE, nid)
 
     def rescored(self, index: HybridIndex, unit: HybridUnit, ctx: Any) -> None:  # noqa: B027
         """Hook: ``unit`` is about to be scored again after a neighbour left (update ``ctx``)."""

@@ -40,10 +40,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from hybridstore.errors import ConfigError
-from hybridstore.policy import placement_policy
-from hybridstore.policy.base import PlacementPolicy
+from hybridstore.policy import admission_policy, eviction_policy, placement_policy
+from hybridstore.policy.base import AdmissionPolicy, EvictionPolicy, PlacementPolicy
+from hybridstore.policy.flashstates import FlashStatesEviction
+from hybridstore.policy.placement import Compose
+from hybridstore.policy.units import PrefillCost
 from hybridstore.replay.models import ModelPreset
 
 PlacementFactory = Callable[[ModelPreset, int], PlacementPolicy]
@@ -58,29 +62,70 @@ def _place(*specs: tuple[str, dict]) -> PlacementFactory:
                  "$state": model.checkpoint_bytes}
         parts = [placement_policy(name, **{k: subst.get(v, v) if isinstance(v, str) else v
                                            for k, v in params.items()}) for name, params in specs]
-        return parts[0] if len(parts) == 1 else placement_policy("compose", parts=parts)
+        return parts[0] if len(parts) == 1 else Compose(*parts)
 
     return build
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Preset:
-    """One compared system (see the module table)."""
+    """One compared system (see the module table).
+
+    Attributes:
+        eviction, admission: registry names (``hybridstore.policy``).
+        placement: builds the checkpoint placement for a model and block size.
+        params: builds keyword parameters of the eviction and admission
+            policies from the model preset (prefill costs, sizes).
+        tier_policy: ``policy/tiering.py`` name.
+        tiers: the tiers the system uses (budgets come from the replay).
+        anchors: the engine tells the placement the trace's semantic anchors.
+        branch: the engine tells the placement the branch point (where the
+            prompt leaves cached context).
+        unlimited: no capacity limit at all.
+    """
 
     name: str
     eviction: str
     placement: PlacementFactory
+    params: Callable[[ModelPreset], dict[str, dict[str, Any]]] = lambda model: {}
     tier_policy: str = "write-through"
     admission: str = "keep-all"
     tiers: tuple[str, ...] = ("device", "host", "disk")
+    anchors: bool = False
+    branch: bool = False
     unlimited: bool = False
+
+    def policies(self, model: ModelPreset) -> tuple[EvictionPolicy, AdmissionPolicy]:
+        """The eviction and admission policy instances for ``model``."""
+        params = self.params(model)
+        return (eviction_policy(self.eviction, **params.get("eviction", {})),
+                admission_policy(self.admission, **params.get("admission", {})))
+
+
+def _flops(model: ModelPreset) -> PrefillCost:
+    """Prefill FLOPs per token and per token of context (Marconi's FLOP efficiency)."""
+    return PrefillCost(per_token=2.0 * model.active_params,
+                       per_context_token=4.0 * model.attn_layers * model.q_heads * model.head_dim)
+
+
+def _seconds(model: ModelPreset) -> PrefillCost:
+    """Prefill seconds (FlashStates prices states by the prefill time they save)."""
+    f = _flops(model)
+    return PrefillCost(per_token=f.per_token / model.prefill_flops,
+                       per_context_token=f.per_context_token / model.prefill_flops)
+
+
+def _flashstates(model: ModelPreset) -> dict[str, dict[str, Any]]:
+    eviction = FlashStatesEviction(cost=_seconds(model))
+    return {"eviction": {"cost": _seconds(model)},
+            "admission": {"eviction": eviction, "tier": "device"}}
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset(name="unlimited", eviction="lru", unlimited=True, tiers=("device",),
            placement=_place(("interval", {"interval": "$B"}), ("request-end", {}))),
-    Preset(name="vllm-marconi", eviction="lru-vllm", tiers=("device",),
-           placement=_place(("block-aligned", {"block_size": "$B"}), ("branch-points", {}))),
+    Preset(name="vllm-marconi", eviction="lru-vllm", tiers=("device",), branch=True,
+           placement=_place(("block-aligned", {"block_size": "$B"}), ("anchors", {}))),
     Preset(name="vllm-cpu", eviction="lru-vllm", tiers=("device", "host"),
            placement=_place(("block-aligned", {"block_size": "$B"}))),
     Preset(name="vllm-disk", eviction="lru-vllm", tiers=("device", "host", "disk"),
@@ -88,15 +133,16 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset(name="sglang-hicache", eviction="lru-vllm", tier_policy="partition",
            placement=_place(("interval", {"interval": 256}), ("block-aligned", {"block_size": "$B"}))),
     Preset(name="marconi", eviction="marconi", tiers=("device", "host"), tier_policy="write-back",
-           placement=_place(("request-end", {}), ("branch-points", {}))),
+           branch=True, placement=_place(("marconi", {})),
+           params=lambda model: {"eviction": {"flops": _flops(model)}}),
     Preset(name="flashstates", eviction="flashstates", admission="flashstates",
            tiers=("device", "host"), tier_policy="write-back",
-           placement=_place(("request-end", {}))),
-    Preset(name="semantic", eviction="lru",
+           placement=_place(("request-end", {})), params=_flashstates),
+    Preset(name="semantic", eviction="lru", anchors=True,
            placement=_place(("anchors", {}), ("request-end", {}))),
     Preset(name="histate", eviction="histate", tier_policy="asymmetric",
-           placement=_place(("adaptive", {"state_tokens": "$Ns", "block_size": "$B"}),
-                            ("request-end", {}))),
+           placement=_place(("adaptive", {"state_tokens": "$Ns", "block_size": "$B"})),
+           params=lambda model: {"eviction": {"kv_bytes_per_token": model.kv_bytes_per_token}}),
 )}
 
 

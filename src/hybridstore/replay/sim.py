@@ -144,7 +144,9 @@ def build_store(p: Preset, cfg: ReplayConfig, model: ModelPreset, block_size: in
         raise ConfigError(f"preset {p.name} has no tier with a budget")
     store_cfg = StoreConfig(block_size=block_size, policy=p.eviction, checkpoint_policy=p.admission,
                             tier_policy=p.tier_policy, h2d_gbps=cfg.h2d_gbps, ssd_gbps=cfg.ssd_gbps)
-    return HybridStore(store_cfg, tiers=tiers, placement=p.placement(model, block_size))
+    eviction, admission = p.policies(model)
+    return HybridStore(store_cfg, tiers=tiers, placement=p.placement(model, block_size),
+                       eviction=eviction, admission=admission)
 
 
 class _Sessions:
@@ -202,7 +204,10 @@ def replay_policy(trace: Trace, name: str, cfg: ReplayConfig, *, progress: bool 
             store.release(plan)
             restore_s = sum(sec for _, sec in cost.values())
             recompute_s = model.prefill_seconds(plan.position, req.input_tokens)
-            _put_segment(store, prompt, plan.position, req, page_bytes, model.checkpoint_bytes)
+            hints = list(req.anchors) if p.anchors else []
+            if p.branch and plan.position < plan.kv_tokens < prompt.length:
+                hints.append(plan.kv_tokens)
+            _put_segment(store, prompt, plan.position, hints, page_bytes, model.checkpoint_bytes)
             done = begin + restore_s + recompute_s
             server_free = done
             run.results.append(RequestResult(
@@ -234,13 +239,17 @@ def _prompt(store: HybridStore, req: Request, toks: Iterator[np.ndarray], token_
         req.input_tokens, len(req.block_ids) * req.block_size))
 
 
-def _put_segment(store: HybridStore, prompt: PrefixKeys, cached: int, req: Request,
+def _put_segment(store: HybridStore, prompt: PrefixKeys, cached: int, hints: list[int],
                  page_bytes: int, state_bytes: int) -> None:
-    """What the engine stores after prefilling ``[cached, len)``: pages, then checkpoints."""
+    """What the engine stores after prefilling ``[cached, len)``: pages, then checkpoints.
+
+    ``hints`` are the positions the engine knows (semantic anchors, the
+    branch point) for presets whose placement uses them.
+    """
     if prompt.length == 0:
         return
     store.put_kv_sized(prompt, nbytes=page_bytes, first_block=cached // prompt.block_size)
-    anchors = [a for a in req.anchors if a <= prompt.length]
+    anchors = [a for a in hints if 0 < a <= prompt.length]
     for p in store.checkpoint_positions(cached=cached, length=prompt.length, anchors=anchors):
         if prompt.key_at(p) is not None:
             store.put_state_sized(prompt, nbytes=state_bytes, position=p)
