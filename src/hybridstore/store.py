@@ -24,13 +24,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from hybridstore.backends.base import ObjectKind, Tier, aligned_empty, object_key
+from hybridstore.backends.base import ObjectKind, Tier, aligned_empty, done_future, object_key
 from hybridstore.backends.host import HostPool
 from hybridstore.config import StoreConfig
 from hybridstore.errors import (
@@ -63,7 +63,12 @@ from hybridstore.policy.tiering import tier_policy
 
 log = logging.getLogger(__name__)
 
+_DONE: Future = done_future()
+
 TIER_ORDER = ("device", "host", "disk")
+
+REUSE_RANKING_OBJECTS = 512
+"""Tiers holding at least this many objects reuse an eviction ranking (see ``_evict``)."""
 """Fastest first: a load reads each object from the first tier that holds it."""
 
 _LAYOUT_INFO = {ObjectKind.PAGE: "layout.page", ObjectKind.STATE: "layout.state"}
@@ -122,6 +127,8 @@ class HybridStore:
                           "evictions": 0, "corrupt": 0}
         self._loaded_bytes = {name: 0 for name in self.tiers}
         self._kind_bytes = {name: dict.fromkeys(ObjectKind, 0) for name in self.tiers}
+        self._objects = dict.fromkeys(self.tiers, 0)      # objects held per tier
+        self._rankings: dict[tuple[str, ObjectKind | None], tuple[Iterator[Victim], int]] = {}
         if "disk" in self.tiers and self.tiers["disk"].durable:
             self._reopen()
 
@@ -238,9 +245,9 @@ class HybridStore:
         for i, block in enumerate(range(first, prompt.nblocks)):
             key16 = prompt.block_key(block)
             nid = self.index.find_node(key16)
-            if nid >= 0 and self.index.page_info(nid)["tiers"]:
-                self.index.add_page(prompt, block, self._holder(self.index.page_info(nid)["tiers"]),
-                                    nbytes)
+            held = self.index.page_tiers(nid) if nid >= 0 else 0
+            if held:
+                self.index.add_page(prompt, block, self._holder(held), nbytes)
                 continue
             okey = object_key(ObjectKind.PAGE, key16)
             self._land(okey, ObjectKind.PAGE, nbytes,
@@ -395,6 +402,7 @@ class HybridStore:
                 pack(buf)  # type: ignore[misc]
             self._retry(name, nbytes, lambda: tier.put(okey, buf, nbytes=nbytes)).result()
         self._kind_bytes[name][kind] += tier.charge(nbytes)
+        self._objects[name] += 1
 
     def _placed(self, okey: bytes, kind: ObjectKind, nbytes: int, meta: bytes) -> None:
         """After a put: copy to every slower tier when the tier policy writes this kind through."""
@@ -408,6 +416,12 @@ class HybridStore:
         (for the disk tier: once durable)."""
         source, target = self.tiers[src], self.tiers[dst]
         self._make_room(dst, target.charge(nbytes), kind)
+        if not target.stores_bytes:
+            # Accounting tiers (simulation) complete at once: no future bookkeeping.
+            self._retry(dst, nbytes, lambda: target.put(okey, None, nbytes=nbytes, meta=meta))
+            if not self._mark(okey, dst):
+                target.delete(okey)
+            return _DONE
         if isinstance(source, HostPool):
             source.acquire(okey)
             data = source.view(okey)
@@ -463,11 +477,13 @@ class HybridStore:
         kind = ObjectKind(okey[0])
         if kind == ObjectKind.PAGE:
             nid = self.index.find_node(okey[1:])
-            if nid < 0 or not self.index.page_info(nid)["tiers"]:
+            held = self.index.page_tiers(nid) if nid >= 0 else 0
+            if not held:
                 return False
-            if not self.index.page_info(nid)["tiers"] & TIER_BITS[tier]:
+            if not held & TIER_BITS[tier]:
                 self.index.add_page_tier(nid, tier)
                 self._kind_bytes[tier][kind] += self.tiers[tier].charge(self.index.page_info(nid)["nbytes"])
+                self._objects[tier] += 1
             return True
         ck = self.index.checkpoint(okey[1:])
         if ck is None or not ck.tiers:
@@ -475,6 +491,7 @@ class HybridStore:
         if not ck.tiers & TIER_BITS[tier]:
             ck.tiers |= TIER_BITS[tier]
             self._kind_bytes[tier][kind] += self.tiers[tier].charge(ck.nbytes)
+            self._objects[tier] += 1
         return True
 
     @staticmethod
@@ -704,18 +721,46 @@ class HybridStore:
         raise AssertionError("unreachable")
 
     def _evict(self, tier: str, nbytes: int, kind: ObjectKind | None = None) -> int:
-        """Evict in the policy's order until ``nbytes`` are freed (of ``kind`` only, if given)."""
+        """Evict in the policy's order until ``nbytes`` are freed (of ``kind`` only, if given).
+
+        A ranking costs a pass over every object of the tier.  In a tier of at
+        least ``REUSE_RANKING_OBJECTS`` objects one ranking serves later
+        evictions too, for up to a quarter of the tier's objects in index
+        operations; objects used since it was made are skipped (they are no
+        longer where it ranked them).  Smaller tiers rank afresh every time.
+        """
         freed = 0
-        for _ in range(8):  # each pass may make more pages reclaimable
+        for attempt in range(8):  # a fresh ranking may find more (pages made reclaimable)
             before = freed
-            for victim in self._eviction.victims(self.index, tier):
-                if kind is None or victim.kind == kind:
-                    freed += self._evict_one(victim, tier)
-                    if freed >= nbytes:
-                        return freed
-            if freed == before:
+            victims, made = self._ranking(tier, kind, fresh=attempt > 0)
+            for victim in victims:
+                if (kind is not None and victim.kind != kind) or (
+                        made >= 0 and self._used_since(victim, made)):
+                    continue
+                freed += self._evict_one(victim, tier)
+                if freed >= nbytes:
+                    return freed
+            self._rankings.pop((tier, kind), None)
+            if freed == before and attempt:
                 break
         return freed
+
+    def _ranking(self, tier: str, kind: ObjectKind | None, fresh: bool) -> tuple[Iterator[Victim], int]:
+        """The policy's victim order for ``tier``, reused when the tier is large (see ``_evict``)."""
+        n = self._objects[tier]
+        if n < REUSE_RANKING_OBJECTS:
+            return self._eviction.victims(self.index, tier), -1
+        entry = self._rankings.get((tier, kind))
+        if fresh or entry is None or self.index.now() - entry[1] > n // 4:
+            entry = (self._eviction.victims(self.index, tier), self.index.now())
+            self._rankings[(tier, kind)] = entry
+        return entry
+
+    def _used_since(self, victim: Victim, t: int) -> bool:
+        if victim.kind == ObjectKind.PAGE:
+            return self.index.page_info(int(victim.ref))["atime"] > t
+        ck = self.index.checkpoint(bytes(victim.ref))
+        return ck is not None and ck.atime > t
 
     def _evict_one(self, victim: Victim, tier: str) -> int:
         """Evict one object from ``tier`` if the safety rules allow; returns bytes freed.
@@ -798,6 +843,7 @@ class HybridStore:
                 self.residence.observe(kind, self.index.now() - ck.created)
             self.index.drop_checkpoint_tier(okey[1:], tier)
         self._kind_bytes[tier][kind] -= self.tiers[tier].charge(nbytes or 0)
+        self._objects[tier] -= 1
 
     # -- engine helpers -------------------------------------------------------------
     def checkpoint_positions(self, *, cached: int, length: int, anchors: Sequence[int] = ()) -> list[int]:

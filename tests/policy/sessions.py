@@ -4,8 +4,9 @@ The helpers read like HiState's figures: a :class:`Session` appends turns
 (each resumes from the cache, prefills, stores its pages and the checkpoint at
 the turn's end), forks at an earlier turn boundary, and asks where a request
 would resume.  Checkpoints live in a capacity-limited share of DRAM (the
-``partition`` tier policy), so ``state_slots`` checkpoints fit and one more
-forces an eviction, ranked by the policy under test.
+``partition`` tier policy): about ``state_slots`` checkpoints fit, and putting
+more makes the store evict checkpoints in the order of the policy under test
+(a few at a time: the store frees some slack with each eviction).
 """
 
 from __future__ import annotations
@@ -53,19 +54,24 @@ class Session:
 
     def turn(self, number: int, new_tokens: int) -> int:
         """Append a turn; returns the position it resumed from."""
-        self.tokens = np.concatenate([self.tokens, self._fresh(new_tokens)])
-        resumed = self._run(self.tokens)
-        self.ends[number] = len(self.tokens)
+        resumed = self.begin(new_tokens)
+        self.finish(number)
         return resumed
 
-    def _run(self, tokens: np.ndarray) -> int:
-        store = self.store
-        prompt = store.prefix(tokens)
-        plan = store.match(prompt)
+    def begin(self, new_tokens: int) -> int:
+        """The first half of a turn: the request arrives and resumes (a cache hit or not)."""
+        self.tokens = np.concatenate([self.tokens, self._fresh(new_tokens)])
+        self._prompt = self.store.prefix(self.tokens)
+        self._plan = self.store.match(self._prompt)
+        return self._plan.position
+
+    def finish(self, number: int) -> None:
+        """The second half: store the prefilled pages and the turn's final checkpoint."""
+        store, prompt, plan = self.store, self._prompt, self._plan
         store.put_kv_sized(prompt, nbytes=PAGE, first_block=plan.position // B)
         store.put_state_sized(prompt, nbytes=STATE)
         store.release(plan)
-        return plan.position
+        self.ends[number] = len(self.tokens)
 
     def resume_if_appended(self) -> int:
         """Where the next append of this session would resume (a probe: no puts, no on_hit)."""

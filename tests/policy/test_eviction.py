@@ -75,7 +75,7 @@ def stranded(policy: str) -> int:
     """Checkpoints kept without their KV, summed over a run of one-turn sessions under pressure."""
     store = HybridStore(StoreConfig(block_size=16, policy=policy),
                         tiers={"host": AccountingTier("host", 10 * STATE, read_gbps=64)})
-    sessions = [Session(store, f"s{i}") for i in range(12)]
+    sessions = [Session(store, f"s{i}") for i in range(20)]
     count = 0
     for i, s in enumerate(sessions):
         s.turn(1, 200 + 37 * i)

@@ -22,7 +22,7 @@ def _hit(runs, name):
 
 def test_unlimited_upper_bounds_every_preset_on_the_bundled_weka_sample(tmp_path):
     trace = load(str(weka_sample()))
-    cfg = ReplayConfig(gpu_gib=4, host_gib=8, disk_gib=16)      # tight: policies must choose
+    cfg = ReplayConfig(gpu_gib=8, host_gib=24, disk_gib=48)     # tight: policies must choose
     runs = replay(trace, ALL, cfg, progress=False)
     doc = summarize(trace, runs, cfg)
     ref = doc["policies"]["unlimited"]["token_hit_rate"]
@@ -43,7 +43,7 @@ def test_unlimited_upper_bounds_every_preset_on_the_shared_traces(spec):
     if not path.exists():
         pytest.skip(f"shared traces not found at {path}")
     trace = load(str(path))
-    cfg = ReplayConfig(gpu_gib=2, host_gib=4, disk_gib=8, max_requests=1500)
+    cfg = ReplayConfig(gpu_gib=2, host_gib=4, disk_gib=8, max_requests=600)
     runs = replay(trace, ALL, cfg, progress=False)
     ref = _hit(runs, "unlimited")
     for name in ALL:

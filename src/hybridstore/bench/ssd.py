@@ -216,8 +216,9 @@ def _measure_device(path: str, file_bytes: int, quick: bool, use_fio: bool,
         r["samples_gbps"].append(m["gbps"])
     for r in rows:
         r["gbps_median"] = _median(r["samples_gbps"])
-    reads = [r for r in rows if r["rw"] in ("read", "randread")]
-    writes = [r for r in rows if r["rw"] in ("write", "randwrite")]
+    confirmed = [r for r in rows if len(r["samples_gbps"]) > 1] or rows
+    reads = [r for r in confirmed if r["rw"] in ("read", "randread")]
+    writes = [r for r in confirmed if r["rw"] in ("write", "randwrite")]
     best_read = max(reads, key=lambda r: r["gbps_median"])
     best_write = max(writes, key=lambda r: r["gbps_median"]) if writes else None
     # our pool at the best read cell: the reference of every repetition (device-ref rows)
@@ -232,8 +233,8 @@ def _measure_device(path: str, file_bytes: int, quick: bool, use_fio: bool,
         "read_gbps": best_read["gbps_median"],
         "write_gbps": best_write["gbps_median"] if best_write else None,
         "method": method,
-        "estimator": "best cell's median over 3 runs (the whole matrix once, the top 3 read "
-                     "and top 2 write cells twice more)",
+        "estimator": "the whole matrix once, then its top 3 read and top 2 write cells twice "
+                     "more; the limit is the best of those cells' medians over their 3 runs",
         "best_read": cell(best_read),
         "best_write": cell(best_write) if best_write else None,
         "reference_job": {"rw": ref_job.rw, "block_bytes": ref_job.block_bytes,

@@ -659,6 +659,10 @@ class HybridIndex:
         """``tiers`` and ``nbytes`` of the pages ``ids`` (vectorised, for restore costs)."""
         return {"tiers": self._tiers[ids], "nbytes": self._nbytes[ids]}
 
+    def page_tiers(self, nid: int) -> int:
+        """Tier mask of page ``nid`` (hot path; ``page_info`` has every field)."""
+        return int(self._tiers[nid])
+
     def page_info(self, nid: int) -> dict[str, int]:
         return {"block": int(self._block[nid]), "ntok": int(self._ntok[nid]),
                 "tiers": int(self._tiers[nid]), "deps": int(self._deps[nid]),

@@ -85,13 +85,18 @@ def plot(runs: Mapping[str, PolicyRun], path: str | Path, title: str = "") -> No
     ref = runs.get(REFERENCE)
     if ref is not None:
         ref_hit = {(r.session, r.index): r.hit_tokens / max(r.input_tokens, 1) for r in ref.results}
+        lowest = 1.0
         for name, run in runs.items():
             if name == REFERENCE:
                 continue
             gap = np.sort([ref_hit[(r.session, r.index)] - r.hit_tokens / max(r.input_tokens, 1)
                            for r in run.results if (r.session, r.index) in ref_hit])
             if gap.size:
-                ax2.plot(gap, np.arange(1, gap.size + 1) / gap.size, label=name)
+                cdf = np.arange(1, gap.size + 1) / gap.size
+                ax2.plot(gap, cdf, label=name, drawstyle="steps-post")
+                lowest = min(lowest, float(cdf[np.searchsorted(gap, 1e-9)]) if (gap > 1e-9).any() else 1.0)
+        # Most requests lose nothing; zoom on the tail where policies differ.
+        ax2.set_ylim(max(0.0, lowest - 0.02), 1.005)
         ax2.set_xlabel("hit rate of unlimited minus hit rate of the policy, per request")
         ax2.set_ylabel("CDF of requests")
         ax2.set_title("per-request hit rate lost against unlimited")
