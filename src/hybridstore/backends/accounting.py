@@ -10,15 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from hybridstore.backends.base import ObjectKey, Tier, done_future
+from hybridstore.backends.base import ObjectKey, ObjectTable, done_future
 from hybridstore.errors import CapacityError, ConfigError, ObjectTooLargeError
 
 
-class AccountingTier(Tier):
+class _Entry(NamedTuple):
+    nbytes: int
+    charged: int
+    meta: bytes
+
+
+class AccountingTier(ObjectTable):
     """Sizes and modeled timings of a tier, without its bytes.
 
     Args:
@@ -83,7 +89,7 @@ class AccountingTier(Tier):
                 raise CapacityError(
                     f"the {self.name} tier has no room for {nbytes} bytes ({self._used} of "
                     f"{self._capacity} bytes in use); evict objects and retry")
-            self._objects[key] = (nbytes, charged, meta)
+            self._objects[key] = _Entry(nbytes, charged, meta)
             self._used = used + charged
             self._counts["puts"] += 1
             self._counts["bytes_in"] += nbytes
@@ -104,23 +110,6 @@ class AccountingTier(Tier):
     def get(self, key: ObjectKey) -> np.ndarray:
         """A zero-filled array of the object's size (there are no bytes to return)."""
         return np.zeros(self.get_into(key, None).result(), dtype=np.uint8)
-
-    def contains(self, key: ObjectKey) -> bool:
-        with self._lock:
-            self._check_open()
-            return key in self._objects
-
-    def nbytes(self, key: ObjectKey) -> int | None:
-        with self._lock:
-            self._check_open()
-            entry = self._objects.get(key)
-            return None if entry is None else entry[0]
-
-    def meta(self, key: ObjectKey) -> bytes | None:
-        with self._lock:
-            self._check_open()
-            entry = self._objects.get(key)
-            return None if entry is None else entry[2]
 
     def delete(self, key: ObjectKey) -> int:
         with self._lock:

@@ -190,3 +190,30 @@ class Tier(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class ObjectTable(Tier):
+    """A tier that keeps its object table in memory.
+
+    ``self._objects`` maps each visible key to an entry with ``nbytes`` and
+    ``meta`` attributes; the probes below are shared by every such tier.
+    """
+
+    _objects: dict[ObjectKey, Any]
+
+    def contains(self, key: ObjectKey) -> bool:
+        with self._lock:
+            self._check_open()
+            return key in self._objects
+
+    def nbytes(self, key: ObjectKey) -> int | None:
+        with self._lock:
+            self._check_open()
+            entry = self._objects.get(key)
+            return None if entry is None else entry.nbytes
+
+    def meta(self, key: ObjectKey) -> bytes | None:
+        with self._lock:
+            self._check_open()
+            entry = self._objects.get(key)
+            return None if entry is None else entry.meta

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from hybridstore.backends.alloc import Extent, SlabAllocator
-from hybridstore.backends.base import ObjectKey, Tier
+from hybridstore.backends.base import ObjectKey, ObjectTable
 from hybridstore.backends.host import as_bytes
 from hybridstore.errors import CapacityError, ConfigError
 
@@ -98,7 +98,13 @@ def _wait(event: torch.cuda.Event, result: Any, source: torch.Tensor) -> Any:
     return result
 
 
-class DeviceTier(Tier):
+class _Entry(NamedTuple):
+    extent: Extent
+    nbytes: int
+    meta: bytes
+
+
+class DeviceTier(ObjectTable):
     """GPU memory carved into size-class slots.
 
     Args:
@@ -166,7 +172,7 @@ class DeviceTier(Tier):
             old = self._objects.get(key)
             if old is not None:
                 self._alloc.free(old[0])  # later copies into it queue after ours
-            self._objects[key] = (extent, nbytes, bytes(meta))
+            self._objects[key] = _Entry(extent, nbytes, bytes(meta))
         return fut
 
     def get_into(self, key: ObjectKey, out: Any) -> Future:
@@ -178,23 +184,6 @@ class DeviceTier(Tier):
             if dst.numel() < nbytes:
                 raise ValueError(f"out has {dst.numel()} bytes; the object needs {nbytes}")
             return _copy_on(self._stream, dst[:nbytes], self._slot(extent, nbytes), nbytes)
-
-    def contains(self, key: ObjectKey) -> bool:
-        with self._lock:
-            self._check_open()
-            return key in self._objects
-
-    def nbytes(self, key: ObjectKey) -> int | None:
-        with self._lock:
-            self._check_open()
-            entry = self._objects.get(key)
-            return None if entry is None else entry[1]
-
-    def meta(self, key: ObjectKey) -> bytes | None:
-        with self._lock:
-            self._check_open()
-            entry = self._objects.get(key)
-            return None if entry is None else entry[2]
 
     def delete(self, key: ObjectKey) -> int:
         with self._lock:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from hybridstore.backends.alloc import Extent, SlabAllocator
-from hybridstore.backends.base import ObjectKey, Tier, done_future
+from hybridstore.backends.base import ObjectKey, ObjectTable, done_future
 from hybridstore.errors import CapacityError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class _Object:
         self.meta = meta
 
 
-class HostPool(Tier):
+class HostPool(ObjectTable):
     """Pinned host memory carved into size-class slots.
 
     Args:
@@ -293,23 +293,6 @@ class HostPool(Tier):
             if fut is None:
                 fut = self._done[obj.nbytes] = done_future(obj.nbytes)
         return fut
-
-    def contains(self, key: ObjectKey) -> bool:
-        with self._lock:
-            self._check_open()
-            return key in self._objects
-
-    def nbytes(self, key: ObjectKey) -> int | None:
-        with self._lock:
-            self._check_open()
-            obj = self._objects.get(key)
-            return None if obj is None else obj.nbytes
-
-    def meta(self, key: ObjectKey) -> bytes | None:
-        with self._lock:
-            self._check_open()
-            obj = self._objects.get(key)
-            return None if obj is None else obj.meta
 
     def delete(self, key: ObjectKey) -> int:
         """Drop ``key``; returns its slot size (freed on the last release if held)."""

@@ -1011,42 +1011,55 @@ def _print_report(doc: dict[str, Any], console: Any) -> None:
 
 
 def plot_results(doc: dict[str, Any], path: str) -> None:
-    """PNG: GB/s against object size per path (reads left, writes right), device limits dashed."""
+    """PNG of GB/s against object size per path: cold reads, warm reads, writes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(15, 6), sharey=False)
+    fig, axes = plt.subplots(1, 3, figsize=(20, 6.5))
     dl = doc["device_limit"]
-    for ax, op, limit in ((axes[0], "read", dl["read_gbps"]), (axes[1], "write", dl["write_gbps"])):
+    panels = ((axes[0], "read", lambda c: not c.startswith("warm"), dl["read_gbps"],
+               "reads from the device (cold: O_DIRECT, or page cache dropped)", "linear"),
+              (axes[1], "read", lambda c: c.startswith("warm"), dl["read_gbps"],
+               "reads from the page cache (warm)", "log"),
+              (axes[2], "write", lambda c: True, dl["write_gbps"], "durable writes", "linear"))
+    for ax, op, keep, limit, title, yscale in panels:
         lines: dict[str, list[tuple[int, float]]] = {}
         for r in doc["results"]:
-            if r["op"] == op:
+            if r["op"] == op and keep(r["cache"]):
                 lines.setdefault(f"{r['path']} [{r['cache']}]", []).append(
                     (r["object_bytes"], r["gbps"]))
         for label, pts in sorted(lines.items()):
             pts.sort()
-            style = {"lw": 2.6, "color": "black"} if label.startswith(OURS) else {}
-            ls = "--" if "warm" in label else ("-." if label.startswith("device-ref") else "-")
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], ls, marker="o", ms=4,
-                    label=label, **style)
+            style: dict[str, Any] = {}
+            if label.startswith(OURS):
+                style = {"lw": 2.8, "color": "black", "zorder": 5}
+            elif label.startswith("device-ref"):
+                style = {"ls": "--", "color": "red", "lw": 1.2}
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=4, label=label,
+                    **style)
         if limit:
             ax.axhline(limit, color="red", ls=":", lw=1.5, label=f"device limit {limit:.2f} GB/s")
-            if op == "read":
+            if op == "read" and yscale == "linear":
                 ax.axhline(TARGET_RATIO * limit, color="red", ls=":", lw=0.8, alpha=0.5,
                            label=f"{TARGET_RATIO:.0%} of the limit")
+        for size, name in _SIZE_NAMES.items():
+            ax.axvline(size, color="grey", lw=0.6, alpha=0.4)
+            ax.text(size, 0.98, name, rotation=90, va="top", ha="right", fontsize=7,
+                    color="grey", transform=ax.get_xaxis_transform())
         ax.set_xscale("log", base=2)
+        ax.set_yscale(yscale)
         ax.set_xlabel("object size (bytes)")
         ax.set_ylabel("GB/s (1e9 B/s), median of reps")
-        ax.set_title(f"{op}s, one object per op")
+        ax.set_title(f"{title}, one object per op", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="best")
-    fig.suptitle(f"hybridstore bench ssd on {doc['disk']['fs_type']} "
-                 f"({doc['disk'].get('block_device', {}).get('name', '?')}); "
-                 f"device: {dl['method'][:60]}", fontsize=10)
+    bd = doc["disk"].get("block_device", {})
+    fig.suptitle(f"hybridstore bench ssd: {doc['disk']['fs_type']} on {bd.get('name', '?')}; "
+                 f"device limit by {dl['method'].split(',')[0]}", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
