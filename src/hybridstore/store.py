@@ -773,11 +773,11 @@ class HybridStore:
         bit = TIER_BITS[tier]
         if victim.kind == ObjectKind.PAGE:
             nid = int(victim.ref)
-            info = self.index.page_info(nid)
-            if info["block"] < 0 or not info["tiers"] & bit or info["pins"]:
+            tiers, deps, pins, nbytes = self.index.page_state(nid)   # a freed node holds no tier
+            if not tiers & bit or pins:
                 return 0
             okey = object_key(ObjectKind.PAGE, self.index.node_key(nid))
-            elsewhere, needed, nbytes = info["tiers"] & ~bit, info["deps"] > 0, info["nbytes"]
+            elsewhere, needed = tiers & ~bit, deps > 0
         else:
             ck = self.index.checkpoint(bytes(victim.ref))
             if ck is None or not ck.tiers & bit or ck.pins:
@@ -827,13 +827,11 @@ class HybridStore:
         bit = TIER_BITS[tier]
         if kind == ObjectKind.PAGE:
             nid = self.index.find_node(okey[1:])
-            if nid < 0:
+            held = self.index.page_tiers(nid) if nid >= 0 else 0
+            if not held & bit:
                 return
-            info = self.index.page_info(nid)
-            if not info["tiers"] & bit:
-                return
-            if info["tiers"] == bit:
-                self.residence.observe(kind, self.index.now() - info["ctime"])
+            if held == bit:
+                self.residence.observe(kind, self.index.now() - self.index.page_ctime(nid))
             self.index.drop_page_tier(nid, tier)
         else:
             ck = self.index.checkpoint(okey[1:])

@@ -22,7 +22,7 @@ def _hit(runs, name):
 
 def test_unlimited_upper_bounds_every_preset_on_the_bundled_weka_sample(tmp_path):
     trace = load(str(weka_sample()))
-    cfg = ReplayConfig(gpu_gib=8, host_gib=24, disk_gib=48)     # tight: policies must choose
+    cfg = ReplayConfig(gpu_gib=16, host_gib=48, disk_gib=96)    # tight: policies must choose
     runs = replay(trace, ALL, cfg, progress=False)
     doc = summarize(trace, runs, cfg)
     ref = doc["policies"]["unlimited"]["token_hit_rate"]

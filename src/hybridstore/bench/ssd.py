@@ -599,6 +599,14 @@ def _dali_state() -> tuple[bool, str]:
     return True, f"nvidia-dali {getattr(dali, '__version__', '?')}"
 
 
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+    except Exception:  # noqa: BLE001 - any failure means "not usable"
+        return False
+    return True
+
+
 def _cuda() -> bool:
     try:
         import torch
@@ -814,9 +822,10 @@ class _SizeRun:
                             tp.write_one, tp.note))
         writers += [("numpy.save", "buffered + fsync", _NumpyPath.write_one,
                      "np.save to .npy + fsync (the files of numpy.fromfile and DALI)"),
-                    ("torch.save", "buffered + fsync", _TorchPath.write_one, "torch.save + fsync"),
-                    ("safetensors", "buffered + fsync", _SafetensorsPath.write_one,
-                     "safetensors.torch.save_file + fsync")]
+                    ("torch.save", "buffered + fsync", _TorchPath.write_one, "torch.save + fsync")]
+        if b.safetensors:
+            writers.append(("safetensors", "buffered + fsync", _SafetensorsPath.write_one,
+                            "safetensors.torch.save_file + fsync"))
         order = writers[rep % len(writers):] + writers[:rep % len(writers)]
         for name, cache, fn, note in order:
             b.step(f"{size_label(self.size)}: write {name} (rep {rep})")
@@ -907,6 +916,7 @@ class _Bench:
     device_now: dict[tuple[int, int], float] = field(default_factory=dict)
     broken: set[tuple[str, str]] = field(default_factory=set)
     last_write_rep: int = 0
+    safetensors: bool = True
 
 
 def _objects_per_size(size: int, quick: bool) -> int:
@@ -1131,17 +1141,21 @@ def run_ssd_bench(json_path: str | None = None, disk_dir: str | None = None, *,
     started = time.perf_counter()
     cfg = StoreConfig()
     dali_ok, dali_why = _dali_state()
+    safetensors_ok = _importable("safetensors.torch")
     kvikio_ok, kvikio_why = _kvikio_state()
     cuda = _cuda()
     threads = max(1, min(4, os.cpu_count() or 1))
-    n_read_paths = 1 + (1 if kvikio_ok else 0) + (2 if dali_ok else 0) + (1 if dali_ok and cuda
-                                                                          else 0) + 6
-    steps = (14 + sum(write_reps * (4 + (1 if kvikio_ok else 0)) + reps * (1 + n_read_paths)
-                      for _ in sizes) + (len(sizes) * 0) + (4 * (reps + 1) if host_pool else 0))
     host_sizes = ([64 * KIB, 4 * MIB, CKPT_BYTES] if quick else
                   [64 * KIB, 1 * MIB, 4 * MIB, CKPT_BYTES, 256 * MIB])
     if sizes and max(sizes) < 4 * MIB:  # a tiny test run: keep the host section tiny too
         host_sizes = sorted(set(sizes))[:2]
+    n_tiers = 1 + int(kvikio_ok)
+    n_reads = n_tiers + ((2 + int(cuda)) if dali_ok else 0) + (6 if safetensors_ok else 4)
+    with_fio = use_fio and odirect.fio_path() is not None
+    steps = (1 + (3 if with_fio else len(_matrix(quick)) + 11)
+             + len(sizes) * (write_reps * (n_tiers + 2 + int(safetensors_ok))
+                             + reps * (1 + n_reads))
+             + (len(host_sizes) * (reps + 1) if host_pool else 0))
     o_direct = _o_direct_works(root)
     tiers: list[Any] = []
     doc: dict[str, Any]
@@ -1202,11 +1216,19 @@ def run_ssd_bench(json_path: str | None = None, disk_dir: str | None = None, *,
             else:
                 for name in ("dali-numpy-cpu", "dali-numpy-gpu"):
                     unavailable.append({"path": name, "op": "read", "reason": dali_why})
-            for cls in (_TorchPath, _SafetensorsPath, _NumpyPath):
+            readers: list[type[_FilePath]] = [_TorchPath, _NumpyPath]
+            if safetensors_ok:
+                readers.insert(1, _SafetensorsPath)
+            else:
+                bench.safetensors = False
+                unavailable.append({"path": "safetensors", "op": "read/write",
+                                    "reason": "safetensors cannot be imported (pip install "
+                                              "safetensors)"})
+            for cls in readers:
                 bench.read_paths += [cls(cold=True), cls(cold=False)]
-            if cuda:
-                issues.append("a GPU is present: the read-to-GPU rows (tier get_into a CUDA "
-                              "tensor) are not measured by this version")
+            unavailable.append({"path": OURS, "op": "read-to-gpu",
+                                "reason": "get_into a CUDA tensor (host bounce + H2D, or kvikio "
+                                          "GDS) is not measured by this version of the bench"})
             for size in sizes:
                 run = _SizeRun(bench, size, counts[size])
                 try:
@@ -1279,5 +1301,9 @@ def run_ssd_bench(json_path: str | None = None, disk_dir: str | None = None, *,
         with open(json_path, "w") as fh:
             fh.write(text + "\n")
     if plot_path:
-        plot_results(doc, plot_path)
+        try:
+            plot_results(doc, plot_path)
+        except ImportError as e:
+            out_console.print(f"[red]no plot:[/red] {e}; pip install matplotlib (the bench extra)")
+            raise
     return doc

@@ -659,6 +659,14 @@ class HybridIndex:
         """``tiers`` and ``nbytes`` of the pages ``ids`` (vectorised, for restore costs)."""
         return {"tiers": self._tiers[ids], "nbytes": self._nbytes[ids]}
 
+    def page_state(self, nid: int) -> tuple[int, int, int, int]:
+        """``(tiers, deps, pins, nbytes)`` of page ``nid`` (eviction's hot path)."""
+        return (int(self._tiers[nid]), int(self._deps[nid]), int(self._pins[nid]),
+                int(self._nbytes[nid]))
+
+    def page_ctime(self, nid: int) -> int:
+        return int(self._ctime[nid])
+
     def page_tiers(self, nid: int) -> int:
         """Tier mask of page ``nid`` (hot path; ``page_info`` has every field)."""
         return int(self._tiers[nid])
