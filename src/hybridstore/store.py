@@ -118,7 +118,8 @@ class HybridStore:
                 raise UnknownTierError(f"unknown tier {name!r}; tiers are {list(TIER_BITS)}")
         self._layouts: dict[ObjectKind, Layout] = {}
         self._chain = [name for name in TIER_ORDER if name in self.tiers]
-        self._admission.bind(free_bytes=lambda: self._room(self._chain[0], ObjectKind.STATE))
+        self._admission.bind(free_bytes=lambda: self._room(self._chain[0], ObjectKind.STATE),
+                             tier=self._chain[0])
         self._pending: dict[tuple[bytes, str], Future] = {}   # (key, target tier) -> copy
         self._inflight: Counter[bytes] = Counter()             # copies in flight per key
         self._completed: deque[tuple[bytes, str, Future]] = deque()
@@ -734,8 +735,7 @@ class HybridStore:
             before = freed
             victims, made = self._ranking(tier, kind, fresh=attempt > 0)
             for victim in victims:
-                if (kind is not None and victim.kind != kind) or (
-                        made >= 0 and self._used_since(victim, made)):
+                if made >= 0 and self._used_since(victim, made):
                     continue
                 freed += self._evict_one(victim, tier)
                 if freed >= nbytes:
@@ -749,10 +749,10 @@ class HybridStore:
         """The policy's victim order for ``tier``, reused when the tier is large (see ``_evict``)."""
         n = self._objects[tier]
         if n < REUSE_RANKING_OBJECTS:
-            return self._eviction.victims(self.index, tier), -1
+            return self._eviction.victims(self.index, tier, kind), -1
         entry = self._rankings.get((tier, kind))
         if fresh or entry is None or self.index.now() - entry[1] > n // 4:
-            entry = (self._eviction.victims(self.index, tier), self.index.now())
+            entry = (self._eviction.victims(self.index, tier, kind), self.index.now())
             self._rankings[(tier, kind)] = entry
         return entry
 
@@ -788,9 +788,17 @@ class HybridStore:
             return 0
         if not elsewhere:
             below = self._below(tier)
+            spilled = False
             if below is not None and victim.kind in self._tiering.spill:
-                self._spill(okey, victim.kind, nbytes, tier, below)
-            elif needed and self._eviction.dependency_aware:
+                try:
+                    self._spill(okey, victim.kind, nbytes, tier, below)
+                    spilled = True
+                except CapacityError:
+                    # The tier below is full of what it must keep: the object is
+                    # dropped instead (a checkpoint always may be; a page only when
+                    # nothing needs it or the policy ignores dependencies).
+                    pass
+            if not spilled and needed and self._eviction.dependency_aware:
                 return 0
         freed = self.tiers[tier].charge(nbytes)
         self._drop(okey, tier)

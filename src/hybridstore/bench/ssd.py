@@ -590,6 +590,16 @@ def _kvikio_state() -> tuple[bool, str]:
     return True, f"libcuda: {where} ({devices})"
 
 
+def _kvikio_direct_reads() -> bool:
+    """Whether kvikio's compat reads use O_DIRECT (``auto_direct_io_read``)."""
+    try:
+        import kvikio.defaults
+
+        return bool(kvikio.defaults.get("auto_direct_io_read"))
+    except Exception:  # noqa: BLE001 - older kvikio: buffered
+        return False
+
+
 def _dali_state() -> tuple[bool, str]:
     try:
         import nvidia.dali as dali  # noqa: F401
@@ -1193,9 +1203,12 @@ def run_ssd_bench(json_path: str | None = None, disk_dir: str | None = None, *,
                 else:
                     tiers.append(kv)
                     name = f"hybridstore-{kv.engine.name}"
+                    direct = _kvikio_direct_reads()
                     bench.tier_paths.append(_TierPath(
-                        kv, name, "cold-dropped", f"DiskTier(engine={kv.engine.name}); {kvikio_why};"
-                        " segment pages dropped before each op", drop_segments=True))
+                        kv, name, "cold-odirect" if direct else "cold-dropped",
+                        f"DiskTier(engine={kv.engine.name}); {kvikio_why}; kvikio "
+                        f"auto_direct_io_read={direct}; segment pages dropped before each op",
+                        drop_segments=True))
                     other = ("hybridstore-kvikio-gds" if kv.engine.compat_mode
                              else "hybridstore-kvikio-compat")
                     unavailable.append({"path": other, "op": "read/write",

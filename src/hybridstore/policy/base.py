@@ -86,8 +86,9 @@ class EvictionPolicy(ABC):
         """Called after a resume from ``checkpoint`` (e.g. to refresh ancestors)."""
 
     @abstractmethod
-    def victims(self, index: HybridIndex, tier: str) -> Iterator[Victim]:
-        """Objects held by ``tier``, first to evict first."""
+    def victims(self, index: HybridIndex, tier: str,
+                kind: ObjectKind | None = None) -> Iterator[Victim]:
+        """Objects held by ``tier`` (only those of ``kind``, when given), first to evict first."""
 
 
 class AdmissionPolicy(ABC):
@@ -100,8 +101,8 @@ class AdmissionPolicy(ABC):
               prompt: PrefixKeys | None = None) -> bool:
         """Keep the checkpoint of ``prompt`` at ``position`` (``nbytes``)?"""
 
-    def bind(self, *, free_bytes: Callable[[], int]) -> None:  # noqa: B027
-        """The store gives the policy the room left for checkpoints in their landing tier."""
+    def bind(self, *, free_bytes: Callable[[], int], tier: str | None = None) -> None:  # noqa: B027
+        """The store gives the policy the room left for checkpoints in their landing ``tier``."""
 
 
 class PlacementPolicy(ABC):

@@ -24,9 +24,12 @@ class LRUEviction(EvictionPolicy):
 
     name = "lru"
 
-    def victims(self, index: HybridIndex, tier: str) -> Iterator[Victim]:
+    def victims(self, index: HybridIndex, tier: str,
+                kind: ObjectKind | None = None) -> Iterator[Victim]:
         bit = TIER_BITS[tier]
         pages = index.page_table(tier)
+        if kind == ObjectKind.STATE:
+            pages = {name: col[:0] for name, col in pages.items()}
         order = np.lexsort((pages["atime"], pages["deps"] > 0))
         ids = pages["ids"][order]
         reclaimable = int(np.count_nonzero(pages["deps"] == 0))
@@ -36,7 +39,7 @@ class LRUEviction(EvictionPolicy):
         # usually stops long before the end of the list.
         atimes = pages["atime"][order][reclaimable:].tolist()
         rest_pages = zip(atimes, repeat(ObjectKind.PAGE), ids[reclaimable:].tolist())
-        states = sorted((ck.atime, ObjectKind.STATE, ck.key) for ck in index.checkpoints()
-                        if ck.tiers & bit)
+        states = [] if kind == ObjectKind.PAGE else sorted(
+            (ck.atime, ObjectKind.STATE, ck.key) for ck in index.checkpoints() if ck.tiers & bit)
         for _, kind, ref in heapq.merge(rest_pages, states, key=lambda t: t[0]):
             yield Victim(kind, ref)

@@ -16,8 +16,10 @@ A pass over a tier yields:
    except those touched after the newest checkpoint put or hit: they are most
    likely the KV of a request whose checkpoint the engine is about to put, and
    go last;
-2. units, lowest score first.  After each unit the store has applied (or
-   refused) the eviction; when its checkpoint left the index, the neighbours
+2. units, lowest score first — those whose checkpoint this tier holds
+   before those whose checkpoint lives in another tier (their pages can only
+   move down).  After each unit the store has applied (or refused) the
+   eviction; when its checkpoint left the index, the neighbours
    whose score depends on it (tree parent and children) are scored again
    ("affected costs are updated after eviction", HiState §3.3);
 3. the remaining pages (shared by several checkpoints) by LRU: the store can
@@ -169,17 +171,17 @@ class UnitEviction(EvictionPolicy):
         units = units_of(index, tier)
         ctx = self.prepare(index, tier, pages, units)
         version: dict[bytes, int] = {}
-        heap: list[tuple[float, int, int, bytes, HybridUnit]] = []
+        heap: list[tuple[bool, float, int, int, bytes, HybridUnit]] = []
         seq = 0
         for unit in units:
-            heap.append((self.score(index, unit, ctx), seq, 0, unit.ck.key, unit))
+            heap.append((not unit.held, self.score(index, unit, ctx), seq, 0, unit.ck.key, unit))
             version[unit.ck.key] = 0
             seq += 1
         heapq.heapify(heap)
         offered: set[int] = set()
         done: set[bytes] = set()
         while heap:
-            _, _, ver, key, unit = heapq.heappop(heap)
+            _, _, _, ver, key, unit = heapq.heappop(heap)
             if version.get(key) != ver or key in done:
                 continue
             done.add(key)
@@ -202,7 +204,8 @@ class UnitEviction(EvictionPolicy):
                 self.rescored(index, fresh, ctx)
                 v = version.get(fresh.ck.key, -1) + 1
                 version[fresh.ck.key] = v
-                heapq.heappush(heap, (self.score(index, fresh, ctx), seq, v, fresh.ck.key, fresh))
+                heapq.heappush(heap, (not fresh.held, self.score(index, fresh, ctx), seq, v,
+                                      fresh.ck.key, fresh))
                 seq += 1
 
         shared = deps > 0 if kind != ObjectKind.STATE else np.zeros_like(free)

@@ -72,10 +72,11 @@ def plot(runs: Mapping[str, PolicyRun], path: str | Path, title: str = "") -> No
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    colors = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(runs)}
     for name, run in runs.items():
         ttft = np.sort([r.ttft_s for r in run.results])
         if ttft.size:
-            ax1.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=name)
+            ax1.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=name, color=colors[name])
     ax1.set_xscale("log")
     ax1.set_xlabel("TTFT (s)")
     ax1.set_ylabel("CDF of requests")
@@ -93,7 +94,7 @@ def plot(runs: Mapping[str, PolicyRun], path: str | Path, title: str = "") -> No
                            for r in run.results if (r.session, r.index) in ref_hit])
             if gap.size:
                 cdf = np.arange(1, gap.size + 1) / gap.size
-                ax2.plot(gap, cdf, label=name, drawstyle="steps-post")
+                ax2.plot(gap, cdf, label=name, drawstyle="steps-post", color=colors[name])
                 lowest = min(lowest, float(cdf[np.searchsorted(gap, 1e-9)]) if (gap > 1e-9).any() else 1.0)
         # Most requests lose nothing; zoom on the tail where policies differ.
         ax2.set_ylim(max(0.0, lowest - 0.02), 1.005)
