@@ -227,13 +227,16 @@ def test_piece_sizes() -> None:
     try:
         assert engine.piece_bytes(4 * MIB) == 256 * KIB  # two waves of 8 pieces
         assert engine.piece_bytes(50_000_000) == 512 * KIB
-        assert engine.piece_bytes(100) == 128 * KIB
-        assert engine.piece_bytes(4 * MIB) % ALIGN == 0
+        assert engine.piece_bytes(100) == ALIGN  # small I/Os go whole
+        assert engine.piece_bytes(1 * MIB) == 1 * MIB
+        assert engine.piece_bytes(1 * MIB, in_place=False) == 256 * KIB  # bounce-sized
+        assert engine.piece_bytes(2 * MIB) == 256 * KIB
     finally:
         engine.close()
     small = PosixEngine(3, chunk_bytes=2 * ALIGN)
     try:
         assert small.piece_bytes(10 * MIB) == 2 * ALIGN
+        assert small.piece_bytes(100_000, in_place=False) == 2 * ALIGN
     finally:
         small.close()
 
@@ -338,3 +341,40 @@ def test_verified_reads_of_large_objects_and_corruption(tmp_path: Path) -> None:
             tier.get(keys[1])
         assert not tier.contains(keys[1])
         assert np.array_equal(tier.get(keys[0]), objs[0])
+
+
+def test_kvikio_engine_tuning_under_the_stand_in_driver(tmp_path: Path) -> None:
+    """O_DIRECT compat reads and 512 KiB tasks, unless the environment says otherwise.
+
+    Runs in a subprocess with the TEST FIXTURE stand-in ``libcuda.so.1`` (as
+    tests/backends/test_disk.py does); this process never loads it.
+    """
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("kvikio") is None:
+        pytest.skip("kvikio is not installed")
+    from tests.backends.fake_libcuda import build_fake_libcuda, gcc
+
+    if gcc() is None:
+        pytest.skip("gcc is missing: cannot build the stand-in libcuda.so.1")
+    lib = build_fake_libcuda(tmp_path / "cuda")
+    src = Path(__file__).resolve().parents[1] / "src"
+    code = ("import kvikio.defaults as d\n"
+            "from hybridstore.backends.engines import KvikioEngine\n"
+            "e = KvikioEngine(4)\n"
+            "print(e.name, d.get('auto_direct_io_read'), d.get('task_size'),\n"
+            "      d.get('num_threads'))\n"
+            "e.close()\n")
+    base = dict(os.environ,
+                PYTHONPATH=os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]),
+                LD_LIBRARY_PATH=os.pathsep.join([str(lib), os.environ.get("LD_LIBRARY_PATH", "")]))
+    base.pop("KVIKIO_AUTO_DIRECT_IO_READ", None)
+    base.pop("KVIKIO_TASK_SIZE", None)
+    for extra, want in (({}, "kvikio-compat True 524288 4"),
+                        ({"KVIKIO_TASK_SIZE": "1048576"}, "kvikio-compat True 1048576 4")):
+        proc = subprocess.run([sys.executable, "-c", code], env={**base, **extra}, text=True,
+                              capture_output=True, timeout=120, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == want, proc.stdout

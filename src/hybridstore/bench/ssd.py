@@ -203,7 +203,8 @@ def _measure_device(path: str, file_bytes: int, quick: bool, use_fio: bool,
         rows = _run_cells(jobs, path, file_bytes, runtime, None, step, "matrix")
     for r in rows:
         r["samples_gbps"] = [r["gbps"]]
-    top = (sorted((r for r in rows if r["rw"] in ("read", "randread")), key=lambda r: -r["gbps"])[:3]
+    top = (sorted((r for r in rows if r["rw"] in ("read", "randread")),
+                  key=lambda r: -r["gbps"])[:3]
            + sorted((r for r in rows if r["rw"] in ("write", "randwrite")),
                     key=lambda r: -r["gbps"])[:2])
     again = [IoJob(r["rw"], r["block_bytes"], r["iodepth"]) for r in top] * 2
@@ -929,6 +930,24 @@ class _Bench:
     safetensors: bool = True
 
 
+def _cpu_times() -> list[int] | None:
+    """The aggregate ``cpu`` line of /proc/stat (user nice system idle iowait irq softirq steal)."""
+    try:
+        with open("/proc/stat") as fh:
+            return [int(x) for x in fh.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+
+
+def _steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
+    """Share of CPU time stolen by the hypervisor between two :func:`_cpu_times`."""
+    if before is None or after is None or len(before) < 8 or len(after) < 8:
+        return None
+    delta = [a - b for a, b in zip(after, before)]
+    total = sum(delta)
+    return delta[7] / total if total > 0 else None
+
+
 def _objects_per_size(size: int, quick: bool) -> int:
     target, lo, hi = ((96 << 20), 2, 32) if quick else ((512 << 20), 3, 128)
     return max(lo, min(hi, target // size))
@@ -1168,6 +1187,7 @@ def run_ssd_bench(json_path: str | None = None, disk_dir: str | None = None, *,
              + (len(host_sizes) * (reps + 1) if host_pool else 0))
     o_direct = _o_direct_works(root)
     tiers: list[Any] = []
+    steal: dict[str, float | None] = {}
     doc: dict[str, Any]
     try:
         with _progress(steps) as step:
@@ -1244,6 +1264,7 @@ def run_ssd_bench(json_path: str | None = None, disk_dir: str | None = None, *,
                                           "GDS) is not measured by this version of the bench"})
             for size in sizes:
                 run = _SizeRun(bench, size, counts[size])
+                cpu0 = _cpu_times()
                 try:
                     for wrep in range(write_reps):
                         run.writes(wrep)
@@ -1252,6 +1273,7 @@ def run_ssd_bench(json_path: str | None = None, disk_dir: str | None = None, *,
                         run.reads(rep)
                 finally:
                     run.close()
+                    steal[str(size)] = _steal_share(cpu0, _cpu_times())
                 del run
                 gc.collect()
             # 3. the host pool
@@ -1290,6 +1312,10 @@ def run_ssd_bench(json_path: str | None = None, disk_dir: str | None = None, *,
                    "dali": ("batch_size=1, one pipeline per repetition (built untimed), "
                             f"num_threads={threads}, exec_pipelined=False; its loader reads one "
                             "sample ahead, so per-op times after the first overlap the next read"),
+                   "cpu_steal_share": steal,
+                   "cpu_steal_note": "share of CPU time the hypervisor stole (/proc/stat) while "
+                                     "each object size ran: a busy host slows every path, the "
+                                     "ones that compute (checksums, Python) the most",
                    "elapsed_s": None},
         "disk": {"dir": root, "fs_type": _fs_type(os.path.dirname(root) or "."),
                  "o_direct": bool(o_direct), "block_device": _block_device(os.path.dirname(root))},
