@@ -375,28 +375,36 @@ class HybridIndex:
         if ck is None:
             ids = self._ensure_path(prompt, k)
             base = ids[-1] if ids else ROOT
-            ck = Checkpoint(key, position, base, position - k * B, nbytes, self._tick())
-            self._ckpts[key] = ck
-            self._by_base.setdefault(base, []).append(ck)
-            if ids:
-                self._deps[np.asarray(ids, dtype=np.int64)] += 1
             # Covers: the page ending exactly at `position`, and the prompt's own
             # page of block k when the prompt runs past `position`.
-            cover_keys = [key]
+            covers = [(key, position - k * B)]
             if prompt.block_end(k) > position:
-                cover_keys.append(prompt.block_key(k))
-            for ckey in cover_keys:
-                lo, hi = _split(ckey)
-                nid = self._lookup(lo, hi)
-                if nid < 0:
-                    ntok = position - k * B if ckey == key else prompt.block_end(k) - k * B
-                    nid = self._new_node(lo, hi, k, ntok, base)
-                ck.covers.append(nid)
-                self._deps[nid] += 1
-            self._attach(ck, prompt)
+                covers.append((prompt.block_key(k), prompt.block_end(k) - k * B))
+            ck = self._insert_checkpoint(key, position, base, ids, covers, nbytes, prompt)
         ck.tiers |= TIER_BITS[tier]
         ck.nbytes = nbytes
         ck.atime = self._tick()
+        return ck
+
+    def _insert_checkpoint(self, key: bytes, position: int, base: int, path: list[int],
+                           covers: Iterable[tuple[bytes, int]], nbytes: int,
+                           prompt: PrefixKeys | None) -> Checkpoint:
+        """Create a checkpoint on ``base``: count it on its path and covers, link it in the tree."""
+        B = self.block_size
+        k = (position - 1) // B
+        ck = Checkpoint(key, position, base, position - k * B, nbytes, self._tick())
+        self._ckpts[key] = ck
+        self._by_base.setdefault(base, []).append(ck)
+        if path:
+            self._deps[np.asarray(path, dtype=np.int64)] += 1
+        for ckey, ntok in covers:
+            lo, hi = _split(ckey)
+            nid = self._lookup(lo, hi)
+            if nid < 0:
+                nid = self._new_node(lo, hi, k, ntok, base)
+            ck.covers.append(nid)
+            self._deps[nid] += 1
+        self._attach(ck, prompt)
         return ck
 
     def restore_page(self, key: bytes, block: int, ntok: int, parent_key: bytes, tier: str,
@@ -428,20 +436,7 @@ class HybridIndex:
             B = self.block_size
             k = (position - 1) // B
             base = ROOT if k == 0 else self._restore_ghost(base_key, k - 1)
-            ck = Checkpoint(key, position, base, position - k * B, nbytes, self._tick())
-            self._ckpts[key] = ck
-            self._by_base.setdefault(base, []).append(ck)
-            path = self._path(base)
-            if path:
-                self._deps[np.asarray(path, dtype=np.int64)] += 1
-            for ckey, ntok in covers:
-                lo, hi = _split(ckey)
-                nid = self._lookup(lo, hi)
-                if nid < 0:
-                    nid = self._new_node(lo, hi, k, ntok, base)
-                ck.covers.append(nid)
-                self._deps[nid] += 1
-            self._attach(ck, None)
+            ck = self._insert_checkpoint(key, position, base, self._path(base), covers, nbytes, None)
         ck.tiers |= TIER_BITS[tier]
         ck.nbytes = nbytes
         return ck
