@@ -135,7 +135,7 @@ class DeviceTier(ObjectTable):
         self._alloc = SlabAllocator(budget_bytes=capacity_bytes, arena_bytes=arena_bytes,
                                     alignment=ALIGN, on_new_arena=self._new_arena,
                                     on_release_arena=self._free_arena)
-        self._objects: dict[ObjectKey, tuple[Extent, int, bytes]] = {}  # extent, nbytes, meta
+        self._objects: dict[ObjectKey, _Entry] = {}
 
     @property
     def capacity_bytes(self) -> int:

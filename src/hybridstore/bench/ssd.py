@@ -391,6 +391,16 @@ class _TierPath(_Path):
         self.keys.clear()
 
 
+def _durable_write(path: str | os.PathLike[str], dump: Callable[[Any], None]) -> float:
+    """Seconds to serialise into ``path`` with ``dump(file)`` and fsync it (a durable write)."""
+    t0 = time.perf_counter()
+    with open(path, "wb") as fh:
+        dump(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return time.perf_counter() - t0
+
+
 class _FilePath(_Path):
     """A file-per-object reader: cold (pages dropped before each op) or warm."""
 
@@ -439,13 +449,7 @@ class _NumpyPath(_FilePath):
     @staticmethod
     def write_one(objs: _Objects, i: int, rep: int) -> float:
         src = objs.stamp(i, rep)
-        path = objs.file(i, "npy")
-        t0 = time.perf_counter()
-        with open(path, "wb") as fh:
-            np.save(fh, src)
-            fh.flush()
-            os.fsync(fh.fileno())
-        return time.perf_counter() - t0
+        return _durable_write(objs.file(i, "npy"), lambda fh: np.save(fh, src))
 
 
 class _TorchPath(_FilePath):
@@ -465,13 +469,7 @@ class _TorchPath(_FilePath):
         import torch
 
         t = torch.from_numpy(objs.stamp(i, rep))
-        path = objs.file(i, "pt")
-        t0 = time.perf_counter()
-        with open(path, "wb") as fh:
-            torch.save(t, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        return time.perf_counter() - t0
+        return _durable_write(objs.file(i, "pt"), lambda fh: torch.save(t, fh))
 
 
 class _SafetensorsPath(_FilePath):
