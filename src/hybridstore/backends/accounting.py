@@ -8,7 +8,6 @@ allocate nothing per call beyond the dict entry of a stored object.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
@@ -119,12 +118,6 @@ class AccountingTier(ObjectTable):
                 return 0
             self._used -= entry[1]
             return entry[1]
-
-    def entries(self) -> Iterator[tuple[ObjectKey, int, bytes]]:
-        with self._lock:
-            self._check_open()
-            items = [(key, nbytes, meta) for key, (nbytes, _, meta) in self._objects.items()]
-        return iter(items)
 
     def read_seconds(self, nbytes: int) -> float:
         return nbytes / self._read_bps

@@ -479,3 +479,25 @@ class SlabAllocator:
             del self._by_len[length]
             del self._lens[bisect.bisect_left(self._lens, length)]
         return length
+
+
+class SlabBudget:
+    """Capacity of a tier whose space a :class:`SlabAllocator` (``self._alloc``) carves.
+
+    Mixed in before :class:`~hybridstore.backends.base.Tier`: the budget, the
+    slot bytes in use, and the slot an object of ``nbytes`` is charged.
+    """
+
+    _alloc: SlabAllocator
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._alloc.budget_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Slot bytes of live (and held-but-dropped) objects."""
+        return self._alloc.used_bytes
+
+    def charge(self, nbytes: int) -> int:
+        return self._alloc.slot_size(nbytes)

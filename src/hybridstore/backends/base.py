@@ -217,3 +217,9 @@ class ObjectTable(Tier):
             self._check_open()
             entry = self._objects.get(key)
             return None if entry is None else entry.meta
+
+    def entries(self) -> Iterator[tuple[ObjectKey, int, bytes]]:
+        with self._lock:
+            self._check_open()
+            items = [(key, e.nbytes, e.meta) for key, e in self._objects.items()]
+        return iter(items)

@@ -12,14 +12,13 @@ a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from hybridstore.backends.alloc import Extent, SlabAllocator
+from hybridstore.backends.alloc import Extent, SlabAllocator, SlabBudget
 from hybridstore.backends.base import ObjectKey, ObjectTable
 from hybridstore.backends.host import as_bytes
 from hybridstore.errors import CapacityError, ConfigError
@@ -104,7 +103,7 @@ class _Entry(NamedTuple):
     meta: bytes
 
 
-class DeviceTier(ObjectTable):
+class DeviceTier(SlabBudget, ObjectTable):
     """GPU memory carved into size-class slots.
 
     Args:
@@ -136,17 +135,6 @@ class DeviceTier(ObjectTable):
                                     alignment=ALIGN, on_new_arena=self._new_arena,
                                     on_release_arena=self._free_arena)
         self._objects: dict[ObjectKey, _Entry] = {}
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._alloc.budget_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        return self._alloc.used_bytes
-
-    def charge(self, nbytes: int) -> int:
-        return self._alloc.slot_size(nbytes)
 
     def put(self, key: ObjectKey, data: Any, *, nbytes: int, meta: bytes = b"") -> Future:
         """Copy ``data`` (host or device) into a slot; visible at once to later stream work."""
@@ -193,12 +181,6 @@ class DeviceTier(ObjectTable):
                 return 0
             self._alloc.free(entry[0])
             return entry[0].length
-
-    def entries(self) -> Iterator[tuple[ObjectKey, int, bytes]]:
-        with self._lock:
-            self._check_open()
-            items = [(key, nbytes, meta) for key, (_, nbytes, meta) in self._objects.items()]
-        return iter(items)
 
     def read_seconds(self, nbytes: int) -> float:
         return nbytes / self._d2d_bps

@@ -45,10 +45,10 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from hybridstore.backends.alloc import Extent, SlabAllocator
+from hybridstore.backends.alloc import Extent, SlabAllocator, SlabBudget
 from hybridstore.backends.base import KEY_BYTES, ObjectKey, Tier, aligned_empty
 from hybridstore.backends.catalog import Catalog, CatalogRecord
-from hybridstore.backends.engines import ALIGN, Engine, round_up, select_engine
+from hybridstore.backends.engines import ALIGN, Engine, fsync_path, round_up, select_engine
 from hybridstore.errors import (
     BackendIOError,
     CapacityError,
@@ -93,7 +93,7 @@ class _PendingWrite:
     checksum: int = 0
 
 
-class DiskTier(Tier):
+class DiskTier(SlabBudget, Tier):
     """Durable SSD tier over segment files; see the module docstring.
 
     Args:
@@ -163,13 +163,6 @@ class DiskTier(Tier):
     @property
     def capacity_bytes(self) -> int:
         return self._capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self._alloc.used_bytes
-
-    def charge(self, nbytes: int) -> int:
-        return self._alloc.slot_size(nbytes)
 
     @property
     def engine(self) -> Engine:
@@ -500,7 +493,7 @@ class DiskTier(Tier):
                     _preallocate(fd, nbytes)
             finally:
                 os.close(fd)
-            _fsync_dir(self.path)
+            fsync_path(self.path)
         except OSError as e:
             raise BackendIOError(f"cannot create segment {path} of {nbytes} bytes: {e.strerror}; "
                                  "free space on the device or lower disk_bytes") from e
@@ -698,15 +691,6 @@ def _preallocate(fd: int, nbytes: int) -> None:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
         os.ftruncate(fd, nbytes)
-
-
-def _fsync_dir(path: str) -> None:
-    """Make a new directory entry durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _lock_directory(path: str) -> int:

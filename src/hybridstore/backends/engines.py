@@ -82,6 +82,15 @@ def round_up(n: int, align: int = ALIGN) -> int:
     return -(-n // align) * align
 
 
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """fsync a file or directory by path (a new directory entry, a closed file) to make it durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def buffer_address(buf: np.ndarray) -> int:
     """Address of the first byte of a numpy array."""
     return int(buf.__array_interface__["data"][0])

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import logging
 import mmap
-from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
-from hybridstore.backends.alloc import Extent, SlabAllocator
+from hybridstore.backends.alloc import Extent, SlabAllocator, SlabBudget
 from hybridstore.backends.base import ObjectKey, ObjectTable, done_future
 from hybridstore.errors import CapacityError, ConfigError
 
@@ -105,7 +104,7 @@ class _Object:
         self.meta = meta
 
 
-class HostPool(ObjectTable):
+class HostPool(SlabBudget, ObjectTable):
     """Pinned host memory carved into size-class slots.
 
     Args:
@@ -143,22 +142,10 @@ class HostPool(ObjectTable):
 
     # -- capacity -----------------------------------------------------------------
     @property
-    def capacity_bytes(self) -> int:
-        return self._alloc.budget_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        """Slot bytes of visible, reserved and held-but-dropped objects."""
-        return self._alloc.used_bytes
-
-    @property
     def is_pinned(self) -> bool:
         """True when the arenas are page-locked (pinning asked for and a GPU present)."""
         with self._lock:
             return self._pin and all(arena.pinned for arena in self._arenas.values())
-
-    def charge(self, nbytes: int) -> int:
-        return self._alloc.slot_size(nbytes)
 
     # -- two-phase store ----------------------------------------------------------
     def reserve_slot(self, key: ObjectKey, nbytes: int, meta: bytes = b"") -> np.ndarray:
@@ -303,12 +290,6 @@ class HostPool(ObjectTable):
                 return 0
             self._drop_slot(key, obj.extent)
             return obj.extent.length
-
-    def entries(self) -> Iterator[tuple[ObjectKey, int, bytes]]:
-        with self._lock:
-            self._check_open()
-            items = [(key, obj.nbytes, obj.meta) for key, obj in self._objects.items()]
-        return iter(items)
 
     def read_seconds(self, nbytes: int) -> float:
         return nbytes / (self._h2d_gbps * 1e9)

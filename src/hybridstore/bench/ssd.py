@@ -67,6 +67,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridstore.backends.engines import fsync_path
 from hybridstore.bench import odirect
 from hybridstore.bench.core import (
     _aligned,
@@ -320,14 +321,6 @@ def _npy_offset(path: str) -> int:
         return fh.tell()
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------------------------
 # paths
 # ---------------------------------------------------------------------------------
@@ -495,7 +488,7 @@ class _SafetensorsPath(_FilePath):
         path = objs.file(i, "safetensors")
         t0 = time.perf_counter()
         save_file({"x": t}, path)
-        _fsync_path(path)
+        fsync_path(path)
         return time.perf_counter() - t0
 
 
