@@ -27,6 +27,7 @@ from hybridstore.errors import (
     PlanReleasedError,
     StoreClosedError,
     UnknownTierError,
+    UnsupportedModelError,
 )
 from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import ResumePlan
@@ -53,5 +54,6 @@ __all__ = [
     "StoreClosedError",
     "StoreConfig",
     "UnknownTierError",
+    "UnsupportedModelError",
     "__version__",
 ]

@@ -102,6 +102,15 @@ class PlanReleasedError(HybridStoreError, RuntimeError):
     """A :class:`~hybridstore.index.ResumePlan` was used after ``release()``."""
 
 
+class UnsupportedModelError(HybridStoreError, TypeError):
+    """A model whose cache an adapter cannot page and checkpoint exactly.
+
+    For example a sliding-window attention layer (its cache drops tokens, so a
+    page of it cannot be restored) or a cache layer type the adapter does not
+    know.
+    """
+
+
 __all__ = [
     "BackendIOError",
     "CapacityError",
@@ -117,4 +126,5 @@ __all__ = [
     "PlanReleasedError",
     "StoreClosedError",
     "UnknownTierError",
+    "UnsupportedModelError",
 ]
