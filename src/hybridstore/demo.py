@@ -1,20 +1,21 @@
-"""``hybridstore demo``: one agent conversation through DRAM and disk, then a restart.
+"""``hybridstore demo``: one agent conversation on a real hybrid model, turn by turn.
 
-A hybrid model with the shape of a small Qwen3-Next-style stack (bf16 KV pages,
-fp32 Gated-DeltaNet states; the bytes are deterministic pseudo-random stand-ins
-for what an engine would compute) runs a few agent turns:
+A small Qwen3-Next (transformers' ``Qwen3NextForCausalLM``: Gated DeltaNet and
+full-attention layers, MoE MLPs, random weights, CPU reference kernels) serves
+one agent session through :class:`~hybridstore.adapters.transformers.CachedModel`.
+The context is mutated the ways agent harnesses mutate it (HiState §2.2):
+appends, a tool result truncated in the middle, a rewind that edits an earlier
+user message, a compaction — and the store is closed and reopened in the
+middle, so later turns resume from the SSD tier.
 
-1. turn 1 prefills a system prompt and a user message; the engine puts every
-   page and a checkpoint at the request end, which lies *inside* a block;
-2. turn 2 appends (a tool result) and resumes at turn 1's end;
-3. the DRAM pool is small, so older pages spill to the SSD tier; the store is
-   then closed and reopened from ``disk_path`` (a new process would see the
-   same);
-4. turn 3 is a *mutated* prompt: the agent truncates turn 2's tool result in
-   the middle of a block; the store resumes at the deepest checkpoint that
-   is still valid, restoring pages and state from disk.
+Checkpoints are placed by HiState's adaptive interval (eq. 3–6, sized from this
+model's state and KV bytes) plus semantic anchors at message boundaries
+(seed 003), so mutations inside a message still find a nearby state.
 
-Every restored page and state is compared with the bytes that were put.
+For every turn the demo measures the cached prefill (match + load + prefill of
+the rest + puts) against a plain full prefill of the same prompt, and checks
+that the logits agree (fp32 reassociation only; see
+``tests/adapters/test_transformers.py`` for the bound).
 """
 
 from __future__ import annotations
@@ -25,109 +26,132 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from rich.console import Console
 from rich.table import Table
 
 from hybridstore.config import StoreConfig
+from hybridstore.policy import AdaptiveInterval, Compose, SemanticAnchors
 from hybridstore.store import HybridStore
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ToyModel:
-    """Byte sizes of a small hybrid stack (per page: all attention layers)."""
-
-    block_size: int = 16
-    attn_layers: int = 4
-    kv_heads: int = 2
-    head_dim: int = 64
-    gdn_layers: int = 12
-    gdn_heads: int = 4
-    gdn_dim: int = 64
-
-    def page(self, key: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(key)
-        shape = (self.attn_layers, 2, self.block_size, self.kv_heads, self.head_dim)
-        return torch.randn(shape, generator=g).to(torch.bfloat16)
-
-    def state(self, key: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(key)
-        return {f"gdn.{i}": torch.randn(self.gdn_heads, self.gdn_dim, self.gdn_dim, generator=g)
-                for i in range(self.gdn_layers)}
+VOCAB = 32_000
+LOGIT_BOUND = 2e-5
+"""Largest relative logit difference a resume may show (fp32 reassociation)."""
 
 
-def _key(tokens: np.ndarray) -> int:
-    return int(np.bitwise_xor.reduce(tokens.astype(np.int64) * 2654435761 + len(tokens)) & 0x7FFFFFFF)
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One request of the session: its prompt and message boundaries (anchors)."""
+
+    label: str
+    tokens: np.ndarray
+    anchors: tuple[int, ...]
+    reopen_before: bool = False
 
 
-def serve(store: HybridStore, model: ToyModel, tokens: np.ndarray, truth: dict, label: str) -> dict:
-    """One request: match, load and verify, 'prefill' the rest, put pages and the end state."""
-    B = model.block_size
-    prompt = store.prefix(tokens)
-    t0 = time.perf_counter()
-    plan = store.match(prompt)
-    pages, state = store.load(plan).result()
-    restore_s = time.perf_counter() - t0
-    exact = all(torch.equal(p, truth["pages"][k]) for k, p in zip(plan.page_keys, pages))
-    if state is not None:
-        exact &= all(torch.equal(state[n], truth["states"][plan.state_key][n]) for n in state)
-    store.release(plan)
-    # The engine recomputes [plan.position, len) and puts what it computed.
-    first_new = plan.position // B
-    new_pages = []
-    for k in range(first_new, prompt.nblocks):
-        page = model.page(_key(tokens[: prompt.block_end(k)]))
-        truth["pages"][prompt.block_key(k)] = page
-        new_pages.append(page)
-    if new_pages:
-        store.put_kv(prompt, new_pages)
-    for p in store.checkpoint_positions(cached=plan.position, length=len(tokens)):
-        state = model.state(_key(tokens[:p]))
-        store.put_state(prompt, state, position=p)
-        truth["states"][prompt.key_at(p)] = state
-    tiers = store.stats()["tiers"]
-    return {"request": label, "prompt": len(tokens), "reused": plan.position,
-            "recomputed": len(tokens) - plan.position, "restore_ms": restore_s * 1e3,
-            "bit_exact": exact, "host_MiB": tiers["host"]["used_bytes"] / 2**20,
-            "disk_MiB": tiers.get("disk", {}).get("used_bytes", 0) / 2**20}
+def conversation(seed: int = 7, scale: float = 1.0) -> list[Turn]:
+    """The session: seven requests with the four kinds of context mutation."""
+    rng = np.random.default_rng(seed)
+
+    def msg(n: int) -> np.ndarray:
+        return rng.integers(1, VOCAB, max(1, int(n * scale)))
+
+    marker = np.array([0])                                  # "[... truncated ...]"
+    system, user1, asst1, tool1 = msg(1200), msg(260), msg(120), msg(1500)
+    asst2, user2, summary, user3, user4 = msg(90), msg(140), msg(500), msg(180), msg(160)
+
+    def turn(label: str, *parts: np.ndarray, reopen: bool = False) -> Turn:
+        ends = tuple(int(x) for x in np.cumsum([len(p) for p in parts]))
+        return Turn(label, np.concatenate(parts), ends, reopen)
+
+    head, tail = tool1[: len(tool1) * 2 // 3 + 7], tool1[-len(tool1) // 6:]
+    truncated = np.concatenate([head, marker, tail])
+    edit_at = len(user1) // 2 + 3
+    return [
+        turn("1 system + user", system, user1),
+        turn("2 append: tool result", system, user1, asst1, tool1),
+        turn("3 append: user", system, user1, asst1, tool1, asst2, user2),
+        turn("4 truncate tool result mid-message", system, user1, asst1, truncated, user3),
+        turn("5 restart, then append", system, user1, asst1, truncated, user3, user4, reopen=True),
+        turn("6 rewind + edit user message", system, user1[:edit_at], msg(300)),
+        turn("7 compaction", system, summary, msg(150)),
+    ]
 
 
-def run_demo(disk_path: str | None = None, console: Console | None = None) -> list[dict]:
-    """Run the demo; returns one row per request (also printed as a table)."""
-    console = console or Console(width=150)
-    model = ToyModel()
-    rng = np.random.default_rng(7)
-    system = rng.integers(0, 150_000, 1_000)
-    user1 = rng.integers(0, 150_000, 203)
-    tool = rng.integers(0, 150_000, 611)
-    user3 = rng.integers(0, 150_000, 97)
-    turn1 = np.concatenate([system, user1])                      # ends inside a block
-    turn2 = np.concatenate([turn1, tool])
-    cut = len(turn1) + 250                                         # mid-block truncation of the tool result
-    turn3 = np.concatenate([turn2[:cut], user3])
-    truth: dict = {"pages": {}, "states": {}}
-    rows = []
+def run_demo(disk_path: str | None = None, console: Console | None = None,
+             scale: float = 1.0) -> list[dict]:
+    """Run the demo; returns one row per turn (also printed as a table).
+
+    Args:
+        disk_path: the SSD tier's directory (default: a temporary one).
+        console: where to print.
+        scale: multiply every message length (tests use a small scale).
+    """
+    from hybridstore.adapters.hf_models import small_model
+    from hybridstore.adapters.transformers import CachedModel, CacheSpec
+
+    console = console or Console(width=160)
+    model = small_model("qwen3-next", vocab=VOCAB)
+    block = 64
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="hybridstore-demo-") as tmp:
         path = disk_path or str(Path(tmp) / "ssd")
-        cfg = StoreConfig(block_size=model.block_size, host_bytes=4 << 20, disk_path=path,
-                          disk_bytes=1 << 30, disk_segment_bytes=16 << 20)
-        with HybridStore(cfg) as store:
-            rows.append(serve(store, model, turn1, truth, "turn 1: system + user"))
-            # The engine also checkpoints where the tool result will be cut later
-            # (a semantic anchor inside the tool result, as seed 003 places them).
-            rows.append(serve(store, model, turn2, truth, "turn 2: + tool result"))
-            anchored = store.prefix(turn2)
-            anchor_state = model.state(_key(turn2[:cut]))
-            store.put_state(anchored, anchor_state, position=cut)
-            truth["states"][anchored.key_at(cut)] = anchor_state
-            store.flush()
-        with HybridStore(cfg) as store:    # reopen: everything on disk is matchable again
-            rows.append(serve(store, model, turn3, truth, "turn 3 (reopened): truncated tool"))
-            rows.append(serve(store, model, turn3, truth, "turn 3 again (warm)"))
-    table = Table(title="hybridstore demo: one agent conversation, DRAM (4 MiB) + SSD")
-    for col in rows[0]:
-        table.add_column(col, justify="left" if col == "request" else "right")
-    for row in rows:
-        table.add_row(*[f"{v:.2f}" if isinstance(v, float) else str(v) for v in row.values()])
-    console.print(table)
+        cfg = StoreConfig(block_size=block, host_bytes=2 << 20, disk_path=path, disk_bytes=1 << 30,
+                          disk_segment_bytes=16 << 20, namespace="demo/qwen3-next-small@seed0")
+
+        spec = CacheSpec.probe(model, block)
+        placement = Compose(AdaptiveInterval(state_bytes=spec.state_bytes,
+                                             kv_bytes_per_token=int(spec.kv_bytes_per_token),
+                                             block_size=block, min_interval=block),
+                            SemanticAnchors())
+        store = HybridStore(cfg, placement=placement)
+        cm = CachedModel(model, store)
+        cm.prefill(np.arange(1, 9))                           # warm up kernels outside the timings
+        try:
+            turns = conversation(scale=scale)
+            with console.status("serving the session") as status:
+                for turn in turns:
+                    if turn.reopen_before:
+                        store.flush()
+                        store.close()
+                        store = HybridStore(cfg, placement=placement)   # what a new process sees
+                        cm = CachedModel(model, store)
+                    status.update(f"turn {turn.label}")
+                    t0 = time.perf_counter()
+                    ref = cm.reference(turn.tokens)
+                    full_s = time.perf_counter() - t0
+                    out = cm.prefill(turn.tokens, anchors=turn.anchors)
+                    rep = cm.last
+                    err = float((out - ref).abs().max()) / max(1.0, float(ref.abs().max()))
+                    rows.append({
+                        "turn": turn.label, "prompt": rep.tokens, "reused": rep.reused_tokens,
+                        "recomputed": rep.recomputed_tokens,
+                        "from_dram_KiB": rep.restored_bytes.get("host", 0) / 1024,
+                        "from_ssd_KiB": rep.restored_bytes.get("disk", 0) / 1024,
+                        "checkpoints": len(rep.checkpoints),
+                        "full_ms": full_s * 1e3, "cached_ms": rep.total_s * 1e3,
+                        "load_ms": rep.load_s * 1e3, "saved_ms": (full_s - rep.total_s) * 1e3,
+                        "speedup": full_s / rep.total_s, "logit_rel_err": err,
+                        "exact": bool(err <= LOGIT_BOUND),
+                    })
+        finally:
+            store.close()
+    _print(console, rows)
     return rows
+
+
+def _print(console: Console, rows: list[dict]) -> None:
+    table = Table(title="hybridstore demo: one agent session on a small Qwen3-Next (CPU), "
+                        "DRAM 2 MiB + SSD, adaptive interval + anchors")
+    for col in rows[0]:
+        table.add_column(col, justify="left" if col == "turn" else "right")
+    for row in rows:
+        table.add_row(*[f"{v:.3g}" if isinstance(v, float) and k == "logit_rel_err" else
+                        f"{v:.1f}" if isinstance(v, float) else str(v) for k, v in row.items()])
+    console.print(table)
+    reused = sum(r["reused"] for r in rows)
+    total = sum(r["prompt"] for r in rows)
+    saved = sum(r["saved_ms"] for r in rows)
+    full = sum(r["full_ms"] for r in rows)
+    console.print(f"reused {reused}/{total} tokens ({reused / total:.0%}); measured time saved "
+                  f"{saved / 1e3:.2f} s of {full / 1e3:.2f} s of full prefills "
+                  f"({full / max(1e-9, full - saved):.1f}x)")

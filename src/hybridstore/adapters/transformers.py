@@ -139,6 +139,22 @@ class CacheSpec:
                 "use an engine's own prefix cache (or only put_kv) for it")
         return cls(block_size=block_size, pages=tuple(pages), states=tuple(states))
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page (all attention layers, one block)."""
+        return sum(_nbytes(e) for e in self.pages)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one checkpoint (all recurrent layers)."""
+        return sum(_nbytes(e) for e in self.states)
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """KV bytes per token (0 for an attention-free model)."""
+        kv = sum(_nbytes(e) for e in self.pages if e.slot in ("k", "v"))
+        return kv / self.block_size
+
     def empty_page(self, device: torch.device) -> dict[str, torch.Tensor]:
         """A zeroed page (the adapter pads a final partial block with it)."""
         return {e.name: torch.zeros(e.shape, dtype=e.dtype, device=device) for e in self.pages}
@@ -391,6 +407,10 @@ class CachedModel:
         for q in sorted(snapshots):
             self.store.put_state(prompt, snapshots[q], position=q)
         return stored
+
+
+def _nbytes(e: _Entry) -> int:
+    return int(np.prod(e.shape)) * torch.empty((), dtype=e.dtype).element_size()
 
 
 def _device(model: Any) -> torch.device:
