@@ -15,6 +15,10 @@ def _demo(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"turns": rows}, fh, indent=2)
+    if args.plot:
+        from hybridstore.demo import plot
+
+        plot(rows, args.plot)
     return 0 if all(r["exact"] for r in rows) else 1
 
 
@@ -69,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "Qwen3-Next: per turn tokens reused vs recomputed, time saved")
     demo.add_argument("--disk-path", default=None, help="SSD tier directory (default: a temp dir)")
     demo.add_argument("--scale", type=float, default=1.0, help="multiply every message length")
-    demo.add_argument("--json", default=None, help="also write the per-request rows as JSON")
+    demo.add_argument("--json", default=None, help="also write the per-turn rows as JSON")
+    demo.add_argument("--plot", default=None, help="also draw the per-turn figures as a PNG")
     demo.set_defaults(func=_demo)
     rep = sub.add_parser("replay", help="replay agent traces under several policies, side by side")
     rep.add_argument("trace", nargs="*",
