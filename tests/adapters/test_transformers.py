@@ -280,3 +280,28 @@ def test_two_models_in_one_namespace_get_a_layout_error_not_wrong_bytes(qwen, tm
         # the only checkpoint is at the request end (120): resending the same prompt must still
         # compute position 119's logits, so it resumes from nothing
         assert cm.last.reused_tokens == 0
+
+
+def test_a_corrupt_checkpoint_on_disk_falls_back_to_a_shallower_resume(qwen, tmp_path):
+    """A flipped byte in the deepest checkpoint: typed drop in the store, exact logits anyway."""
+    from hybridstore.backends.disk import segment_name
+    from hybridstore.backends.base import ObjectKind, object_key
+
+    first = np.random.default_rng(8).integers(1, VOCAB, 200)
+    prompt = np.concatenate([first, np.random.default_rng(9).integers(1, VOCAB, 40)])
+    with _store(tmp_path, placement=Compose(RequestEnd(), FixedInterval(interval=64))) as store:
+        cm = CachedModel(qwen, store)
+        cm.prefill(first)                                   # checkpoints at 64, 128, 192, 200
+        store.flush()
+        store.evict(1 << 40, "host")
+        disk = store.tiers["disk"]
+        rec = disk.catalog.get(object_key(ObjectKind.STATE, store.prefix(first).key_at(200)))
+        with open(tmp_path / "ssd" / segment_name(rec.segment), "r+b") as fh:
+            fh.seek(rec.offset + 100)
+            byte = fh.read(1)
+            fh.seek(rec.offset + 100)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+        out = cm.prefill(prompt)
+        assert cm.last.reused_tokens == 192                 # the next checkpoint down
+        assert store.stats()["corrupt"] == 1
+        _assert_close(out, cm.reference(prompt))

@@ -39,6 +39,7 @@ the engine contract down on a real model, not a batched serving loop.
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,10 +48,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridstore.errors import InvalidTokensError, UnsupportedModelError
+from hybridstore.errors import (BackendIOError, CorruptObjectError, InvalidTokensError,
+                                UnsupportedModelError)
 from hybridstore.store import HybridStore
 
 __all__ = ["CacheSpec", "CachedModel", "PrefillReport"]
+
+log = logging.getLogger(__name__)
+
+MAX_RESUME_ATTEMPTS = 4
+"""Matches tried when a restore hits a corrupt or unreadable object (then: recompute all)."""
 
 MAMBA1_MODEL_TYPES = frozenset({"jamba", "mamba", "falcon_mamba"})
 """Mamba-1 mixers: transformers' multi-token selective scan (and mamba_ssm's
@@ -268,23 +275,21 @@ class CachedModel:
         device = _device(self.model)
         t0 = time.perf_counter()
         prompt = self.store.prefix(tokens)
-        plan = self.store.match(prompt, max_position=T - 1)
-        t1 = time.perf_counter()
-        try:
-            p = plan.position
-            restored: dict[str, int] = {}
-            cache = self._new_cache()
-            if p:
-                restored = {tier: n for tier, (n, _) in self.store.restore_cost(plan).items()}
-                npages = len(plan.page_keys)
-                stage = {e.name: torch.empty((npages, *e.shape), dtype=e.dtype, device=device)
-                         for e in spec.pages}
-                page_bufs = [{name: buf[i] for name, buf in stage.items()} for i in range(npages)]
-                state = spec.empty_state(device)
-                self.store.load(plan, into=(page_bufs, state)).result()
-                self._restore(cache, stage, state, p)
-        finally:
-            self.store.release(plan)
+        match_s = time.perf_counter() - t0          # hashing counts as matching
+        for _ in range(MAX_RESUME_ATTEMPTS):
+            t = time.perf_counter()
+            plan = self.store.match(prompt, max_position=T - 1)
+            match_s += time.perf_counter() - t
+            try:
+                p, restored, cache = self._resume(plan, spec, device)
+                break
+            except (CorruptObjectError, BackendIOError) as e:
+                # the store dropped what it could not read; the next match resumes shallower
+                log.warning("resume at %d failed (%s); matching again", plan.position, e)
+            finally:
+                self.store.release(plan)
+        else:
+            p, restored, cache = 0, {}, self._new_cache()
         t2 = time.perf_counter()
         cuts = sorted({int(q) for q in self.store.checkpoint_positions(cached=p, length=T, anchors=anchors)
                        if p < q <= T})
@@ -306,7 +311,7 @@ class CachedModel:
         t4 = time.perf_counter()
         self.last = PrefillReport(tokens=T, reused_tokens=p, recomputed_tokens=T - p,
                                   checkpoints=tuple(cuts), pages_put=pages_put,
-                                  restored_bytes=restored, match_s=t1 - t0, load_s=t2 - t1,
+                                  restored_bytes=restored, match_s=match_s, load_s=t2 - t0 - match_s,
                                   compute_s=t3 - t2, put_s=t4 - t3)
         return torch.cat(outputs, 0) if all_logits else outputs[-1]
 
@@ -318,6 +323,23 @@ class CachedModel:
         return logits[0] if all_logits else logits[0, -1]
 
     # -- pieces -----------------------------------------------------------------------
+    def _resume(self, plan: Any, spec: CacheSpec,
+                device: torch.device) -> tuple[int, dict[str, int], Any]:
+        """Load ``plan`` into a fresh model cache; returns ``(p, bytes per tier, cache)``."""
+        cache = self._new_cache()
+        p = plan.position
+        if not p:
+            return 0, {}, cache
+        restored = {tier: n for tier, (n, _) in self.store.restore_cost(plan).items()}
+        npages = len(plan.page_keys)
+        stage = {e.name: torch.empty((npages, *e.shape), dtype=e.dtype, device=device)
+                 for e in spec.pages}
+        page_bufs = [{name: buf[i] for name, buf in stage.items()} for i in range(npages)]
+        state = spec.empty_state(device)
+        self.store.load(plan, into=(page_bufs, state)).result()
+        self._restore(cache, stage, state, p)
+        return p, restored, cache
+
     def _token_ids(self, input_ids: Any) -> torch.Tensor:
         ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.as_tensor(np.asarray(input_ids))
         if ids.dim() == 2:
