@@ -23,6 +23,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from hybridstore.replay.data import DATA_POLICIES, DATA_SCALE
     from hybridstore.replay.loaders import load
     from hybridstore.replay.report import plot, print_table, summarize, write_json
     from hybridstore.replay.sim import ReplayConfig, replay
@@ -33,10 +34,13 @@ def _replay(args: argparse.Namespace) -> int:
     specs = args.trace or [str(weka_sample())]
     traces = [load(spec) for spec in specs]
     trace = traces[0] if len(traces) == 1 else merge(traces)
+    scale = args.scale if args.scale is not None else (DATA_SCALE if args.data else 1.0)
     cfg = ReplayConfig(model=args.model, live_sessions=args.live_sessions, gpu_gib=args.gpu_gib,
                        host_gib=args.host_gib, disk_gib=args.disk_gib, seed=args.seed,
-                       token_level=not args.block_level, max_requests=args.max_requests)
-    names = [n.strip() for n in args.policy.split(",") if n.strip()]
+                       token_level=not args.block_level, max_requests=args.max_requests,
+                       scale=scale, data=args.data, data_dir=args.data_dir)
+    policy = args.policy or (DATA_POLICIES if args.data else DEFAULT_POLICIES)
+    names = [n.strip() for n in policy.split(",") if n.strip()]
     runs = replay(trace, names, cfg, progress=not args.no_progress)
     doc = summarize(trace, runs, cfg)
     print_table(doc)
@@ -81,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="trace files/directories (WEKA, Mooncake, TraceLab, canonical jsonl) or "
                           "synthetic:agent?... / synthetic:rewind?... specs (default: the bundled "
                           "WEKA sample)")
-    rep.add_argument("--policy", default=DEFAULT_POLICIES,
-                     help=f"comma-separated presets (default: {DEFAULT_POLICIES})")
+    rep.add_argument("--policy", default=None,
+                     help=f"comma-separated presets (default: {DEFAULT_POLICIES}; with --data: "
+                          "unlimited,vllm-disk,histate)")
     rep.add_argument("--model", default="qwen3.5-9b", help="model preset (replay/models.py)")
     rep.add_argument("--live-sessions", type=int, default=24)
     rep.add_argument("--gpu-gib", type=float, default=45.0)
@@ -94,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="match at block boundaries only (no synthesized token ids)")
     rep.add_argument("--json", default=None, help="write the summary JSON here")
     rep.add_argument("--plot", default=None, help="write the TTFT / hit-rate plot (PNG) here")
+    rep.add_argument("--data", action="store_true",
+                     help="move real bytes through the pinned pool and the disk tier and time every "
+                          "restore next to the modeled one (docs/replay.md, data mode)")
+    rep.add_argument("--data-dir", default=None,
+                     help="with --data: where the disk tier's files go (default: a temp dir)")
+    rep.add_argument("--scale", type=float, default=None,
+                     help="divide KV, checkpoint and budget bytes by this (hit rates are kept; "
+                          "default 1, with --data 128)")
     rep.add_argument("--no-progress", action="store_true")
     rep.set_defaults(func=_replay)
     bench = sub.add_parser("bench", help="benchmarks (print JSON and a table)")

@@ -606,7 +606,6 @@ class HybridStore:
 
     def _run_load(self, plan: ResumePlan, jobs: list[tuple[bytes, ObjectKind]],
                   sources: list[str], into: tuple[Sequence[Any], Any] | None) -> tuple[list, Any]:
-        host = self.tiers.get("host")
         outputs: list[Any] = []
         waits: list[tuple[int, Future]] = []
         bufs: list[np.ndarray | None] = []
@@ -649,8 +648,9 @@ class HybridStore:
                     outputs.append(layout.unpack(buf))
         finally:
             for (okey, _), src in zip(jobs, sources):
-                if src == "host" and isinstance(host, HostPool):
-                    host.release_ref(okey)
+                tier = self.tiers[src]
+                if isinstance(tier, HostPool):   # _source acquired it (any tier that is a pool)
+                    tier.release_ref(okey)
         if plan.state_key is None:
             return outputs, None
         return outputs[:-1], outputs[-1]

@@ -295,6 +295,20 @@ def test_replace_and_delete(tmp_path: Path) -> None:
             tier.get_into(key(1), np.empty(10, np.uint8))
 
 
+def test_delete_many_drops_committed_and_cancels_pending_writes(tmp_path: Path) -> None:
+    with open_tier(tmp_path / "d") as tier:
+        for i in range(3):
+            tier.put(key(i), payload(9_000, i), nbytes=9_000).result()
+        pending = tier.put(key(3), payload(9_000, 3), nbytes=9_000)
+        freed = tier.delete_many([key(0), key(2), key(2), key(3), key(9)])
+        assert freed in (2 * tier.charge(9_000), 3 * tier.charge(9_000))  # key 3 may be durable
+        pending.result()
+        assert [tier.contains(key(i)) for i in range(4)] == [False, True, False, False]
+        assert tier.used_bytes == tier.charge(9_000) and tier.delete_many([]) == 0
+    with open_tier(tmp_path / "d") as tier:   # the catalog agrees after a reopen
+        assert [k for k, _, _ in tier.entries()] == [key(1)]
+
+
 def test_concurrent_puts_and_gets(tmp_path: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 

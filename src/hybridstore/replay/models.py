@@ -15,7 +15,7 @@ configs; where a figure is rounded it says so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridstore.errors import ConfigError
 
@@ -61,6 +61,26 @@ class ModelPreset:
     def state_tokens(self) -> float:
         """N_s of HiState eq. 4: one checkpoint in token equivalents of KV."""
         return self.checkpoint_bytes / self.kv_bytes_per_token
+
+    def scaled(self, factor: float) -> ModelPreset:
+        """The same model with KV and checkpoints ``factor`` times smaller (data-mode replay).
+
+        KV bytes per token are rounded to an int and the checkpoint follows
+        them, so N_s (HiState eq. 4) is kept; the exact factor applied is
+        ``self.kv_bytes_per_token / result.kv_bytes_per_token``.  Compute
+        costs are unchanged.
+
+        Raises:
+            ConfigError: ``factor`` is below 1 or leaves less than a byte of KV per token.
+        """
+        if factor == 1:
+            return self
+        kv = round(self.kv_bytes_per_token / factor)
+        if not factor >= 1 or kv < 1:
+            raise ConfigError(f"scale must be at least 1 and at most {self.kv_bytes_per_token} "
+                              f"(a byte of KV per token of {self.name}), got {factor}")
+        return replace(self, kv_bytes_per_token=kv,
+                       checkpoint_bytes=max(1, round(self.checkpoint_bytes * kv / self.kv_bytes_per_token)))
 
 
 MODELS: dict[str, ModelPreset] = {

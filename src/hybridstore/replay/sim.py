@@ -12,6 +12,15 @@ is admitted.  Each request, when the server takes it:
 4. the engine then puts the pages of the recomputed segment and the
    checkpoints the preset's placement asks for (sizes only: accounting tiers).
 
+In data mode (``ReplayConfig.data``, ``replay/data.py``) the same loop runs
+over real tiers: puts carry bytes, and every hit is also restored with
+``store.load(plan)`` and timed.  Only the *objects* differ
+(:class:`SizedObjects` here, ``DataObjects`` there); the loop, the store and
+its policies are the same, and the simulated clock advances by the modeled
+restore in both modes, so both make the same decisions.  ``ReplayConfig.scale``
+divides object sizes and budgets alike (real bytes must fit the machine);
+modeled times are reported at full size.
+
 TTFT = queueing + restore + recompute.  Rules for time between requests of a
 session (closed loop): the next request arrives ``decode + think`` after the
 previous one's first token, where decode = output tokens x the model's
@@ -26,15 +35,17 @@ import heapq
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from tqdm import tqdm
 
 from hybridstore.backends.accounting import AccountingTier
+from hybridstore.backends.base import Tier
 from hybridstore.config import StoreConfig
 from hybridstore.errors import ConfigError
 from hybridstore.index.prefix import PrefixKeys
+from hybridstore.index.trie import ResumePlan
 from hybridstore.replay.models import ModelPreset, model_preset
 from hybridstore.replay.presets import Preset, preset
 from hybridstore.replay.tokens import session_tokens
@@ -59,6 +70,15 @@ class ReplayConfig:
             block boundaries only.
         seed: session admission order.
         max_requests: stop after this many requests (None: all).
+        scale: divide KV, checkpoint and budget bytes by this factor (ratios,
+            hence decisions, are kept; modeled times and restored bytes are
+            reported at full size).  Data mode needs it: real bytes must fit
+            this machine.
+        data: move real bytes through the pinned pool and the disk tier and
+            time every restore (``replay/data.py``); presets without a budget
+            (``unlimited``) stay in accounting mode.
+        data_dir: directory for data mode's disk tier (a temporary one inside
+            it per preset, removed after its run); None: the system's temp dir.
     """
 
     model: str = "qwen3.5-9b"
@@ -71,12 +91,17 @@ class ReplayConfig:
     token_level: bool = True
     seed: int = 0
     max_requests: int | None = None
+    scale: float = 1.0
+    data: bool = False
+    data_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.live_sessions < 1:
             raise ConfigError("live_sessions must be at least 1")
         if min(self.gpu_gib, self.host_gib, self.disk_gib) < 0:
             raise ConfigError("tier budgets must be non-negative")
+        if not self.scale >= 1:
+            raise ConfigError(f"scale must be at least 1, got {self.scale}")
 
 
 @dataclass(slots=True)
@@ -93,6 +118,7 @@ class RequestResult:
     restore_s: float
     recompute_s: float
     restored_bytes: dict[str, int]
+    measured_restore_s: float | None = None
 
     @property
     def ttft_s(self) -> float:
@@ -101,13 +127,20 @@ class RequestResult:
 
 @dataclass(slots=True)
 class PolicyRun:
-    """All request results of one preset, plus the store's counters."""
+    """All request results of one preset, plus the store's counters.
+
+    ``restore_s`` and ``restored_bytes`` of the results are at full size;
+    ``measured_restore_s`` (data mode) moved ``restored_bytes / scale``.
+    ``data`` holds data mode's end-of-run counters (``DataObjects.finish``).
+    """
 
     name: str
     results: list[RequestResult] = field(default_factory=list)
     evictions: int = 0
     wall_s: float = 0.0
     lookups: int = 0
+    scale: float = 1.0
+    data: dict[str, Any] | None = None
 
     def summary(self) -> dict[str, Any]:
         """The per-policy figures the CLI prints and writes to JSON."""
@@ -127,21 +160,93 @@ class PolicyRun:
             "restored_bytes": restored, "evictions": self.evictions,
             "requests_per_s": len(res) / self.wall_s if self.wall_s else 0.0,
             "block_lookups_per_s": self.lookups / self.wall_s if self.wall_s else 0.0,
+            "scale": self.scale,
         }
 
 
-def build_store(p: Preset, cfg: ReplayConfig, model: ModelPreset, block_size: int) -> HybridStore:
-    """A store with the preset's policies over accounting tiers of the configured sizes."""
+@dataclass(frozen=True, slots=True)
+class TierBudget:
+    """One tier of a replayed system: its name, budget (scaled) and modeled read bandwidth."""
+
+    name: str
+    capacity_bytes: int
+    read_gbps: float
+
+
+class ObjectPlane(Protocol):
+    """What the replay's objects are: sizes (:class:`SizedObjects`) or bytes (``DataObjects``)."""
+
+    def open_tiers(self, budgets: Sequence[TierBudget]) -> dict[str, Tier]:
+        """The store's tiers."""
+
+    def put_pages(self, store: HybridStore, prompt: PrefixKeys, first_block: int, nbytes: int) -> None:
+        """Put the pages of blocks ``first_block..`` of ``prompt``."""
+
+    def put_state(self, store: HybridStore, prompt: PrefixKeys, position: int, nbytes: int) -> None:
+        """Put the checkpoint at ``position``."""
+
+    def restore(self, store: HybridStore, plan: ResumePlan) -> float | None:
+        """Restore a live plan; the seconds it took (None: nothing is moved)."""
+
+    def finish(self, store: HybridStore) -> dict[str, Any] | None:
+        """End-of-run counters (the store is still open)."""
+
+    def close(self) -> None:
+        """Release what ``open_tiers`` made outside the store (after the store closed)."""
+
+
+class SizedObjects:
+    """Accounting mode: tiers keep sizes and modeled times, puts carry no bytes."""
+
+    def open_tiers(self, budgets: Sequence[TierBudget]) -> dict[str, Tier]:
+        return {b.name: AccountingTier(b.name, b.capacity_bytes, read_gbps=b.read_gbps)
+                for b in budgets}
+
+    def put_pages(self, store: HybridStore, prompt: PrefixKeys, first_block: int, nbytes: int) -> None:
+        store.put_kv_sized(prompt, nbytes=nbytes, first_block=first_block)
+
+    def put_state(self, store: HybridStore, prompt: PrefixKeys, position: int, nbytes: int) -> None:
+        store.put_state_sized(prompt, nbytes=nbytes, position=position)
+
+    def restore(self, store: HybridStore, plan: ResumePlan) -> float | None:
+        return None
+
+    def finish(self, store: HybridStore) -> dict[str, Any] | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def tier_budgets(p: Preset, cfg: ReplayConfig, scale: float = 1.0) -> list[TierBudget]:
+    """The tiers of preset ``p``: configured budgets divided by ``scale``, HiState's bandwidths."""
     budgets = {"device": cfg.gpu_gib, "host": cfg.host_gib, "disk": cfg.disk_gib}
     ssd_path = 1.0 / (1.0 / cfg.ssd_gbps + 1.0 / cfg.h2d_gbps)  # HiState eq. 2, T_SSD
     gbps = {"device": 1e9, "host": cfg.h2d_gbps, "disk": ssd_path}
-    tiers = {}
+    out = []
     for name in p.tiers:
-        cap = _UNLIMITED_BYTES if p.unlimited else int(budgets[name] * GIB)
+        cap = _UNLIMITED_BYTES if p.unlimited else int(budgets[name] * GIB / scale)
         if cap > 0:
-            tiers[name] = AccountingTier(name, cap, read_gbps=gbps[name])
-    if not tiers:
+            out.append(TierBudget(name, cap, gbps[name]))
+    if not out:
         raise ConfigError(f"preset {p.name} has no tier with a budget")
+    return out
+
+
+def build_store(p: Preset, cfg: ReplayConfig, model: ModelPreset, block_size: int,
+                objects: ObjectPlane | None = None, scale: float = 1.0) -> HybridStore:
+    """A store with the preset's policies over tiers of the configured (scaled) sizes.
+
+    Args:
+        p: the preset.
+        cfg: budgets and bandwidths.
+        model: the model preset, already scaled (:meth:`ModelPreset.scaled`).
+        block_size: tokens per page.
+        objects: builds the tiers (accounting tiers by default).
+        scale: budgets are divided by it.
+    """
+    objects = objects or SizedObjects()
+    tiers = objects.open_tiers(tier_budgets(p, cfg, scale))
     store_cfg = StoreConfig(block_size=block_size, policy=p.eviction, checkpoint_policy=p.admission,
                             tier_policy=p.tier_policy, h2d_gbps=cfg.h2d_gbps, ssd_gbps=cfg.ssd_gbps)
     eviction, admission = p.policies(model)
@@ -164,14 +269,36 @@ class _Sessions:
 
 def replay_policy(trace: Trace, name: str, cfg: ReplayConfig, *, progress: bool = True) -> PolicyRun:
     """Replay ``trace`` under the preset ``name``."""
+    p = preset(name)
+    full = model_preset(cfg.model)
+    model = full.scaled(cfg.scale)
+    scale = full.kv_bytes_per_token / model.kv_bytes_per_token  # the factor applied exactly
+    objects = _objects(p, cfg, name)
+    try:
+        store = build_store(p, cfg, model, trace.block_size, objects, scale)
+        run = _run(trace, p, cfg, model, scale, store, objects, progress=progress)
+    finally:
+        objects.close()
+    return run
+
+
+def _objects(p: Preset, cfg: ReplayConfig, name: str) -> ObjectPlane:
+    if not cfg.data or p.unlimited:
+        return SizedObjects()
+    from hybridstore.replay.data import DataObjects
+
+    return DataObjects(cfg.data_dir, label=name)
+
+
+def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: float,
+         store: HybridStore, objects: ObjectPlane, *, progress: bool) -> PolicyRun:
+    """The replay loop; results are at full size (the store's bytes and times x ``scale``)."""
     import time
 
-    p = preset(name)
-    model = model_preset(cfg.model)
+    name = p.name
     B = trace.block_size
-    store = build_store(p, cfg, model, B)
     page_bytes = model.page_bytes(B)
-    run = PolicyRun(name)
+    run = PolicyRun(name, scale=scale)
     sessions = _Sessions([s for s in trace.sessions if s.requests], cfg.live_sessions, cfg.seed)
     total = trace.n_requests if cfg.max_requests is None else min(cfg.max_requests, trace.n_requests)
     events: list[tuple[float, int, Session, int]] = []
@@ -201,20 +328,26 @@ def replay_policy(trace: Trace, name: str, cfg: ReplayConfig, *, progress: bool 
             plan = store.match(prompt)
             run.lookups += prompt.nblocks
             cost = store.restore_cost(plan)
-            store.release(plan)
-            restore_s = sum(sec for _, sec in cost.values())
+            try:
+                measured = objects.restore(store, plan) if plan.position else None
+            finally:
+                store.release(plan)
+            # The simulated clock runs on the modeled restore, in data mode too.
+            restore_s = sum(sec for _, sec in cost.values()) * scale
             recompute_s = model.prefill_seconds(plan.position, req.input_tokens)
             hints = list(req.anchors) if p.anchors else []
             if p.branch and plan.position < plan.kv_tokens < prompt.length:
                 hints.append(plan.kv_tokens)
-            _put_segment(store, prompt, plan.position, hints, page_bytes, model.checkpoint_bytes)
+            _put_segment(store, objects, prompt, plan.position, hints, page_bytes,
+                         model.checkpoint_bytes)
             done = begin + restore_s + recompute_s
             server_free = done
             run.results.append(RequestResult(
                 session=session.id, index=i, kind=req.tags[0] if req.tags else "",
                 input_tokens=req.input_tokens, hit_tokens=plan.position, arrival_s=arrival,
                 queue_s=begin - arrival, restore_s=restore_s, recompute_s=recompute_s,
-                restored_bytes={t: n for t, (n, _) in cost.items()}))
+                restored_bytes={t: round(n * scale) for t, (n, _) in cost.items()},
+                measured_restore_s=measured))
             bar.update()
             if i + 1 < len(session.requests):
                 nxt = session.requests[i + 1]
@@ -227,6 +360,7 @@ def replay_policy(trace: Trace, name: str, cfg: ReplayConfig, *, progress: bool 
                 if s is not None:
                     start(s, done)
         run.evictions = store.stats()["evictions"]
+        run.data = objects.finish(store)
     bar.close()
     run.wall_s = time.perf_counter() - t0
     return run
@@ -239,8 +373,8 @@ def _prompt(store: HybridStore, req: Request, toks: Iterator[np.ndarray], token_
         req.input_tokens, len(req.block_ids) * req.block_size))
 
 
-def _put_segment(store: HybridStore, prompt: PrefixKeys, cached: int, hints: list[int],
-                 page_bytes: int, state_bytes: int) -> None:
+def _put_segment(store: HybridStore, objects: ObjectPlane, prompt: PrefixKeys, cached: int,
+                 hints: list[int], page_bytes: int, state_bytes: int) -> None:
     """What the engine stores after prefilling ``[cached, len)``: pages, then checkpoints.
 
     ``hints`` are the positions the engine knows (semantic anchors, the
@@ -248,11 +382,11 @@ def _put_segment(store: HybridStore, prompt: PrefixKeys, cached: int, hints: lis
     """
     if prompt.length == 0:
         return
-    store.put_kv_sized(prompt, nbytes=page_bytes, first_block=cached // prompt.block_size)
+    objects.put_pages(store, prompt, cached // prompt.block_size, page_bytes)
     anchors = [a for a in hints if 0 < a <= prompt.length]
     for p in store.checkpoint_positions(cached=cached, length=prompt.length, anchors=anchors):
         if prompt.key_at(p) is not None:
-            store.put_state_sized(prompt, nbytes=state_bytes, position=p)
+            objects.put_state(store, prompt, p, state_bytes)
 
 
 def replay(trace: Trace, names: Sequence[str], cfg: ReplayConfig, *, progress: bool = True
