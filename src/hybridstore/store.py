@@ -609,6 +609,7 @@ class HybridStore:
         outputs: list[Any] = []
         waits: list[tuple[int, Future]] = []
         bufs: list[np.ndarray | None] = []
+        devices: set[Any] = set()          # CUDA devices with copies from pool slots in flight
         try:
             for i, ((okey, kind), src) in enumerate(zip(jobs, sources)):
                 layout = self._layouts[kind]
@@ -639,14 +640,22 @@ class HybridStore:
                     target = into[0][i] if kind == ObjectKind.PAGE else into[1]
                     for spec, dst in layout.targets(target):
                         copy_out(spec, buf, dst)
+                        if getattr(dst, "is_cuda", False):
+                            devices.add(dst.device)
                     outputs.append(target)
-                elif sources[i] == "host":
+                elif isinstance(self.tiers[sources[i]], HostPool):   # never hand out a pool slot
                     copy = aligned_empty(layout.nbytes)
                     copy[:] = buf[: layout.nbytes]
                     outputs.append(layout.unpack(copy))
                 else:
                     outputs.append(layout.unpack(buf))
         finally:
+            # an H2D copy from a pinned slot is asynchronous: the slot must outlive it
+            if devices:
+                import torch
+
+                for device in devices:
+                    torch.cuda.current_stream(device).synchronize()
             for (okey, _), src in zip(jobs, sources):
                 tier = self.tiers[src]
                 if isinstance(tier, HostPool):   # _source acquired it (any tier that is a pool)
