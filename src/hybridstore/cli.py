@@ -67,6 +67,13 @@ def _bench_ssd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_index(args: argparse.Namespace) -> int:
+    from hybridstore.bench.index import run_index_bench
+
+    run_index_bench(json_path=args.json, plot_path=args.plot, quick=args.quick)
+    return 0
+
+
 DEFAULT_POLICIES = "unlimited,vllm-disk,sglang-hicache,flashstates,histate"
 
 
@@ -130,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     ssd.add_argument("--no-fio", action="store_true",
                      help="measure the device with the built-in O_DIRECT thread pool, not fio")
     ssd.set_defaults(func=_bench_ssd)
+    index = bsub.add_parser("index", help="put/match/evict latency vs prompt length and cached "
+                                          "blocks, hashing, memory per block; vs SGLang and vLLM")
+    index.add_argument("--json", default=None, help="write the results here as JSON")
+    index.add_argument("--plot", default=None, help="write latency/memory figures here (PNG)")
+    index.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (~1 min)")
+    index.set_defaults(func=_bench_index)
     return parser
 
 

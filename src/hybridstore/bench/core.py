@@ -27,32 +27,40 @@ Throughput is bytes moved per second of wall time, in GB/s (1e9 bytes/s);
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
-import math
 import os
-import platform
 import shutil
 import struct
 import sys
 import tempfile
 import time
-import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from hybridstore.backends.accounting import AccountingTier
 from hybridstore.backends.base import ObjectKind, object_key
 from hybridstore.backends.disk import DiskTier
 from hybridstore.backends.host import HostPool
+from hybridstore.bench.common import (
+    fmt_bytes,
+    json_safe,
+    machine_info,
+    median,
+    percentile,
+    stdout_console,
+)
+from hybridstore.bench.common import timed as _timed
+from hybridstore.bench.index_figures import (
+    VOCAB,
+    bench_hashing,
+    bench_index_memory,
+    bench_match,
+)
 from hybridstore.config import StoreConfig
-from hybridstore.index import keys as K
 from hybridstore.index.prefix import PrefixKeys
-from hybridstore.index.trie import HybridIndex
 from hybridstore.store import HybridStore
 
 __all__ = ["run_core_bench"]
@@ -63,28 +71,12 @@ PAGE_BYTES = 64 * KIB
 CKPT_BYTES = 50 * MIB
 STORE_BLOCK = 64                 # tokens per page of the facade's stores
 PAGES_PER_PROMPT = 64            # facade page workload: 4096-token prompts of 64 pages
-MATCH_TOKENS = 128 * KIB         # 131072 tokens
-MATCH_BLOCK = 64
-INDEX_PROMPT_BLOCKS = 16         # index-memory workload: independent 1024-token prompts
-INDEX_PAGES = 102_400
-GOAL_MATCH_MS = 0.5
-GOAL_HASH_GBPS = 1.0
-GOAL_INDEX_BYTES = 200
 _ALIGN = 4096
-_VOCAB = 150_000
 
 
 # ---------------------------------------------------------------------------------
 # small helpers
 # ---------------------------------------------------------------------------------
-def _median(xs: list[float]) -> float:
-    return float(np.median(np.asarray(xs, dtype=np.float64)))
-
-
-def _pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs, dtype=np.float64), q))
-
-
 def _aligned(nbytes: int, fill: int | None = None) -> np.ndarray:
     """A 4 KiB aligned uint8 array (O_DIRECT reads/writes land in place), touched once."""
     raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
@@ -92,26 +84,6 @@ def _aligned(nbytes: int, fill: int | None = None) -> np.ndarray:
     out = raw[start:start + nbytes]
     out.fill(0 if fill is None else fill)  # fault the pages in before any timing
     return out
-
-
-@contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
-    """Collect, then keep the cyclic GC off while timing (as ``timeit`` does)."""
-    gc.collect()
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    with _no_gc():
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
 
 
 def _o_direct_works(directory: str) -> bool:
@@ -148,37 +120,6 @@ def _fs_type(path: str) -> str | None:
         return None
 
 
-def _machine() -> dict[str, Any]:
-    import torch
-
-    cpu_model = None
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu_model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        usable = os.cpu_count()
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover
-        mem = None
-    import hybridstore
-
-    return {"cpu_count": os.cpu_count(), "cpus_usable": usable, "cpu_model": cpu_model,
-            "memory_bytes": mem, "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "numpy": np.__version__, "hybridstore": hybridstore.__version__,
-            "cuda_available": bool(torch.cuda.is_available()),
-            "torch_threads": torch.get_num_threads(),
-            "hash_backend": K.BACKEND, "native_hashing": K.native_available()}
-
-
 # ---------------------------------------------------------------------------------
 # 1. tier throughput
 # ---------------------------------------------------------------------------------
@@ -210,15 +151,15 @@ class _Series:
         out: dict[str, Any] = {
             "tier": self.tier, "path": self.path, "op": self.op,
             "object_bytes": self.object_bytes,
-            "gbps_median": _median(gbps),
-            "gbps_p90": _pct(gbps, 10.0),  # the 90th-percentile (slow) repetition
+            "gbps_median": median(gbps),
+            "gbps_p90": percentile(gbps, 10.0),  # the 90th-percentile (slow) repetition
             "reps": len(gbps),
             "objects_per_rep": self.objects_per_rep,
-            "bytes_per_rep": int(_median([float(b) for b in self.bytes_moved])),
-            "ms_per_object_median": _median(self.seconds) * 1e3 / max(self.objects_per_rep, 1),
+            "bytes_per_rep": int(median([float(b) for b in self.bytes_moved])),
+            "ms_per_object_median": median(self.seconds) * 1e3 / max(self.objects_per_rep, 1),
         }
         if self.vs_memcpy:
-            out["vs_memcpy_median"] = _median(self.vs_memcpy)
+            out["vs_memcpy_median"] = median(self.vs_memcpy)
         if self.note:
             out["note"] = self.note
         return out
@@ -413,7 +354,7 @@ class _TierBench:
     def _prompts(self) -> list[PrefixKeys]:
         wl = self.wl
         store = self.store_host
-        return [store.prefix(self.rng.integers(0, _VOCAB, wl.tokens_per_prompt, dtype=np.uint32))
+        return [store.prefix(self.rng.integers(0, VOCAB, wl.tokens_per_prompt, dtype=np.uint32))
                 for _ in wl.store_prompts]
 
     def _store_rep(self, store: HybridStore, where: str, timed: bool, mc: float) -> None:
@@ -490,173 +431,8 @@ class _TierBench:
 
 
 # ---------------------------------------------------------------------------------
-# 2. match latency
-# ---------------------------------------------------------------------------------
-def _bench_match(reps: int, rng: np.random.Generator, step: Callable[[str], None]) -> dict[str, Any]:
-    cfg = StoreConfig(block_size=MATCH_BLOCK, host_bytes=1 << 40, pin_host_memory=False)
-    store = HybridStore(cfg, tiers={"host": AccountingTier("host", 1 << 40, read_gbps=cfg.h2d_gbps)})
-    try:
-        tokens = rng.integers(0, _VOCAB, MATCH_TOKENS, dtype=np.uint32)
-        nblocks = MATCH_TOKENS // MATCH_BLOCK
-        step("match: filling the index")
-        prompt = store.prefix(tokens)
-        page = np.zeros(PAGE_BYTES // 1024, np.uint8)  # accounting tier: sizes only
-        t0 = time.perf_counter()
-        store.put_kv(prompt, [page] * nblocks)
-        put_kv_s = time.perf_counter() - t0
-        store.put_state(prompt, {"ssm": np.zeros(64, np.float32)})
-
-        total, hashing, walk, trie_walk, release = [], [], [], [], []
-        positions = set()
-        step("match: timing")
-        for i in range(reps + 3):  # 3 warm-up rounds
-            with _no_gc():
-                t0 = time.perf_counter()
-                plan = store.match(tokens)
-                t1 = time.perf_counter()
-                store.release(plan)
-                t2 = time.perf_counter()
-                pk = store.prefix(tokens)
-                t3 = time.perf_counter()
-                plan2 = store.match(pk)
-                t4 = time.perf_counter()
-                store.release(plan2)
-                pk2 = store.prefix(tokens)
-                _ = pk2.lo  # the index's dict keys, as match() builds them
-                walker = getattr(store.index, "_walk", None)
-                t5 = time.perf_counter()
-                if walker is not None:
-                    walker(pk2)
-                t6 = time.perf_counter()
-            positions.add(plan.position)
-            if i < 3:
-                continue
-            total.append((t1 - t0) * 1e3)
-            release.append((t2 - t1) * 1e3)
-            hashing.append((t3 - t2) * 1e3)
-            walk.append((t4 - t3) * 1e3)
-            if walker is not None:
-                trie_walk.append((t6 - t5) * 1e3)
-        out: dict[str, Any] = {
-            "prompt_tokens": MATCH_TOKENS, "block_size": MATCH_BLOCK, "pages": nblocks,
-            "ms_median": _median(total), "ms_p90": _pct(total, 90.0),
-            "hash_ms_median": _median(hashing), "hash_ms_p90": _pct(hashing, 90.0),
-            "walk_ms_median": _median(walk), "walk_ms_p90": _pct(walk, 90.0),
-            "release_ms_median": _median(release),
-            "goal_ms": GOAL_MATCH_MS, "reps": len(total),
-            "hit_positions": sorted(positions),
-            "setup_put_kv_s": put_kv_s,
-            "note": ("ms: HybridStore.match(uint32 token ids) with hashing; hash: store.prefix() "
-                     "alone; walk: store.match() of a pre-hashed PrefixKeys (index walk, "
-                     "completeness check, pins, ResumePlan); index_walk: HybridIndex._walk "
-                     "alone; host tier: AccountingTier (sizes only)"),
-        }
-        if trie_walk:
-            out["index_walk_ms_median"] = _median(trie_walk)
-        return out
-    finally:
-        store.close()
-
-
-# ---------------------------------------------------------------------------------
-# 3. hashing throughput
-# ---------------------------------------------------------------------------------
-def _bench_hashing(reps: int, rng: np.random.Generator, step: Callable[[str], None]) -> dict[str, Any]:
-    tokens = rng.integers(0, _VOCAB, MATCH_TOKENS, dtype=np.uint32)
-    root = K.namespace_root("")
-    nbytes = tokens.nbytes
-
-    def gbps_of(inner: int) -> list[float]:
-        out = []
-        for _ in range(reps):
-            with _no_gc():
-                t0 = time.perf_counter()
-                for _ in range(inner):
-                    K.chain_hash_tokens(tokens, MATCH_BLOCK, root)
-                out.append(nbytes * inner / (time.perf_counter() - t0) / 1e9)
-        return out
-
-    native = None
-    same = None
-    if K.native_available():
-        step("hashing: native")
-        with K.force_python(False):
-            K.chain_hash_tokens(tokens, MATCH_BLOCK, root)
-            native = gbps_of(10)
-            keys_native = K.chain_hash_tokens(tokens, MATCH_BLOCK, root)
-    step("hashing: python twin")
-    with K.force_python(True):
-        K.chain_hash_tokens(tokens, MATCH_BLOCK, root)
-        python = gbps_of(1)
-        keys_python = K.chain_hash_tokens(tokens, MATCH_BLOCK, root)
-    if native is not None:
-        same = bool(np.array_equal(keys_native, keys_python))
-    out: dict[str, Any] = {
-        "tokens": MATCH_TOKENS, "block_size": MATCH_BLOCK, "token_dtype": "uint32",
-        "native_gbps": _median(native) if native else None,
-        "native_gbps_p90": _pct(native, 10.0) if native else None,
-        "python_gbps": _median(python), "python_gbps_p90": _pct(python, 10.0),
-        "ratio": (_median(native) / _median(python)) if native else None,
-        "native_ms_median": (nbytes / _median(native) / 1e6) if native else None,
-        "python_ms_median": nbytes / _median(python) / 1e6,
-        "keys_identical": same, "goal_gbps": GOAL_HASH_GBPS, "reps": reps,
-    }
-    if native is None:
-        out["note"] = "the native extension is not built (python setup.py build_ext --inplace)"
-    return out
-
-
-# ---------------------------------------------------------------------------------
-# 4. index memory
-# ---------------------------------------------------------------------------------
-def _bench_index_memory(rng: np.random.Generator, step: Callable[[str], None]) -> dict[str, Any]:
-    blocks = INDEX_PROMPT_BLOCKS
-    nprompts = -(-INDEX_PAGES // blocks)
-    per = blocks * MATCH_BLOCK
-    all_tokens = rng.integers(0, _VOCAB, nprompts * per, dtype=np.uint32)
-    root = K.namespace_root("")
-    step(f"index memory: {nprompts * blocks} pages under tracemalloc")
-    gc.collect()
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        t0 = time.perf_counter()
-        index = HybridIndex(MATCH_BLOCK, root)
-        for i in range(nprompts):
-            pk = PrefixKeys.from_tokens(all_tokens[i * per:(i + 1) * per], block_size=MATCH_BLOCK,
-                                        root=root)
-            for b in range(blocks):
-                index.add_page(pk, b, "host", PAGE_BYTES)
-        build_s = time.perf_counter() - t0
-        del pk
-        gc.collect()
-        traced = tracemalloc.get_traced_memory()[0] - base
-    finally:
-        tracemalloc.stop()
-    pages = index.n_pages
-    mem = index.memory_bytes()
-    return {
-        "pages": pages, "prompts": nprompts, "blocks_per_prompt": blocks,
-        "bytes_per_block_index": mem / pages,
-        "bytes_per_block_tracemalloc": traced / pages,
-        "index_memory_bytes": mem, "tracemalloc_bytes": traced,
-        "build_s_traced": build_s, "goal_bytes": GOAL_INDEX_BYTES,
-        "note": ("HybridIndex.add_page of every block of independent 1024-token prompts; "
-                 "tracemalloc: bytes still traced after the prompts were dropped "
-                 "(build time is under tracemalloc, so slower than untraced)"),
-    }
-
-
-# ---------------------------------------------------------------------------------
 # the report
 # ---------------------------------------------------------------------------------
-def _fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", KIB)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n} B"
-
-
 def _print_report(doc: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
@@ -666,7 +442,7 @@ def _print_report(doc: dict[str, Any], console: Any) -> None:
         t.add_column(col, justify="right" if col not in ("tier", "path", "op") else "left")
     for r in doc["tiers"]:
         vs = r.get("vs_memcpy_median")
-        t.add_row(r["tier"], r["path"], r["op"], _fmt_bytes(r["object_bytes"]),
+        t.add_row(r["tier"], r["path"], r["op"], fmt_bytes(r["object_bytes"]),
                   str(r["objects_per_rep"]), f"{r['gbps_median']:.2f}", f"{r['gbps_p90']:.2f}",
                   "" if vs is None else f"{vs:.2f}x", str(r["reps"]))
     console.print(t)
@@ -706,17 +482,6 @@ def _print_report(doc: dict[str, Any], console: Any) -> None:
         console.print(f"[yellow]issue:[/yellow] {issue}")
 
 
-def _finite(x: Any) -> Any:
-    """JSON-safe: NaN/inf become None."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    return x
-
-
 def run_core_bench(json_path: str | None = None, disk_dir: str | None = None,
                    quick: bool = False) -> dict[str, Any]:
     """Run the core benchmark, print a table and the JSON document, return the document.
@@ -741,9 +506,7 @@ def run_core_bench(json_path: str | None = None, disk_dir: str | None = None,
     n_ckpts = 1 if quick else 4
     rng = np.random.default_rng(20240607)
     issues: list[str] = []
-    out_console = Console()
-    if not out_console.is_terminal:  # piped: do not squeeze the table into 80 columns
-        out_console = Console(width=160)
+    out_console = stdout_console()
     err_console = Console(stderr=True)
 
     if disk_dir is not None:
@@ -774,23 +537,23 @@ def run_core_bench(json_path: str | None = None, disk_dir: str | None = None,
                     for r in range(reps + 1):  # repetition 0 warms up (arenas, segments)
                         bench.rep(timed=r > 0,
                                   step=lambda what, r=r, name=name: step(
-                                      f"{name} {_fmt_bytes(size)} rep {r}/{reps}: {what}"))
+                                      f"{name} {fmt_bytes(size)} rep {r}/{reps}: {what}"))
                     direct_seen.append(bench.direct_io())
                     tiers_rows.extend(s.row() for s in bench.series.values())
                 finally:
                     bench.close()
                 del wl, bench
                 gc.collect()
-            match = _bench_match(match_reps, rng, step)
-            hashing = _bench_hashing(hash_reps, rng, step)
-            index_memory = _bench_index_memory(rng, step)
+            match = bench_match(match_reps, rng, step)
+            hashing = bench_hashing(hash_reps, rng, step)
+            index_memory = bench_index_memory(rng, step)
     finally:
         shutil.rmtree(root_dir, ignore_errors=True)
 
     direct = (all(bool(d) for d in direct_seen) if direct_seen and None not in direct_seen
               else o_direct)
     doc: dict[str, Any] = {
-        "machine": _machine(),
+        "machine": machine_info(),
         "config": {"quick": quick, "reps": reps, "warmup_reps": 1, "match_reps": match_reps,
                    "hash_reps": hash_reps, "page_objects_per_rep": n_pages,
                    "checkpoint_objects_per_rep": n_ckpts, "gbps_unit": "1e9 bytes/s",
@@ -818,7 +581,7 @@ def run_core_bench(json_path: str | None = None, disk_dir: str | None = None,
         "issues": issues,
     }
     doc["config"]["elapsed_s"] = round(time.perf_counter() - started, 2)
-    doc = _finite(doc)
+    doc = json_safe(doc)
     _print_report(doc, out_console)
     text = json.dumps(doc, indent=2)
     sys.stdout.write(text + "\n")

@@ -69,16 +69,12 @@ import numpy as np
 
 from hybridstore.backends.engines import fsync_path
 from hybridstore.bench import odirect
-from hybridstore.bench.core import (
-    _aligned,
-    _finite,
-    _fs_type,
-    _machine,
-    _median,
-    _no_gc,
-    _o_direct_works,
-    _pct,
-)
+from hybridstore.bench.common import json_safe as _finite
+from hybridstore.bench.common import machine_info as _machine
+from hybridstore.bench.common import median as _median
+from hybridstore.bench.common import no_gc as _no_gc
+from hybridstore.bench.common import percentile as _pct
+from hybridstore.bench.core import _aligned, _fs_type, _o_direct_works
 from hybridstore.bench.odirect import IoJob
 
 __all__ = ["CKPT_BYTES", "KV_BLOCK_BYTES", "QUICK_SIZES", "FULL_SIZES", "parse_sizes",

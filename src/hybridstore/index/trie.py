@@ -165,7 +165,7 @@ class HybridIndex:
         self._atime = np.zeros(0, np.int64)
         self._ctime = np.zeros(0, np.int64)      # logical time the page was first held
         self._nbytes = np.zeros(0, np.int32)     # a page is one block: < 2 GiB
-        self._parent = array("q")                # scalar-walked, so a plain array
+        self._parent = array("i")                # scalar-walked, so a plain array; ids < 2**31
         self._ids: dict[int, int] = {}
         self._free: list[int] = []
         self._n_nodes = 0
