@@ -13,7 +13,7 @@ from hybridstore.demo import conversation, run_demo  # noqa: E402
 
 def test_demo_session_resumes_every_mutation(tmp_path):
     rows = run_demo(disk_path=str(tmp_path / "ssd"), console=Console(file=open(tmp_path / "out.txt", "w")),
-                    scale=0.25)
+                    scale=0.25, width=128, layers=4)
     turns = conversation(scale=0.25)
     assert [r["prompt"] for r in rows] == [len(t.tokens) for t in turns]
     assert all(r["exact"] for r in rows)

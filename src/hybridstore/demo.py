@@ -79,19 +79,21 @@ def conversation(seed: int = 7, scale: float = 1.0) -> list[Turn]:
 
 
 def run_demo(disk_path: str | None = None, console: Console | None = None,
-             scale: float = 1.0) -> list[dict]:
+             scale: float = 1.0, width: int = 384, layers: int = 6) -> list[dict]:
     """Run the demo; returns one row per turn (also printed as a table).
 
     Args:
         disk_path: the SSD tier's directory (default: a temporary one).
         console: where to print.
         scale: multiply every message length (tests use a small scale).
+        width, layers: the model's hidden size and depth.
     """
     from hybridstore.adapters.hf_models import small_model
     from hybridstore.adapters.transformers import CachedModel, CacheSpec
 
     console = console or Console(width=160)
-    model = small_model("qwen3-next", vocab=VOCAB)
+    # wide enough that per-token compute, not per-forward overhead, dominates a prefill on CPU
+    model = small_model("qwen3-next", vocab=VOCAB, width=width, layers=layers)
     block = 64
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="hybridstore-demo-") as tmp:

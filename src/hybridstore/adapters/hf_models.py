@@ -15,16 +15,17 @@ import torch
 ARCHITECTURES = ("qwen3-next", "falcon-h1", "mamba2", "jamba")
 
 
-def _config(arch: str, vocab: int) -> tuple[Any, Any]:
+def _config(arch: str, vocab: int, width: int, layers: int) -> tuple[Any, Any]:
     import transformers as tf
 
     if arch == "qwen3-next":
-        # 4 layers: Gated DeltaNet, full attention, Gated DeltaNet, full attention (MoE MLPs)
+        # Gated DeltaNet and full attention alternating (MoE MLPs); 4 layers: GDN, attn, GDN, attn
         cfg = tf.Qwen3NextConfig(
-            vocab_size=vocab, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-            shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+            vocab_size=vocab, hidden_size=width, intermediate_size=2 * width,
+            moe_intermediate_size=width // 2, shared_expert_intermediate_size=width // 2,
+            num_experts=4, num_experts_per_tok=2, num_hidden_layers=layers,
+            num_attention_heads=width // 32, num_key_value_heads=2, head_dim=32,
+            linear_num_value_heads=width // 32, linear_num_key_heads=2, linear_key_head_dim=32,
             linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=2,
             max_position_embeddings=8192)
         return cfg, tf.Qwen3NextForCausalLM
@@ -52,12 +53,23 @@ def _config(arch: str, vocab: int) -> tuple[Any, Any]:
 
 
 def small_model(arch: str = "qwen3-next", *, seed: int = 0, vocab: int = 1024,
-                dtype: torch.dtype = torch.float32) -> Any:
-    """A small ``arch`` causal LM with seeded random weights, in eval mode."""
+                dtype: torch.dtype = torch.float32, width: int = 128, layers: int = 4) -> Any:
+    """A small ``arch`` causal LM with seeded random weights, in eval mode.
+
+    Args:
+        arch: one of :data:`ARCHITECTURES`.
+        seed: weight seed (the same seed gives the same weights in any process).
+        vocab: vocabulary size.
+        dtype: parameter dtype.
+        width, layers: Qwen3-Next's hidden size (a multiple of 32) and layer
+            count; the other architectures have one fixed small shape.
+    """
     import transformers
 
     transformers.logging.set_verbosity_error()
-    cfg, cls = _config(arch, vocab)
+    if width % 32 or width < 64 or layers < 2:
+        raise ValueError(f"width must be a multiple of 32 (>= 64) and layers >= 2; got {width}, {layers}")
+    cfg, cls = _config(arch, vocab, width, layers)
     cpu = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
