@@ -385,3 +385,34 @@ class StoreMachine(RuleBasedStateMachine):
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_load_skips_objects_resident_in_skipped_tiers(tmp_path):
+    """``skip_tiers``: what an engine already holds is not read; the rest is, bit-exact."""
+    from hybridstore.errors import UnknownTierError
+
+    cfg = StoreConfig(block_size=16, host_bytes=8 << 20, disk_path=str(tmp_path / "d"),
+                      disk_bytes=64 << 20)
+    toks = np.arange(1, 65, dtype=np.int64)
+    pages = [np.full(4096, i, np.uint8) for i in range(4)]
+    state = np.arange(1000, dtype=np.float32)
+    with HybridStore(cfg) as store:
+        store.put_kv(toks, pages)
+        store.put_state(toks, state)
+        store.flush()
+        plan = store.match(toks)
+        try:
+            got_pages, got_state = store.load(plan, skip_tiers=("host",)).result()
+            assert got_pages == [None] * 4 and got_state is None
+            with pytest.raises(UnknownTierError):
+                store.load(plan, skip_tiers=("gpu",))
+        finally:
+            store.release(plan)
+        store.evict(1 << 40, "host")            # now the fastest holder is the disk tier
+        plan = store.match(toks)
+        try:
+            got_pages, got_state = store.load(plan, skip_tiers=("host",)).result()
+            assert all(np.array_equal(g, p) for g, p in zip(got_pages, pages))
+            assert np.array_equal(got_state, state)
+        finally:
+            store.release(plan)

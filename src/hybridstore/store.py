@@ -555,7 +555,8 @@ class HybridStore:
                 sizes[name] = sizes.get(name, 0) + ck.nbytes
             return {name: (n, self.tiers[name].read_seconds(n)) for name, n in sizes.items()}
 
-    def load(self, plan: ResumePlan, into: tuple[Sequence[Any], Any] | None = None) -> Future:
+    def load(self, plan: ResumePlan, into: tuple[Sequence[Any], Any] | None = None, *,
+             skip_tiers: Sequence[str] = ()) -> Future:
         """Restore the plan's pages and checkpoint.
 
         Args:
@@ -563,6 +564,10 @@ class HybridStore:
             into: optional ``(page_buffers, state_buffers)``: a sequence of at
                 least ``len(plan.page_keys)`` page buffers and a state buffer
                 (tensor/dict of tensors of the stored layout), host or device.
+            skip_tiers: objects whose fastest holder is one of these tiers are
+                not read (their slot in the result is ``None``, their ``into``
+                buffer untouched): an engine passes ``("device",)`` for what is
+                already resident in its own GPU memory.
 
         Returns:
             A future of ``(pages, state)``: the pages covering
@@ -579,8 +584,12 @@ class HybridStore:
             jobs = [(object_key(ObjectKind.PAGE, k), ObjectKind.PAGE) for k in plan.page_keys]
             if plan.state_key is not None:
                 jobs.append((object_key(ObjectKind.STATE, plan.state_key), ObjectKind.STATE))
-            sources = [self._source(okey) for okey, _ in jobs]
+            for name in skip_tiers:
+                if name not in TIER_BITS:
+                    raise UnknownTierError(f"unknown tier {name!r} in skip_tiers; tiers are {list(TIER_BITS)}")
+            sources = [self._source(okey, skip_tiers) for okey, _ in jobs]
             self._counters["loads"] += 1
+        sources = [None if src in skip_tiers else src for src in sources]
         return self._io.submit(self._run_load, plan, jobs, sources, into)
 
     def _check_into(self, plan: ResumePlan, into: tuple[Sequence[Any], Any]) -> None:
@@ -594,18 +603,18 @@ class HybridStore:
         if plan.state_key is not None:
             self._layouts[ObjectKind.STATE].targets(state_buf)
 
-    def _source(self, okey: bytes) -> str:
-        """Pick the fastest tier holding ``okey`` and protect its host slot."""
+    def _source(self, okey: bytes, skip: Sequence[str] = ()) -> str:
+        """Pick the fastest tier holding ``okey`` and protect its pool slot (unless skipped)."""
         for name in TIER_ORDER:
             tier = self.tiers.get(name)
             if tier is not None and tier.contains(okey):
-                if isinstance(tier, HostPool):
+                if isinstance(tier, HostPool) and name not in skip:
                     tier.acquire(okey)
                 return name
         raise CorruptObjectError(f"object {okey.hex()} of a live plan is in no tier", key=okey)
 
     def _run_load(self, plan: ResumePlan, jobs: list[tuple[bytes, ObjectKind]],
-                  sources: list[str], into: tuple[Sequence[Any], Any] | None) -> tuple[list, Any]:
+                  sources: list[str | None], into: tuple[Sequence[Any], Any] | None) -> tuple[list, Any]:
         outputs: list[Any] = []
         waits: list[tuple[int, Future]] = []
         bufs: list[np.ndarray | None] = []
@@ -613,6 +622,9 @@ class HybridStore:
         try:
             for i, ((okey, kind), src) in enumerate(zip(jobs, sources)):
                 layout = self._layouts[kind]
+                if src is None:                   # skipped: resident in the engine's tier
+                    bufs.append(None)
+                    continue
                 tier = self.tiers[src]
                 if isinstance(tier, HostPool):
                     bufs.append(tier.view(okey))
@@ -657,7 +669,7 @@ class HybridStore:
                 for device in devices:
                     torch.cuda.current_stream(device).synchronize()
             for (okey, _), src in zip(jobs, sources):
-                tier = self.tiers[src]
+                tier = self.tiers.get(src) if src is not None else None
                 if isinstance(tier, HostPool):   # _source acquired it (any tier that is a pool)
                     tier.release_ref(okey)
         if plan.state_key is None:

@@ -11,7 +11,7 @@ accounting mode, and cost a zero-copy view).  Then:
 * **puts** carry buffers of the (scaled) page and checkpoint sizes, filled with
   a pattern derived from the object's key (:func:`pattern`: a fixed random
   block XOR a 64-bit seed from the key; one vectorised pass per request);
-* **every hit** is restored with ``store.load(plan).result()`` and its wall
+* **every hit** is restored with ``store.load(plan, skip_tiers=("device",))`` (what the GPU tier holds is resident) and its wall
   time is recorded next to the modeled restore of the same bytes; the
   checkpoint and up to :data:`VERIFY_PAGES` pages of every restore are compared
   with the pattern, and a mismatch raises :class:`CorruptObjectError`.
@@ -159,17 +159,19 @@ class DataObjects:
     def restore(self, store: HybridStore, plan: ResumePlan) -> float:
         """``store.load(plan)``, timed; then a sample of its bytes is checked."""
         t0 = time.perf_counter()
-        pages, state = store.load(plan).result()
+        # what the GPU tier holds is resident: an engine reads only what must move
+        pages, state = store.load(plan, skip_tiers=("device",)).result()
         seconds = time.perf_counter() - t0
         self._timed += 1
         self._seconds += seconds
         keys = plan.page_keys
-        n = len(keys)
-        self._objects += n + (plan.state_key is not None)
-        picks = sorted({round(i * (n - 1) / (VERIFY_PAGES - 1)) for i in range(VERIFY_PAGES)}) if n else []
+        moved = [i for i, page in enumerate(pages) if page is not None]
+        self._objects += len(moved) + (state is not None)
+        n = len(moved)
+        picks = sorted({moved[round(i * (n - 1) / (VERIFY_PAGES - 1))] for i in range(VERIFY_PAGES)}) if n else []
         for i in picks:
             self._verify(ObjectKind.PAGE, keys[i], pages[i])
-        if plan.state_key is not None:
+        if state is not None:
             self._verify(ObjectKind.STATE, plan.state_key, state)
         return seconds
 
