@@ -752,15 +752,25 @@ class HybridStore:
         longer where it ranked them).  Smaller tiers rank afresh every time.
         """
         freed = 0
+        follow = self._eviction.dependency_aware and kind != ObjectKind.STATE
         for attempt in range(8):  # a fresh ranking may find more (pages made reclaimable)
             before = freed
             victims, made = self._ranking(tier, kind, fresh=attempt > 0)
             for victim in victims:
                 if made >= 0 and self._used_since(victim, made):
                     continue
-                freed += self._evict_one(victim, tier)
+                exclusive = self._exclusive_pages(victim) if follow else ()
+                got = self._evict_one(victim, tier)
+                freed += got
                 if freed >= nbytes:
                     return freed
+                if got and exclusive:
+                    # The pages only this checkpoint needed are reclaimable now, and a
+                    # fresh ranking would offer them first; a reused one has passed them.
+                    for nid in exclusive:
+                        freed += self._evict_one(Victim(ObjectKind.PAGE, nid), tier)
+                        if freed >= nbytes:
+                            return freed
             self._rankings.pop((tier, kind), None)
             if freed == before and attempt:
                 break
@@ -776,6 +786,12 @@ class HybridStore:
             entry = (self._eviction.victims(self.index, tier, kind), self.index.now())
             self._rankings[(tier, kind)] = entry
         return entry
+
+    def _exclusive_pages(self, victim: Victim) -> list[int]:
+        if victim.kind != ObjectKind.STATE:
+            return []
+        ck = self.index.checkpoint(bytes(victim.ref))
+        return [] if ck is None else self.index.exclusive_pages(ck)
 
     def _used_since(self, victim: Victim, t: int) -> bool:
         if victim.kind == ObjectKind.PAGE:
