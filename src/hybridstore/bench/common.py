@@ -69,6 +69,23 @@ def json_safe(x: Any) -> Any:
     return x
 
 
+def emit(doc: dict[str, Any], *, json_path: str | None, echo_json: bool = True,
+         plot_path: str | None = None, plot: Callable[[dict[str, Any], str], None] | None = None) -> None:
+    """Write a benchmark's JSON document to stdout and ``json_path``, and its plot."""
+    import json
+    import sys
+
+    text = json.dumps(doc, indent=2)
+    if echo_json:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    if json_path:
+        with open(json_path, "w") as fh:
+            fh.write(text + "\n")
+    if plot_path and plot is not None:
+        plot(doc, plot_path)
+
+
 def machine_info() -> dict[str, Any]:
     """CPU, memory, versions and the hashing backend of this run."""
     import torch

@@ -28,11 +28,9 @@ Throughput is bytes moved per second of wall time, in GB/s (1e9 bytes/s);
 from __future__ import annotations
 
 import gc
-import json
 import os
 import shutil
 import struct
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -52,6 +50,7 @@ from hybridstore.bench.common import (
     percentile,
     stdout_console,
 )
+from hybridstore.bench.common import emit
 from hybridstore.bench.common import timed as _timed
 from hybridstore.bench.index_figures import (
     VOCAB,
@@ -583,10 +582,5 @@ def run_core_bench(json_path: str | None = None, disk_dir: str | None = None,
     doc["config"]["elapsed_s"] = round(time.perf_counter() - started, 2)
     doc = json_safe(doc)
     _print_report(doc, out_console)
-    text = json.dumps(doc, indent=2)
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
-    if json_path:
-        with open(json_path, "w") as fh:
-            fh.write(text + "\n")
+    emit(doc, json_path=json_path)
     return doc

@@ -41,8 +41,6 @@ Every ``match`` checks that the implementations agree on the matched prefix
 from __future__ import annotations
 
 import gc
-import json
-import sys
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -52,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from hybridstore.backends.accounting import AccountingTier
-from hybridstore.bench.common import json_safe, machine_info, median, no_gc, percentile, progress
+from hybridstore.bench.common import emit, json_safe, machine_info, median, no_gc, percentile, progress
 from hybridstore.bench.index_figures import (
     GOAL_INDEX_BYTES,
     GOAL_MATCH_MS,
@@ -619,13 +617,5 @@ def run_index_bench(json_path: str | None = None, plot_path: str | None = None, 
     doc["config"]["elapsed_s"] = round(time.perf_counter() - started, 2)
     doc = json_safe(doc)
     print_index_report(doc)
-    text = json.dumps(doc, indent=2)
-    if echo_json:
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
-    if json_path:
-        with open(json_path, "w") as fh:
-            fh.write(text + "\n")
-    if plot_path:
-        plot_index(doc, plot_path)
+    emit(doc, json_path=json_path, echo_json=echo_json, plot_path=plot_path, plot=plot_index)
     return doc

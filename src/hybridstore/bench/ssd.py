@@ -55,10 +55,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -69,6 +67,7 @@ import numpy as np
 
 from hybridstore.backends.engines import fsync_path
 from hybridstore.bench import odirect
+from hybridstore.bench.common import emit
 from hybridstore.bench.common import json_safe as _finite
 from hybridstore.bench.common import machine_info as _machine
 from hybridstore.bench.common import median as _median
@@ -1319,17 +1318,9 @@ def run_ssd_bench(json_path: str | None = None, disk_dir: str | None = None, *,
     doc["config"]["elapsed_s"] = round(time.perf_counter() - started, 2)
     doc = _finite(doc)
     _print_report(doc, out_console)
-    text = json.dumps(doc, indent=2)
-    if print_json:
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
-    if json_path:
-        with open(json_path, "w") as fh:
-            fh.write(text + "\n")
-    if plot_path:
-        try:
-            plot_results(doc, plot_path)
-        except ImportError as e:
-            out_console.print(f"[red]no plot:[/red] {e}; pip install matplotlib (the bench extra)")
-            raise
+    try:
+        emit(doc, json_path=json_path, echo_json=print_json, plot_path=plot_path, plot=plot_results)
+    except ImportError as e:
+        out_console.print(f"[red]no plot:[/red] {e}; pip install matplotlib (the bench extra)")
+        raise
     return doc
