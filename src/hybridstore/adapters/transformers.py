@@ -162,10 +162,6 @@ class CacheSpec:
         kv = sum(_nbytes(e) for e in self.pages if e.slot in ("k", "v"))
         return kv / self.block_size
 
-    def empty_page(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """A zeroed page (the adapter pads a final partial block with it)."""
-        return {e.name: torch.zeros(e.shape, dtype=e.dtype, device=device) for e in self.pages}
-
     def empty_state(self, device: torch.device) -> dict[str, torch.Tensor]:
         """A state buffer for :meth:`HybridStore.load`'s ``into``."""
         return {e.name: torch.empty(e.shape, dtype=e.dtype, device=device) for e in self.states}
