@@ -251,7 +251,14 @@ class HybridIndex:
         return out
 
     def _ensure_path(self, prompt: PrefixKeys, upto: int) -> list[int]:
-        """Ids of the nodes of blocks ``0..upto-1`` of ``prompt``, creating missing ones.
+        """Ids of the nodes of blocks ``0..upto-1`` of ``prompt``, creating missing ones."""
+        return self._extend_path(prompt, upto)[:upto]
+
+    def _extend_path(self, prompt: PrefixKeys, upto: int) -> list[int]:
+        """The prompt's cached path, extended to at least ``upto`` blocks (not copied).
+
+        Only entries ``< upto`` are validated: callers index it, never iterate past
+        ``upto`` (a put of page after page would copy the path each time otherwise).
 
         The ids are cached on ``prompt`` (per index), so the engine's usual
         sequence (match, put pages block by block, put states) walks each
@@ -266,7 +273,7 @@ class HybridIndex:
             if (self._block[last] == n - 1 and int(self._klo[last]) == prompt.lo[n - 1]
                     and int(self._khi[last]) == int(prompt.keys[n - 1, 1])):
                 if n == upto:
-                    return cached[:upto]
+                    return cached
                 del cached[n:]
             else:
                 cached.clear()
@@ -287,7 +294,7 @@ class HybridIndex:
                 self._relink(nid, parent)
             ids.append(nid)
             parent = nid
-        return ids[:upto]
+        return ids
 
     def _relink(self, nid: int, parent: int) -> None:
         """Give a node restored without its parent (after a reopen) its parent."""
@@ -309,12 +316,12 @@ class HybridIndex:
         """
         if not 0 <= block < prompt.nblocks:
             raise InvalidTokensError(f"block {block} is outside the prompt's {prompt.nblocks} blocks")
-        ids = self._ensure_path(prompt, block + 1)
-        nid = ids[-1]
+        ids = self._extend_path(prompt, block + 1)
+        nid = ids[block]
         self._tiers[nid] |= TIER_BITS[tier]
         self._nbytes[nid] = nbytes
         self._atime[nid] = self._tick()
-        base = ids[-2] if block > 0 else ROOT
+        base = ids[block - 1] if block > 0 else ROOT
         self._link_covers(prompt, block, base, nid)
         return nid
 
