@@ -174,7 +174,7 @@ class HybridIndex:
         self._ckpts: dict[bytes, Checkpoint] = {}
         self._by_base: dict[int, list[Checkpoint]] = {}
         self._tree_roots: list[Checkpoint] = []
-        self._plans: dict[int, tuple[tuple[int, ...], bytes | None]] = {}
+        self._plans: dict[int, tuple[np.ndarray, bytes | None]] = {}   # plan -> (page ids, ckpt)
         self._plan_ids = itertools.count(1)
         self._clock = 0
         lo, hi = _split(root)
@@ -559,10 +559,10 @@ class HybridIndex:
         pins its pages and checkpoint until :meth:`release`.
         """
         limit = prompt.length if max_position is None else min(max_position, prompt.length)
-        ids = self._walk(prompt)
+        ids, arr = self._walk_ids(prompt)
         B = self.block_size
         tiers = self._tiers
-        present = tiers[np.asarray(ids, dtype=np.int64)] != 0 if ids else np.zeros(0, bool)
+        present = tiers[arr] != 0
         missing = np.flatnonzero(~present)
         first_missing = int(missing[0]) if missing.size else len(ids)
         top = min(first_missing, prompt.nblocks - 1, (limit - 1) // B if limit > 0 else -1)
@@ -580,20 +580,30 @@ class HybridIndex:
                 cover = self._present_cover(ck, ids[j] if j < len(ids) else -1)
                 if cover < 0:
                     continue
-                return self._pin(prompt, ids[:j] + [cover], p, ck, len(ids))
-        return self._pin(prompt, [], 0, None, len(ids))
+                pages = np.empty(j + 1, np.int64)
+                pages[:j] = arr[:j]
+                pages[j] = cover
+                return self._pin(prompt, pages, p, ck, len(ids))
+        return self._pin(prompt, np.zeros(0, np.int64), 0, None, len(ids))
 
     def _walk(self, prompt: PrefixKeys) -> list[int]:
         """Ids of the prompt's leading blocks the index knows (one dict probe per block,
         high halves compared vectorised)."""
+        return self._walk_ids(prompt)[0]
+
+    def _walk_ids(self, prompt: PrefixKeys) -> tuple[list[int], np.ndarray]:
+        """:meth:`_walk` as a list and as an int64 array (built once)."""
         if not prompt.nblocks:
-            return []
+            return [], np.zeros(0, np.int64)
         get = self._ids.get
         ids = [get(lo, ROOT) for lo in prompt.lo]
         arr = np.asarray(ids, dtype=np.int64)
         ok = (arr != ROOT) & (self._khi[arr] == prompt.keys[:, 1])
         bad = np.flatnonzero(~ok)
-        return ids[: int(bad[0])] if bad.size else ids
+        if bad.size:
+            k = int(bad[0])
+            return ids[:k], arr[:k]
+        return ids, arr
 
     def _present_cover(self, ck: Checkpoint, preferred: int) -> int:
         if preferred in ck.covers and self._tiers[preferred]:
@@ -603,27 +613,26 @@ class HybridIndex:
                 return nid
         return -1
 
-    def _pin(self, prompt: PrefixKeys, page_ids: list[int], position: int,
+    def _pin(self, prompt: PrefixKeys, pages: np.ndarray, position: int,
              ck: Checkpoint | None, walked: int) -> ResumePlan:
         plan_id = next(self._plan_ids)
         t = self._tick()
         B = self.block_size
-        if page_ids:
-            arr = np.asarray(page_ids, dtype=np.int64)
-            self._pins[arr] += 1
-            self._atime[arr] = t
+        n = len(pages)
+        if n:
+            self._pins[pages] += 1
+            self._atime[pages] = t
         if ck is not None:
             ck.pins += 1
             ck.hits += 1
             ck.atime = t
-        self._plans[plan_id] = (tuple(page_ids), ck.key if ck else None)
-        n = len(page_ids)
+        self._plans[plan_id] = (pages, ck.key if ck else None)
         tokens = tuple([B] * (n - 1) + [position - (n - 1) * B]) if n else ()
         # Every page but the last is the prompt's own block; the last may be a cover.
-        blob = prompt.keys[: n - 1].astype("<u8").tobytes() + self.node_key(page_ids[-1]) if n else b""
+        blob = prompt.keys[: n - 1].astype("<u8").tobytes() + self.node_key(int(pages[-1])) if n else b""
         return ResumePlan(position=position, length=prompt.length, page_blob=blob,
                           page_tokens=tokens, state_key=ck.key if ck else None,
-                          plan_id=plan_id, page_ids=tuple(page_ids),
+                          plan_id=plan_id, page_ids=tuple(pages.tolist()),
                           kv_tokens=min(walked * B, prompt.length))
 
     def release(self, plan: ResumePlan) -> None:
@@ -631,11 +640,10 @@ class HybridIndex:
         entry = self._plans.pop(plan.plan_id, None)
         if entry is None:
             raise PlanReleasedError(f"plan {plan.plan_id} was already released; release each plan once")
-        page_ids, ckey = entry
+        arr, ckey = entry
         if ckey is not None and ckey in self._ckpts:
             self._ckpts[ckey].pins -= 1
-        if page_ids:
-            arr = np.asarray(page_ids, dtype=np.int64)
+        if len(arr):
             self._pins[arr] -= 1
             # Only pages that lost their bytes while pinned can now be forgotten.
             for nid in arr[self._tiers[arr] == 0].tolist():
