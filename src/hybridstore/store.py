@@ -579,8 +579,7 @@ class HybridStore:
             self._check_open()
             if not self.index.is_live(plan):
                 raise PlanReleasedError(f"plan {plan.plan_id} was released; match again before load")
-            if into is not None:
-                self._check_into(plan, into)
+            targets = self._check_into(plan, into) if into is not None else None
             jobs = [(object_key(ObjectKind.PAGE, k), ObjectKind.PAGE) for k in plan.page_keys]
             if plan.state_key is not None:
                 jobs.append((object_key(ObjectKind.STATE, plan.state_key), ObjectKind.STATE))
@@ -590,18 +589,19 @@ class HybridStore:
             sources = [self._source(okey, skip_tiers) for okey, _ in jobs]
             self._counters["loads"] += 1
         sources = [None if src in skip_tiers else src for src in sources]
-        return self._io.submit(self._run_load, plan, jobs, sources, into)
+        return self._io.submit(self._run_load, plan, jobs, sources, into, targets)
 
-    def _check_into(self, plan: ResumePlan, into: tuple[Sequence[Any], Any]) -> None:
+    def _check_into(self, plan: ResumePlan, into: tuple[Sequence[Any], Any]) -> list[list[tuple[Any, Any]]]:
+        """The (entry, buffer) pairs of every object of the plan; raises on a mismatch."""
         page_bufs, state_buf = into
-        if len(page_bufs) < len(plan.page_keys):
+        n = len(plan.page_keys)
+        if len(page_bufs) < n:
             raise LayoutMismatchError(
-                f"into has {len(page_bufs)} page buffers; the plan restores {len(plan.page_keys)}")
-        if plan.page_keys:
-            for buf in page_bufs[: len(plan.page_keys)]:
-                self._layouts[ObjectKind.PAGE].targets(buf)
+                f"into has {len(page_bufs)} page buffers; the plan restores {n}")
+        out = [self._layouts[ObjectKind.PAGE].targets(buf) for buf in page_bufs[:n]] if n else []
         if plan.state_key is not None:
-            self._layouts[ObjectKind.STATE].targets(state_buf)
+            out.append(self._layouts[ObjectKind.STATE].targets(state_buf))
+        return out
 
     def _source(self, okey: bytes, skip: Sequence[str] = ()) -> str:
         """Pick the fastest tier holding ``okey`` and protect its pool slot (unless skipped)."""
@@ -614,11 +614,22 @@ class HybridStore:
         raise CorruptObjectError(f"object {okey.hex()} of a live plan is in no tier", key=okey)
 
     def _run_load(self, plan: ResumePlan, jobs: list[tuple[bytes, ObjectKind]],
-                  sources: list[str | None], into: tuple[Sequence[Any], Any] | None) -> tuple[list, Any]:
+                  sources: list[str | None], into: tuple[Sequence[Any], Any] | None,
+                  targets: list[list[tuple[Any, Any]]] | None) -> tuple[list, Any]:
         outputs: list[Any] = []
         waits: list[tuple[int, Future]] = []
         bufs: list[np.ndarray | None] = []
         devices: set[Any] = set()          # CUDA devices with copies from pool slots in flight
+        # One 4 KiB-aligned arena for every object that needs a buffer of its own (reads from
+        # a byte tier, or copies out of a pool slot when there is no `into`), instead of one
+        # allocation per object: plans run to thousands of pages.
+        own = [src is not None and (not isinstance(self.tiers[src], HostPool) and self.tiers[src].stores_bytes
+                                    or isinstance(self.tiers[src], HostPool) and into is None)
+               for src in sources]
+        sizes = [-(-self._layouts[kind].nbytes // 4096) * 4096 if mine else 0
+                 for (_, kind), mine in zip(jobs, own)]
+        arena = aligned_empty(sum(sizes)) if any(own) else None
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
         try:
             for i, ((okey, kind), src) in enumerate(zip(jobs, sources)):
                 layout = self._layouts[kind]
@@ -626,12 +637,16 @@ class HybridStore:
                     bufs.append(None)
                     continue
                 tier = self.tiers[src]
+                own_buf = arena[offsets[i]: offsets[i] + layout.nbytes] if own[i] else None
                 if isinstance(tier, HostPool):
-                    bufs.append(tier.view(okey))
-                elif tier.stores_bytes:
-                    buf = aligned_empty(layout.nbytes)
-                    waits.append((i, tier.get_into(okey, buf)))
-                    bufs.append(buf)
+                    view = tier.view(okey)
+                    if own_buf is not None:       # never hand out a pool slot
+                        own_buf[:] = view[: layout.nbytes]
+                        view = own_buf
+                    bufs.append(view)
+                elif own_buf is not None:
+                    waits.append((i, tier.get_into(okey, own_buf)))
+                    bufs.append(own_buf)
                 else:
                     bufs.append(None)
                 self._loaded_bytes[src] += layout.nbytes
@@ -644,23 +659,17 @@ class HybridStore:
                         self._forget(jobs[i][0], "disk", self._layouts[jobs[i][1]].nbytes)
                     raise
             for i, ((okey, kind), buf) in enumerate(zip(jobs, bufs)):
-                layout = self._layouts[kind]
                 if buf is None:
                     outputs.append(None)
                     continue
-                if into is not None:
-                    target = into[0][i] if kind == ObjectKind.PAGE else into[1]
-                    for spec, dst in layout.targets(target):
+                if into is not None and targets is not None:
+                    for spec, dst in targets[i]:
                         copy_out(spec, buf, dst)
                         if getattr(dst, "is_cuda", False):
                             devices.add(dst.device)
-                    outputs.append(target)
-                elif isinstance(self.tiers[sources[i]], HostPool):   # never hand out a pool slot
-                    copy = aligned_empty(layout.nbytes)
-                    copy[:] = buf[: layout.nbytes]
-                    outputs.append(layout.unpack(copy))
+                    outputs.append(into[0][i] if kind == ObjectKind.PAGE else into[1])
                 else:
-                    outputs.append(layout.unpack(buf))
+                    outputs.append(self._layouts[kind].unpack(buf))
         finally:
             # an H2D copy from a pinned slot is asynchronous: the slot must outlive it
             if devices:
