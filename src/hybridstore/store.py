@@ -588,7 +588,6 @@ class HybridStore:
                     raise UnknownTierError(f"unknown tier {name!r} in skip_tiers; tiers are {list(TIER_BITS)}")
             sources = [self._source(okey, skip_tiers) for okey, _ in jobs]
             self._counters["loads"] += 1
-        sources = [None if src in skip_tiers else src for src in sources]
         return self._io.submit(self._run_load, plan, jobs, sources, into, targets)
 
     def _check_into(self, plan: ResumePlan, into: tuple[Sequence[Any], Any]) -> list[list[tuple[Any, Any]]]:
@@ -603,15 +602,26 @@ class HybridStore:
             out.append(self._layouts[ObjectKind.STATE].targets(state_buf))
         return out
 
-    def _source(self, okey: bytes, skip: Sequence[str] = ()) -> str:
-        """Pick the fastest tier holding ``okey`` and protect its pool slot (unless skipped)."""
+    def _source(self, okey: bytes, skip: Sequence[str] = ()) -> str | None:
+        """The fastest tier holding ``okey``, its pool slot held (``None``: that tier is skipped)."""
         for name in TIER_ORDER:
             tier = self.tiers.get(name)
             if tier is not None and tier.contains(okey):
-                if isinstance(tier, HostPool) and name not in skip:
+                if name in skip:
+                    return None
+                if isinstance(tier, HostPool):
                     tier.acquire(okey)
                 return name
         raise CorruptObjectError(f"object {okey.hex()} of a live plan is in no tier", key=okey)
+
+    def _needs_buffer(self, src: str | None, has_into: bool) -> bool:
+        """Whether a load needs a buffer of its own for an object read from ``src``."""
+        if src is None:
+            return False
+        tier = self.tiers[src]
+        if isinstance(tier, HostPool):
+            return not has_into          # copied out of the slot, never handed out
+        return tier.stores_bytes         # read from a byte tier into it
 
     def _run_load(self, plan: ResumePlan, jobs: list[tuple[bytes, ObjectKind]],
                   sources: list[str | None], into: tuple[Sequence[Any], Any] | None,
@@ -623,9 +633,7 @@ class HybridStore:
         # One 4 KiB-aligned arena for every object that needs a buffer of its own (reads from
         # a byte tier, or copies out of a pool slot when there is no `into`), instead of one
         # allocation per object: plans run to thousands of pages.
-        own = [src is not None and (not isinstance(self.tiers[src], HostPool) and self.tiers[src].stores_bytes
-                                    or isinstance(self.tiers[src], HostPool) and into is None)
-               for src in sources]
+        own = [self._needs_buffer(src, into is not None) for src in sources]
         sizes = [-(-self._layouts[kind].nbytes // 4096) * 4096 if mine else 0
                  for (_, kind), mine in zip(jobs, own)]
         arena = aligned_empty(sum(sizes)) if any(own) else None

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -61,6 +62,23 @@ def open_tier(path: Path, capacity: int = 64 * MiB, **kw: object) -> DiskTier:
     kw.setdefault("segment_bytes", 4 * MiB)
     kw.setdefault("io_threads", 4)
     return DiskTier(path, capacity, engine=ENGINE, **kw)  # type: ignore[arg-type]
+
+
+def engine_round_trip(engine: Any, path: Path, *, file_bytes: int, n: int, offset: int,
+                      seed: int) -> tuple[Any, np.ndarray]:
+    """Write ``n`` bytes from an unaligned buffer at ``offset``, read them back into an
+    unaligned one, and check them and that nothing past ``n`` was written; returns the
+    open file and the read buffer."""
+    path.write_bytes(b"")
+    os.truncate(path, file_bytes)
+    f = engine.open(path)
+    data = payload(n + 1, seed)
+    assert engine.pwrite(f, data[1:], n, offset).result() == n
+    engine.fsync(f)
+    out = np.zeros(n + 10, np.uint8)
+    assert engine.pread(f, out[3:], n, offset).result() == n
+    assert np.array_equal(out[3:n + 3], data[1:]) and not out[n + 3:].any()
+    return f, out
 
 
 def run_python(code: str, *, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -175,16 +193,8 @@ else:
         from hybridstore.errors import BackendIOError
 
         engine = select_engine("kvikio", 3)
-        path = tmp_path / "f"
-        path.write_bytes(b"")
-        os.truncate(path, 2 * MiB)
-        f = engine.open(path)
-        data = payload(300_001, 4)
-        assert engine.pwrite(f, data[1:], 300_000, 4 * ALIGN).result() == 300_000
-        engine.fsync(f)
-        out = np.zeros(300_010, np.uint8)
-        assert engine.pread(f, out[3:], 300_000, 4 * ALIGN).result() == 300_000
-        assert np.array_equal(out[3:300_003], data[1:]) and not out[300_003:].any()
+        f, out = engine_round_trip(engine, tmp_path / "f", file_bytes=2 * MiB, n=300_000,
+                                   offset=4 * ALIGN, seed=4)
         with pytest.raises(BackendIOError):  # past the end of the file
             engine.pread(f, out, 300_000, 2 * MiB - ALIGN).result()
         engine.close_file(f)
@@ -570,16 +580,8 @@ def test_catalog_versions_and_info(tmp_path: Path) -> None:
 def test_posix_engine_chunks_and_buffered_fallback(tmp_path: Path) -> None:
     for direct in (True, False):
         engine = PosixEngine(3, chunk_bytes=2 * ALIGN, direct=direct)
-        path = tmp_path / f"f{direct}"
-        path.write_bytes(b"")
-        os.truncate(path, 4 * MiB)
-        f = engine.open(path)
-        data = payload(100_001, 5)
-        assert engine.pwrite(f, data[1:], 100_000, 8 * ALIGN).result() == 100_000
-        engine.fsync(f)
-        out = np.zeros(100_010, np.uint8)
-        assert engine.pread(f, out[3:], 100_000, 8 * ALIGN).result() == 100_000
-        assert np.array_equal(out[3:100_003], data[1:]) and not out[100_003:].any()
+        f, _ = engine_round_trip(engine, tmp_path / f"f{direct}", file_bytes=4 * MiB, n=100_000,
+                                 offset=8 * ALIGN, seed=5)
         engine.close_file(f)
         engine.close()
 

@@ -147,11 +147,6 @@ class CacheSpec:
         return cls(block_size=block_size, pages=tuple(pages), states=tuple(states))
 
     @property
-    def page_bytes(self) -> int:
-        """Bytes of one page (all attention layers, one block)."""
-        return sum(_nbytes(e) for e in self.pages)
-
-    @property
     def state_bytes(self) -> int:
         """Bytes of one checkpoint (all recurrent layers)."""
         return sum(_nbytes(e) for e in self.states)

@@ -77,7 +77,7 @@ def bench_match(reps: int, rng: np.random.Generator, step: Callable[[str], None]
                 store.release(plan2)
                 pk2 = store.prefix(tokens)
                 _ = pk2.lo  # the index's dict keys, as match() builds them
-                walker = getattr(store.index, "_walk", None)
+                walker = getattr(store.index, "_walk_ids", None)
                 t5 = time.perf_counter()
                 if walker is not None:
                     walker(pk2)
@@ -102,7 +102,7 @@ def bench_match(reps: int, rng: np.random.Generator, step: Callable[[str], None]
             "setup_put_kv_s": put_kv_s,
             "note": ("ms: HybridStore.match(uint32 token ids) with hashing; hash: store.prefix() "
                      "alone; walk: store.match() of a pre-hashed PrefixKeys (index walk, "
-                     "completeness check, pins, ResumePlan); index_walk: HybridIndex._walk "
+                     "completeness check, pins, ResumePlan); index_walk: HybridIndex._walk_ids "
                      "alone; host tier: AccountingTier (sizes only)"),
         }
         if trie_walk:

@@ -586,13 +586,9 @@ class HybridIndex:
                 return self._pin(prompt, pages, p, ck, len(ids))
         return self._pin(prompt, np.zeros(0, np.int64), 0, None, len(ids))
 
-    def _walk(self, prompt: PrefixKeys) -> list[int]:
-        """Ids of the prompt's leading blocks the index knows (one dict probe per block,
-        high halves compared vectorised)."""
-        return self._walk_ids(prompt)[0]
-
     def _walk_ids(self, prompt: PrefixKeys) -> tuple[list[int], np.ndarray]:
-        """:meth:`_walk` as a list and as an int64 array (built once)."""
+        """Ids of the prompt's leading blocks the index knows, as a list and an int64 array
+        (one dict probe per block, high halves compared vectorised)."""
         if not prompt.nblocks:
             return [], np.zeros(0, np.int64)
         get = self._ids.get
