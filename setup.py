@@ -1,8 +1,9 @@
-"""Builds the optional native extension ``hybridstore.native._hashing``.
+"""Builds the optional native extensions of ``hybridstore.native``.
 
-All metadata lives in pyproject.toml.  The extension is optional: when no C
-compiler is available the build continues and ``hybridstore.index.keys`` falls
-back to its pure-Python (numpy) twin, which yields identical keys.
+All metadata lives in pyproject.toml.  The extensions are optional: when no C
+compiler is available the build continues and the modules that use them
+(``hybridstore.index.keys``, ``hybridstore.index.u64map``, ...) fall back to
+their pure-Python (numpy) twins, which behave identically.
 """
 
 from __future__ import annotations
@@ -32,8 +33,20 @@ setup(
         Extension(
             "hybridstore.native._hashing",
             sources=["src/hybridstore/native/_hashing.c"],
+            depends=["src/hybridstore/native/_buffers.h"],
             extra_compile_args=["-O3", "-std=c11"],
-        )
+        ),
+        Extension(
+            "hybridstore.native._u64map",
+            sources=["src/hybridstore/native/_u64map.c"],
+            extra_compile_args=["-O3", "-std=c11"],
+        ),
+        Extension(
+            "hybridstore.native._trie",
+            sources=["src/hybridstore/native/_trie.c"],
+            depends=["src/hybridstore/native/_buffers.h"],
+            extra_compile_args=["-O3", "-std=c11"],
+        ),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

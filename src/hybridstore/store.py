@@ -74,6 +74,37 @@ REUSE_RANKING_OBJECTS = 512
 _LAYOUT_INFO = {ObjectKind.PAGE: "layout.page", ObjectKind.STATE: "layout.state"}
 
 
+_PAGE_TAG = bytes((int(ObjectKind.PAGE),))
+
+
+def _page_object_keys(blob: bytes) -> list[bytes]:
+    """Object keys of pages from their 16-byte keys, concatenated (``object_key`` in bulk)."""
+    return [_PAGE_TAG + blob[i:i + 16] for i in range(0, len(blob), 16)]
+
+
+class _Victims:
+    """A policy's victim order that takes victims back: an eviction that took a run of
+    pages and stopped inside it leaves the rest where a reused ranking resumes."""
+
+    __slots__ = ("_it", "_back")
+
+    def __init__(self, victims: Iterator[Victim]) -> None:
+        self._it = victims
+        self._back: list[Victim] = []
+
+    def __iter__(self) -> _Victims:
+        return self
+
+    def __next__(self) -> Victim:
+        if self._back:
+            return self._back.pop()
+        return next(self._it)
+
+    def push_back(self, victims: Sequence[Victim]) -> None:
+        """Return ``victims`` (in their order) to the front of the order."""
+        self._back.extend(reversed(victims))
+
+
 class HybridStore:
     """Prefix cache of a hybrid model across GPU memory, pinned DRAM and SSD.
 
@@ -129,7 +160,7 @@ class HybridStore:
         self._loaded_bytes = {name: 0 for name in self.tiers}
         self._kind_bytes = {name: dict.fromkeys(ObjectKind, 0) for name in self.tiers}
         self._objects = dict.fromkeys(self.tiers, 0)      # objects held per tier
-        self._rankings: dict[tuple[str, ObjectKind | None], tuple[Iterator[Victim], int]] = {}
+        self._rankings: dict[tuple[str, ObjectKind | None], tuple[_Victims, int]] = {}
         if "disk" in self.tiers and self.tiers["disk"].durable:
             self._reopen()
 
@@ -241,23 +272,72 @@ class HybridStore:
 
     def _put_pages(self, prompt: PrefixKeys, first: int, nbytes: int,
                    pack: Callable[[int, np.ndarray], None] | None) -> int:
-        B = self.config.block_size
-        stored = 0
-        for i, block in enumerate(range(first, prompt.nblocks)):
-            key16 = prompt.block_key(block)
-            nid = self.index.find_node(key16)
-            held = self.index.page_tiers(nid) if nid >= 0 else 0
-            if held:
-                self.index.add_page(prompt, block, self._holder(held), nbytes)
-                continue
-            okey = object_key(ObjectKind.PAGE, key16)
-            self._land(okey, ObjectKind.PAGE, nbytes,
-                       None if pack is None else (lambda slot, i=i: pack(i, slot)))
-            self.index.add_page(prompt, block, self._chain[0], nbytes)
-            meta = M.encode_page(block, prompt.block_end(block) - block * B, prompt.key_before(block))
-            self._placed(okey, ObjectKind.PAGE, nbytes, meta)
-            stored += 1
+        """Store blocks ``first..`` of ``prompt``: runs of held pages are touched, runs of
+        new pages land together (:meth:`_land_pages`).  Returns the pages newly stored."""
+        stop = prompt.nblocks
+        pos, stored = first, 0
+        while pos < stop:
+            # Re-read after every run: landing one may have evicted pages of the next.
+            held = self.index.held_tiers(prompt, pos, stop) != 0
+            change = np.flatnonzero(held != held[0])
+            end = pos + (int(change[0]) if change.size else stop - pos)
+            if held[0]:
+                self.index.add_pages(prompt, pos, end, None, nbytes)
+            else:
+                stored += self._land_pages(prompt, pos, end, nbytes, pack, first)
+            pos = end
         return stored
+
+    def _land_pages(self, prompt: PrefixKeys, a: int, b: int, nbytes: int,
+                    pack: Callable[[int, np.ndarray], None] | None, first: int) -> int:
+        """Land the new pages of blocks ``a..b-1`` in the fastest tier and index them.
+
+        Room is made for a run at a time (at most an eighth of the tier, so that
+        one eviction pass serves it); an accounting tier records the run in one
+        call.  Pages landed before a failure are indexed before it propagates.
+        """
+        name = self._chain[0]
+        tier = self.tiers[name]
+        if pack is None and tier.stores_bytes:
+            raise HybridStoreError("sized puts (no bytes) need accounting tiers; pass the tensors")
+        charge = tier.charge(nbytes)
+        okeys = _page_object_keys(prompt.keys[a:b].astype("<u8", copy=False).tobytes())
+        run = max(1, min(b - a, tier.capacity_bytes // 8 // max(charge, 1)))
+        c = a
+        while c < b:
+            d = min(c + run, b)
+            landed = 0
+            try:
+                if tier.stores_bytes:
+                    for k in range(c, d):
+                        self._land(okeys[k - a], ObjectKind.PAGE, nbytes,
+                                   lambda slot, i=k - first: pack(i, slot))  # type: ignore[misc]
+                        landed += 1
+                else:
+                    try:
+                        self._make_room(name, charge * (d - c), ObjectKind.PAGE)
+                    except CapacityError:
+                        if d - c == 1:
+                            raise
+                        # Only room page by page: evicting may take this run's own
+                        # earlier pages (reclaimable until their checkpoint lands).
+                        run = 1
+                        continue
+                    keys = okeys[c - a:d - a]
+                    self._retry(name, nbytes * len(keys), lambda: tier.put_many(keys, nbytes=nbytes))
+                    landed = d - c
+                    self._kind_bytes[name][ObjectKind.PAGE] += charge * landed
+                    self._objects[name] += landed
+            finally:
+                if landed:
+                    self.index.add_pages(prompt, c, c + landed, name, nbytes)
+                    if ObjectKind.PAGE in self._tiering.write_through and len(self._chain) > 1:
+                        B = self.config.block_size
+                        for k in range(c, c + landed):
+                            meta = M.encode_page(k, prompt.block_end(k) - k * B, prompt.key_before(k))
+                            self._placed(okeys[k - a], ObjectKind.PAGE, nbytes, meta)
+            c = d
+        return b - a
 
     def put_kv_page(self, tokens: Any, page: Any, *, end: int) -> int:
         """Store the page of the block ending at ``end`` of a longer prompt.
@@ -767,6 +847,8 @@ class HybridStore:
         evictions too, for up to a quarter of the tier's objects in index
         operations; objects used since it was made are skipped (they are no
         longer where it ranked them).  Smaller tiers rank afresh every time.
+        Consecutive page victims are taken as one batch (:meth:`_evict_pages`),
+        about as many as the bytes still owed need.
         """
         freed = 0
         follow = self._eviction.dependency_aware and kind != ObjectKind.STATE
@@ -774,6 +856,11 @@ class HybridStore:
             before = freed
             victims, made = self._ranking(tier, kind, fresh=attempt > 0)
             for victim in victims:
+                if victim.kind == ObjectKind.PAGE:
+                    freed += self._evict_page_run(victim, victims, made, tier, nbytes - freed)
+                    if freed >= nbytes:
+                        return freed
+                    continue
                 if made >= 0 and self._used_since(victim, made):
                     continue
                 exclusive = self._exclusive_pages(victim) if follow else ()
@@ -784,25 +871,114 @@ class HybridStore:
                 if got and exclusive:
                     # The pages only this checkpoint needed are reclaimable now, and a
                     # fresh ranking would offer them first; a reused one has passed them.
-                    for nid in exclusive:
-                        freed += self._evict_one(Victim(ObjectKind.PAGE, nid), tier)
-                        if freed >= nbytes:
-                            return freed
+                    freed += self._evict_pages(np.asarray(exclusive, np.int64), tier,
+                                               nbytes - freed)[0]
+                    if freed >= nbytes:
+                        return freed
             self._rankings.pop((tier, kind), None)
             if freed == before and attempt:
                 break
         return freed
 
-    def _ranking(self, tier: str, kind: ObjectKind | None, fresh: bool) -> tuple[Iterator[Victim], int]:
+    def _evict_page_run(self, victim: Victim, victims: _Victims, made: int, tier: str,
+                        owed: int) -> int:
+        """Evict ``victim`` and the page victims right after it, as many as ``owed`` bytes
+        need; victims taken but not reached go back to ``victims``.  Returns bytes freed."""
+        index = self.index
+        want = max(1, min(4096, -(-owed // max(1, self.tiers[tier].charge(
+            index.page_nbytes(int(victim.ref)))))))
+        run = [victim]
+        for nxt in victims:
+            if nxt.kind != ObjectKind.PAGE:
+                victims.push_back([nxt])
+                break
+            run.append(nxt)
+            if len(run) >= want:
+                break
+        ids = np.fromiter((v.ref for v in run), np.int64, len(run))
+        if made >= 0:
+            keep = index.page_atimes(ids) <= made      # used since the ranking: skipped
+            ids = ids[keep]
+            run = [v for v, k in zip(run, keep.tolist()) if k]
+        got, taken = self._evict_pages(ids, tier, owed)
+        victims.push_back(run[taken:])
+        return got
+
+    def _evict_pages(self, ids: np.ndarray, tier: str, owed: int) -> tuple[int, int]:
+        """:meth:`_evict_one` of pages ``ids`` in order, vectorised, until ``owed`` bytes
+        are freed.  Returns ``(bytes freed, how many of ids were considered)``.
+
+        The same rules as :meth:`_evict_one`: never a pinned page or one whose copy is
+        in flight; the last copy of a page that retained checkpoints need stays under
+        a dependency-aware policy.  When the last copy would be spilled to the tier
+        below, the pages go one by one through :meth:`_evict_one`.
+        """
+        if not ids.size:
+            return 0, 0
+        index, t = self.index, self.tiers[tier]
+        bit = TIER_BITS[tier]
+        tiers, deps, pins, nbytes = index.page_columns4(ids)
+        ok = ((tiers & bit) != 0) & (pins == 0)
+        last = (tiers & (~bit & 0xFF)) == 0
+        below = self._below(tier)
+        if below is not None and ObjectKind.PAGE in self._tiering.spill and (ok & last).any():
+            freed = 0
+            for i, nid in enumerate(ids.tolist()):
+                freed += self._evict_one(Victim(ObjectKind.PAGE, nid), tier)
+                if freed >= owed:
+                    return freed, i + 1
+            return freed, len(ids)
+        if self._eviction.dependency_aware:
+            ok &= ~last | (deps == 0)
+        cand = np.flatnonzero(ok)
+        okeys = _page_object_keys(index.page_keys_blob(ids[cand]))
+        if self._inflight:
+            free_now = np.fromiter((not self._inflight[k] for k in okeys), bool, len(okeys))
+            cand, okeys = cand[free_now], [k for k, f in zip(okeys, free_now.tolist()) if f]
+        uniq, inv = np.unique(nbytes[cand], return_inverse=True)
+        charges = np.array([t.charge(int(n)) for n in uniq], np.int64)[inv]
+        cum = np.cumsum(charges)
+        n = int(np.searchsorted(cum, owed)) + 1   # the first prefix that frees `owed`
+        if n <= len(cand):
+            cand, okeys, charges = cand[:n], okeys[:n], charges[:n]
+            considered = int(cand[-1]) + 1
+        else:
+            considered = len(ids)
+        if not len(cand):
+            return 0, considered
+        sel = ids[cand]
+        t.delete_many(okeys)
+        self._forget_pages(sel, tier, last[cand])
+        freed = int(charges.sum())
+        self._kind_bytes[tier][ObjectKind.PAGE] -= freed
+        self._objects[tier] -= len(sel)
+        self._counters["evictions"] += len(sel)
+        return freed, considered
+
+    def _forget_pages(self, nids: np.ndarray, tier: str, last: np.ndarray) -> None:
+        """The index side of dropping pages ``nids`` from ``tier`` (``last``: it held their
+        only copy, so their residence ends)."""
+        if last.any():
+            ages = self.index.now() - self.index.page_ctimes(nids[last])
+            self.residence.observe_many(ObjectKind.PAGE, ages)
+        self.index.drop_pages_tier(nids, tier)
+
+    def _ranking(self, tier: str, kind: ObjectKind | None, fresh: bool) -> tuple[_Victims, int]:
         """The policy's victim order for ``tier``, reused when the tier is large (see ``_evict``)."""
         n = self._objects[tier]
         if n < REUSE_RANKING_OBJECTS:
-            return self._eviction.victims(self.index, tier, kind), -1
+            return _Victims(self._victims(tier, kind)), -1
         entry = self._rankings.get((tier, kind))
         if fresh or entry is None or self.index.now() - entry[1] > n // 4:
-            entry = (self._eviction.victims(self.index, tier, kind), self.index.now())
+            entry = (_Victims(self._victims(tier, kind)), self.index.now())
             self._rankings[(tier, kind)] = entry
         return entry
+
+    def _victims(self, tier: str, kind: ObjectKind | None) -> Iterator[Victim]:
+        """The policy's order; it may leave out what :meth:`_evict_one` would refuse anyway."""
+        keep = self._eviction.dependency_aware and not (
+            self._below(tier) is not None and ObjectKind.PAGE in self._tiering.spill)
+        return self._eviction.victims(self.index, tier, kind, keep_needed=keep)
 
     def _exclusive_pages(self, victim: Victim) -> list[int]:
         if victim.kind != ObjectKind.STATE:
@@ -811,8 +987,7 @@ class HybridStore:
         return [] if ck is None else self.index.exclusive_pages(ck)
 
     def _used_since(self, victim: Victim, t: int) -> bool:
-        if victim.kind == ObjectKind.PAGE:
-            return self.index.page_info(int(victim.ref))["atime"] > t
+        """Whether a checkpoint victim was used after ranking time ``t`` (pages: in a batch)."""
         ck = self.index.checkpoint(bytes(victim.ref))
         return ck is not None and ck.atime > t
 

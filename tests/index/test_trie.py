@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -11,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from hybridstore.errors import InvalidTokensError, PlanReleasedError
 from hybridstore.index import keys as K
 from hybridstore.index.prefix import PrefixKeys
+from hybridstore.index import trie as trie_mod
 from hybridstore.index.trie import HybridIndex
 
 B = 4
@@ -180,6 +183,22 @@ class IndexMachine(RuleBasedStateMachine):
                 covers.add(page)
 
     @rule(tokens=prompts, data=st.data())
+    def put_run(self, tokens, data):
+        """A run of pages in one call (the store's batched put)."""
+        prompt = P(tokens)
+        a = data.draw(st.integers(0, prompt.nblocks - 1))
+        b = data.draw(st.integers(a + 1, prompt.nblocks))
+        nids = self.ix.add_pages(prompt, a, b, "host", 10)
+        assert len(nids) == b - a
+        for k in range(a, b):
+            end = prompt.block_end(k)
+            page = tuple(tokens[:end])
+            self.pages[page] = True
+            for c, covers in self.ckpts.items():
+                if (len(c) - 1) // B == k and len(c) <= end and page[: len(c)] == c:
+                    covers.add(page)
+
+    @rule(tokens=prompts, data=st.data())
     def put_state(self, tokens, data):
         p = data.draw(st.integers(1, len(tokens)))
         self.ix.add_checkpoint(P(tokens), p, "host", 10)
@@ -217,6 +236,17 @@ class IndexMachine(RuleBasedStateMachine):
         nid = self.ix.find_node(P(page).block_key(P(page).nblocks - 1))
         self.ix.drop_page_tier(nid, "host")
         self.pages[page] = False
+
+    @precondition(lambda self: any(self.pages.values()))
+    @rule(data=st.data())
+    def evict_pages(self, data):
+        """Several pages dropped in one call (the store's batched eviction)."""
+        held = sorted(p for p, v in self.pages.items() if v)
+        pages = data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=6, unique=True))
+        nids = [self.ix.find_node(P(page).block_key(P(page).nblocks - 1)) for page in pages]
+        self.ix.drop_pages_tier(np.asarray(nids, np.int64), "host")
+        for page in pages:
+            self.pages[page] = False
 
     @precondition(lambda self: self.ckpts)
     @rule(data=st.data())
@@ -259,9 +289,60 @@ class IndexMachine(RuleBasedStateMachine):
             assert ck.terminal == (not ck.children)
 
 
+    @invariant()
+    def key_map_lists_the_live_nodes(self):
+        live = self.ix.node_ids()
+        assert len(self.ix._ids) == len(live) + 1                 # + the root
+        found = np.empty(len(live), np.int64)
+        self.ix._ids.get_many(self.ix._klo[live], found)
+        assert np.array_equal(found, live)
+
+
+class PythonTwinIndexMachine(IndexMachine):
+    """The same machine with the index's compiled walks replaced by their Python twins."""
+
+    def __init__(self) -> None:
+        self._saved = trie_mod._native_trie
+        trie_mod._native_trie = None
+        super().__init__()
+
+    def teardown(self) -> None:
+        trie_mod._native_trie = self._saved
+
+
+_MACHINE_SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow])
 TestIndexMachine = IndexMachine.TestCase
-TestIndexMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
-                                     suppress_health_check=[HealthCheck.too_slow])
+TestIndexMachine.settings = _MACHINE_SETTINGS
+TestPythonTwinIndexMachine = PythonTwinIndexMachine.TestCase
+TestPythonTwinIndexMachine.settings = _MACHINE_SETTINGS
+
+
+@pytest.mark.skipif(trie_mod._native_trie is None, reason="the _trie extension is not built")
+def test_native_walks_equal_their_python_twins():
+    """collect / path in C against the Python loops, on random forests with random states."""
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        ix = HybridIndex(B, ROOT)
+        for _ in range(int(rng.integers(1, 8))):
+            toks = rng.integers(0, 3, int(rng.integers(1, 30))).tolist()
+            prompt = P(toks)
+            ix.add_pages(prompt, 0, prompt.nblocks, "host", 8)
+        live = ix.node_ids()
+        for nid in live.tolist():
+            assert np.array_equal(ix._path(nid), ix._path_py(nid))
+        ix._tiers[live[rng.random(len(live)) < 0.6]] = 0
+        starts = rng.choice(live, size=min(len(live), 5), replace=False)
+        twin = HybridIndex(B, ROOT)
+        cols = ("_parent", "_tiers", "_deps", "_pins", "_nchild", "_block")
+        for name in cols:
+            setattr(twin, name, copy.copy(getattr(ix, name)))
+        freed_native = np.frombuffer(trie_mod._native_trie.collect(
+            starts, ix._parent, ix._tiers, ix._deps, ix._pins, ix._nchild, ix._block), np.int64)
+        freed_py = twin._collect_py(starts)
+        assert sorted(freed_native.tolist()) == sorted(freed_py.tolist())
+        for name in cols:
+            assert np.array_equal(np.asarray(getattr(ix, name)), np.asarray(getattr(twin, name)))
 
 
 def test_memory_per_cached_block_is_small():

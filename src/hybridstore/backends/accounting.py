@@ -8,7 +8,9 @@ allocate nothing per call beyond the dict entry of a stored object.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from concurrent.futures import Future
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -94,6 +96,28 @@ class AccountingTier(ObjectTable):
             self._counts["bytes_in"] += nbytes
         return self._done[None]
 
+    def put_many(self, keys: list[ObjectKey], *, nbytes: int, meta: bytes = b"") -> None:
+        """Record many objects of one size at once (a run of pages; see :meth:`put`).
+
+        Raises:
+            CapacityError: they do not all fit (none is recorded).
+        """
+        charged = self.charge(nbytes)
+        entry = _Entry(nbytes, charged, meta)
+        with self._lock:
+            self._check_open()
+            objects = self._objects
+            replaced = sum(objects[k][1] for k in objects.keys() & keys)
+            used = self._used - replaced + charged * len(keys)
+            if used > self._capacity:
+                raise CapacityError(
+                    f"the {self.name} tier has no room for {len(keys)} objects of {nbytes} bytes "
+                    f"({self._used} of {self._capacity} bytes in use); evict objects and retry")
+            objects.update(dict.fromkeys(keys, entry))
+            self._used = used
+            self._counts["puts"] += len(keys)
+            self._counts["bytes_in"] += nbytes * len(keys)
+
     def get_into(self, key: ObjectKey, out: Any) -> Future:
         """The future yields ``nbytes``; ``out`` (may be ``None``) is left untouched."""
         with self._lock:
@@ -118,6 +142,14 @@ class AccountingTier(ObjectTable):
                 return 0
             self._used -= entry[1]
             return entry[1]
+
+    def delete_many(self, keys: Iterable[ObjectKey]) -> int:
+        with self._lock:
+            self._check_open()
+            pop = self._objects.pop
+            freed = sum(entry[1] for entry in map(pop, keys, repeat(None)) if entry is not None)
+            self._used -= freed
+            return freed
 
     def read_seconds(self, nbytes: int) -> float:
         return nbytes / self._read_bps

@@ -47,7 +47,7 @@ from __future__ import annotations
 import enum
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any, ClassVar, NewType
 
@@ -161,6 +161,10 @@ class Tier(ABC):
 
     @abstractmethod
     def delete(self, key: ObjectKey) -> int: ...
+
+    def delete_many(self, keys: Iterable[ObjectKey]) -> int:
+        """:meth:`delete` of several keys (a batch of evictions); returns the bytes freed."""
+        return sum(self.delete(key) for key in keys)
 
     @abstractmethod
     def entries(self) -> Iterator[tuple[ObjectKey, int, bytes]]: ...

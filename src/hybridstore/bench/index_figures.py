@@ -76,7 +76,7 @@ def bench_match(reps: int, rng: np.random.Generator, step: Callable[[str], None]
                 t4 = time.perf_counter()
                 store.release(plan2)
                 pk2 = store.prefix(tokens)
-                _ = pk2.lo  # the index's dict keys, as match() builds them
+                _ = pk2.lo_array  # the index's map keys, as match() builds them
                 walker = getattr(store.index, "_walk_ids", None)
                 t5 = time.perf_counter()
                 if walker is not None:

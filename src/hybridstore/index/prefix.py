@@ -38,7 +38,8 @@ class PrefixKeys:
         tokens: the uint32 token ids, or ``None`` when built from block ids.
     """
 
-    __slots__ = ("block_size", "length", "root", "keys", "tokens", "_lo", "_inner", "_paths")
+    __slots__ = ("block_size", "length", "root", "keys", "tokens", "_lo_array", "_inner",
+                 "_paths")
 
     def __init__(self, *, block_size: int, length: int, root: bytes, keys: np.ndarray,
                  tokens: np.ndarray | None) -> None:
@@ -47,7 +48,7 @@ class PrefixKeys:
         self.root = root
         self.keys = keys
         self.tokens = tokens
-        self._lo: list[int] | None = None
+        self._lo_array: np.ndarray | None = None
         self._inner: dict[int, np.ndarray] = {}
         self._paths: dict[int, list[int]] = {}
 
@@ -90,11 +91,11 @@ class PrefixKeys:
         return int(self.keys.shape[0])
 
     @property
-    def lo(self) -> list[int]:
-        """Low 64 bits of every block key, as Python ints (the index's dict key)."""
-        if self._lo is None:
-            self._lo = self.keys[:, 0].tolist()
-        return self._lo
+    def lo_array(self) -> np.ndarray:
+        """Low 64 bits of every block key, a contiguous uint64 array (the index's map key)."""
+        if self._lo_array is None:
+            self._lo_array = np.ascontiguousarray(self.keys[:, 0])
+        return self._lo_array
 
     def path_cache(self, index: object) -> list[int]:
         """A scratch list of node ids of this prompt's blocks, kept per index.

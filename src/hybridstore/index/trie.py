@@ -4,10 +4,11 @@ Nodes are KV pages.  A node is named by its block's chained prefix key, so the
 trie needs no child tables: the child of ``n`` holding the next block of a
 prompt is simply the node whose key is that block's chain key.  Node fields
 live in numpy arrays (struct of arrays), indexed by a small integer node id;
-one dict maps the low 64 bits of a key to its id (the high 64 bits are
-compared on every lookup, so keys are 128-bit).  That keeps a cached block at
-well under 200 bytes and lets a resume plan touch, pin and check its pages
-with vectorised operations.
+one open-addressing map (:class:`~hybridstore.index.u64map.U64Map`, compiled)
+maps the low 64 bits of a key to its id (the high 64 bits are compared on
+every lookup, so keys are 128-bit).  That keeps a cached block well under 200
+bytes and lets a walk, a put of a run of pages, a pin or a drop touch all its
+pages with vectorised operations.
 
 Checkpoints hang on their *base* node: the page that ends where the checkpoint's
 block starts (the root for the first block).  A checkpoint at ``p`` inside
@@ -35,6 +36,12 @@ import numpy as np
 
 from hybridstore.errors import InvalidTokensError, PlanReleasedError
 from hybridstore.index.prefix import PrefixKeys
+from hybridstore.index.u64map import U64Map
+
+try:
+    from hybridstore.native import _trie as _native_trie
+except ImportError:  # pragma: no cover - the extension is optional
+    _native_trie = None
 
 ROOT = 0
 _NO_PARENT = -1
@@ -42,6 +49,11 @@ _MASK64 = (1 << 64) - 1
 
 TIER_BITS: dict[str, int] = {"device": 1, "host": 2, "disk": 4}
 """Bit of each tier in the per-object tier masks."""
+
+
+_COLUMNS = ("_klo", "_khi", "_block", "_ntok", "_tiers", "_deps", "_pins", "_nchild", "_atime",
+            "_ctime", "_nbytes", "_based")
+"""The per-node numpy columns (struct of arrays)."""
 
 
 def _split(key: bytes) -> tuple[int, int]:
@@ -165,8 +177,9 @@ class HybridIndex:
         self._atime = np.zeros(0, np.int64)
         self._ctime = np.zeros(0, np.int64)      # logical time the page was first held
         self._nbytes = np.zeros(0, np.int32)     # a page is one block: < 2 GiB
+        self._based = np.zeros(0, np.bool_)      # some checkpoint hangs on the node (_by_base)
         self._parent = array("i")                # scalar-walked, so a plain array; ids < 2**31
-        self._ids: dict[int, int] = {}
+        self._ids = U64Map(capacity)             # low 64 bits of a node's key -> its id
         self._free: list[int] = []
         self._n_nodes = 0
         self._high_water = 0
@@ -184,8 +197,7 @@ class HybridIndex:
     # -- storage ----------------------------------------------------------------------
     def _grow(self, need: int) -> None:
         new = max(need, self._cap + self._cap // 2)
-        for name in ("_klo", "_khi", "_block", "_ntok", "_tiers", "_deps", "_pins", "_nchild",
-                     "_atime", "_ctime", "_nbytes"):
+        for name in _COLUMNS:
             old = getattr(self, name)
             arr = np.zeros(new, old.dtype)
             arr[: self._cap] = old
@@ -211,6 +223,7 @@ class HybridIndex:
         self._nchild[nid] = 0
         self._atime[nid] = self._ctime[nid] = self._tick()
         self._nbytes[nid] = 0
+        self._based[nid] = False
         self._parent[nid] = parent
         if parent != _NO_PARENT:
             self._nchild[parent] += 1
@@ -218,9 +231,55 @@ class HybridIndex:
         self._n_nodes += 1
         return nid
 
+    def _alloc(self, n: int) -> np.ndarray:
+        """``n`` node ids: freed ones first (in the order ``_new_node`` pops them), then new."""
+        take = min(n, len(self._free))
+        nids = np.empty(n, np.int64)
+        nids[:take] = self._free[len(self._free) - take:][::-1]
+        del self._free[len(self._free) - take:]
+        fresh = n - take
+        if self._high_water + fresh > self._cap:
+            self._grow(self._high_water + fresh)
+        nids[take:] = np.arange(self._high_water, self._high_water + fresh)
+        self._high_water += fresh
+        return nids
+
+    def _init_nodes(self, nids: np.ndarray, lo: np.ndarray, hi: np.ndarray, blocks: np.ndarray,
+                    ntok: np.ndarray, parents: np.ndarray) -> None:
+        """``_new_node`` for many ids at once (a run of new pages).
+
+        The ``parents`` are distinct (each node of a run is the next one's
+        parent), so one fancy-indexed add bumps their child counts.
+        """
+        self._klo[nids] = lo
+        self._khi[nids] = hi
+        self._block[nids] = blocks
+        self._ntok[nids] = ntok
+        for col in (self._tiers, self._deps, self._pins, self._nchild, self._nbytes, self._based):
+            col[nids] = 0
+        self._atime[nids] = self._ctime[nids] = self._ticks(len(nids))
+        self._parent_view()[nids] = parents
+        self._nchild[parents] += 1
+        self._ids.set_many(lo, nids)
+        self._n_nodes += len(nids)
+
+    def _parent_view(self) -> np.ndarray:
+        """The parent links as an int32 array sharing their memory.
+
+        Use it within one statement: while the view lives, the ``array``
+        cannot grow (``_grow`` would raise ``BufferError``).
+        """
+        return np.frombuffer(self._parent, dtype=np.int32)
+
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
+
+    def _ticks(self, n: int) -> np.ndarray:
+        """``n`` consecutive ticks (one per object of a batch, in its order)."""
+        t = self._clock
+        self._clock += n
+        return np.arange(t + 1, t + n + 1, dtype=np.int64)
 
     def now(self) -> int:
         """The index's logical clock (advances on every put and hit)."""
@@ -241,14 +300,20 @@ class HybridIndex:
         return self._lookup(*_split(key))
 
     # -- paths ------------------------------------------------------------------------
-    def _path(self, nid: int) -> list[int]:
-        """Node ids from ``nid`` up to (excluding) the root."""
+    def _path(self, nid: int) -> np.ndarray:
+        """Node ids from ``nid`` up to (excluding) the root (compiled: ``native._trie.path``)."""
+        if _native_trie is not None:
+            return np.frombuffer(_native_trie.path(self._parent, nid), dtype=np.int64)
+        return self._path_py(nid)
+
+    def _path_py(self, nid: int) -> np.ndarray:
+        """The Python twin of ``native._trie.path``."""
         out = []
         parent = self._parent
         while nid > ROOT:
             out.append(nid)
             nid = parent[nid]
-        return out
+        return np.asarray(out, dtype=np.int64)
 
     def _ensure_path(self, prompt: PrefixKeys, upto: int) -> list[int]:
         """Ids of the nodes of blocks ``0..upto-1`` of ``prompt``, creating missing ones."""
@@ -264,37 +329,51 @@ class HybridIndex:
         sequence (match, put pages block by block, put states) walks each
         block once.  A cached path is trusted when its last node still holds
         the expected key: a node with children is never collected, so its
-        ancestors are then intact too.
+        ancestors are then intact too.  The blocks past it are looked up in
+        one :meth:`~hybridstore.index.u64map.U64Map.get_many` call and the
+        missing ones created together (:meth:`_alloc`, :meth:`_init_nodes`).
         """
         cached = prompt.path_cache(self)
         if cached:
             n = min(len(cached), upto)
             last = cached[n - 1]
-            if (self._block[last] == n - 1 and int(self._klo[last]) == prompt.lo[n - 1]
+            if (self._block[last] == n - 1 and int(self._klo[last]) == int(prompt.keys[n - 1, 0])
                     and int(self._khi[last]) == int(prompt.keys[n - 1, 1])):
                 if n == upto:
                     return cached
                 del cached[n:]
             else:
                 cached.clear()
-        ids = cached
-        parent = ids[-1] if ids else ROOT
-        keys = prompt.keys
-        lo_list = prompt.lo
-        B = self.block_size
-        for k in range(len(ids), upto):
-            lo = lo_list[k]
-            hi = int(keys[k, 1])
-            nid = self._lookup(lo, hi)
-            if nid < 0:
-                if lo in self._ids:
-                    raise InvalidTokensError("64-bit key collision in the index; use another namespace")
-                nid = self._new_node(lo, hi, k, prompt.block_end(k) - k * B, parent)
-            elif self._parent[nid] == _NO_PARENT and k > 0:
-                self._relink(nid, parent)
-            ids.append(nid)
-            parent = nid
-        return ids
+        start = len(cached)
+        if start >= upto:
+            return cached
+        lo = prompt.lo_array[start:upto]
+        hi = prompt.keys[start:upto, 1]
+        found = np.empty(upto - start, np.int64)
+        self._ids.get_many(lo, found)
+        known = np.flatnonzero(found >= 0)
+        if known.size and not np.array_equal(self._khi[found[known]], hi[known]):
+            raise InvalidTokensError("64-bit key collision in the index; use another namespace")
+        missing = np.flatnonzero(found < 0)
+        if missing.size:
+            # Each missing node's parent is the node before it, maybe one created here.
+            B = self.block_size
+            blocks = missing + start
+            found[missing] = nids = self._alloc(missing.size)
+            prev = np.empty(upto - start, np.int64)
+            prev[0] = cached[-1] if cached else ROOT
+            prev[1:] = found[:-1]
+            self._init_nodes(nids, lo[missing], hi[missing], blocks,
+                             np.minimum(blocks * B + B, prompt.length) - blocks * B, prev[missing])
+        if known.size:
+            # Nodes restored after a reopen without their parent get it now, in block order
+            # (a relink adds the deps the node carries to the path above it).
+            orphan = known[(self._parent_view()[found[known]] == _NO_PARENT) & (known + start > 0)]
+            for j in orphan.tolist():
+                up = int(found[j - 1]) if j else (cached[-1] if cached else ROOT)
+                self._relink(int(found[j]), up)
+        cached.extend(found.tolist())
+        return cached
 
     def _relink(self, nid: int, parent: int) -> None:
         """Give a node restored without its parent (after a reopen) its parent."""
@@ -302,10 +381,11 @@ class HybridIndex:
         self._nchild[parent] += 1
         carried = int(self._deps[nid])
         if carried:
-            self._deps[np.asarray(self._path(parent), dtype=np.int64)] += carried
+            self._deps[self._path(parent)] += carried
 
-    def _deps_of(self, ck: Checkpoint) -> list[int]:
-        return self._path(ck.base) + ck.covers
+    def _deps_of(self, ck: Checkpoint) -> np.ndarray:
+        """The pages ``ck`` needs: its base's path and its covers."""
+        return np.concatenate([self._path(ck.base), np.asarray(ck.covers, dtype=np.int64)])
 
     # -- pages ------------------------------------------------------------------------
     def add_page(self, prompt: PrefixKeys, block: int, tier: str, nbytes: int) -> int:
@@ -314,16 +394,43 @@ class HybridIndex:
         Links the page as a cover of checkpoints inside its block that it is
         seen to begin with.  Returns the node id.
         """
-        if not 0 <= block < prompt.nblocks:
-            raise InvalidTokensError(f"block {block} is outside the prompt's {prompt.nblocks} blocks")
-        ids = self._extend_path(prompt, block + 1)
-        nid = ids[block]
-        self._tiers[nid] |= TIER_BITS[tier]
-        self._nbytes[nid] = nbytes
-        self._atime[nid] = self._tick()
-        base = ids[block - 1] if block > 0 else ROOT
-        self._link_covers(prompt, block, base, nid)
-        return nid
+        return int(self.add_pages(prompt, block, block + 1, tier, nbytes)[0])
+
+    def add_pages(self, prompt: PrefixKeys, first: int, stop: int, tier: str | None,
+                  nbytes: int) -> np.ndarray:
+        """Record that ``tier`` now holds the pages of blocks ``first..stop-1`` of ``prompt``.
+
+        One call per run of pages (an engine stores a request's new blocks
+        together): the path is extended once, the columns are written
+        vectorised, and only pages whose parent carries checkpoints are
+        visited one by one (to link them as covers).  ``tier=None`` touches
+        pages some tier already holds.  Returns the node ids.
+        """
+        if not 0 <= first < stop <= prompt.nblocks:
+            raise InvalidTokensError(
+                f"blocks {first}..{stop - 1} are outside the prompt's {prompt.nblocks} blocks")
+        ids = self._extend_path(prompt, stop)
+        nids = np.asarray(ids[first:stop], dtype=np.int64)
+        if tier is not None:
+            self._tiers[nids] |= TIER_BITS[tier]
+        self._nbytes[nids] = nbytes
+        self._atime[nids] = self._ticks(len(nids))
+        bases = np.empty(len(nids), np.int64)
+        bases[0] = ids[first - 1] if first > 0 else ROOT
+        bases[1:] = nids[:-1]
+        for j in np.flatnonzero(self._based[bases]).tolist():
+            self._link_covers(prompt, first + j, int(bases[j]), int(nids[j]))
+        return nids
+
+    def held_tiers(self, prompt: PrefixKeys, first: int, stop: int) -> np.ndarray:
+        """Tier masks of the pages of blocks ``first..stop-1`` (0: no tier holds it, or the
+        index does not know it); creates nothing."""
+        lo = prompt.lo_array[first:stop]
+        found = np.empty(len(lo), np.int64)
+        self._ids.get_many(lo, found)
+        ok = found >= 0
+        ok[ok] = self._khi[found[ok]] == prompt.keys[first:stop, 1][ok]
+        return np.where(ok, self._tiers[np.where(ok, found, ROOT)], 0).astype(np.uint8)
 
     def _link_covers(self, prompt: PrefixKeys, block: int, base: int, nid: int) -> None:
         waiting = self._by_base.get(base)
@@ -353,20 +460,45 @@ class HybridIndex:
         self._tiers[nid] &= ~TIER_BITS[tier] & 0xFF
         self._collect(nid)
 
+    def drop_pages_tier(self, nids: np.ndarray, tier: str) -> None:
+        """:meth:`drop_page_tier` for many pages at once (a batch of evictions)."""
+        self._tiers[nids] &= ~TIER_BITS[tier] & 0xFF
+        self._collect_many(nids)
+
     def _collect(self, nid: int) -> None:
         """Remove nodes that hold no bytes and that nothing refers to, bottom-up."""
-        while (nid > ROOT and self._tiers[nid] == 0 and self._deps[nid] == 0
-               and self._pins[nid] == 0 and self._nchild[nid] == 0):
-            parent = self._parent[nid]
-            del self._ids[int(self._klo[nid])]
-            self._parent[nid] = _NO_PARENT
-            self._block[nid] = -2
-            self._free.append(nid)
-            self._n_nodes -= 1
-            if parent == _NO_PARENT:
-                return
-            self._nchild[parent] -= 1
-            nid = parent
+        self._collect_many(np.array([nid], np.int64))
+
+    def _collect_many(self, starts: np.ndarray) -> None:
+        """:meth:`_collect` from each of ``starts`` (compiled: ``native._trie.collect``)."""
+        if _native_trie is not None:
+            freed = np.frombuffer(_native_trie.collect(
+                starts.astype(np.int64, copy=False), self._parent, self._tiers, self._deps,
+                self._pins, self._nchild, self._block), dtype=np.int64)
+        else:
+            freed = self._collect_py(starts)
+        if freed.size:
+            self._ids.delete_many(self._klo[freed])
+            self._free.extend(freed.tolist())
+            self._n_nodes -= int(freed.size)
+
+    def _collect_py(self, starts: np.ndarray) -> np.ndarray:
+        """The Python twin of ``native._trie.collect`` (the same walk, one node at a time)."""
+        parent, block = self._parent, self._block
+        tiers, deps, pins, nchild = self._tiers, self._deps, self._pins, self._nchild
+        out: list[int] = []
+        for nid in starts.tolist():
+            while (nid > ROOT and tiers[nid] == 0 and deps[nid] == 0 and pins[nid] == 0
+                   and nchild[nid] == 0 and block[nid] != -2):
+                out.append(nid)
+                up = parent[nid]
+                parent[nid] = _NO_PARENT
+                block[nid] = -2
+                if up == _NO_PARENT:
+                    break
+                nchild[up] -= 1
+                nid = up
+        return np.asarray(out, dtype=np.int64)
 
     # -- checkpoints ------------------------------------------------------------------
     def add_checkpoint(self, prompt: PrefixKeys, position: int, tier: str, nbytes: int) -> Checkpoint:
@@ -402,7 +534,8 @@ class HybridIndex:
         ck = Checkpoint(key, position, base, position - k * B, nbytes, self._tick())
         self._ckpts[key] = ck
         self._by_base.setdefault(base, []).append(ck)
-        if path:
+        self._based[base] = True
+        if len(path):
             self._deps[np.asarray(path, dtype=np.int64)] += 1
         for ckey, ntok in covers:
             lo, hi = _split(ckey)
@@ -473,16 +606,22 @@ class HybridIndex:
             if cand is not ck and self._precedes(cand, ck, prompt):
                 if parent is None or cand.position > parent.position:
                     parent = cand
-        if parent is None:
-            node, par = ck.base, self._parent
-            while node > ROOT and parent is None:
-                up = par[node]
-                if up == _NO_PARENT:   # restored without its ancestors
-                    break
-                for cand in self._by_base.get(up, ()):
+        if parent is None and ck.base > ROOT:
+            # Climb from the base: a checkpoint hanging on an ancestor `up` that the
+            # path's node below `up` covers precedes ck; the nearest one wins.
+            path = self._path(ck.base)
+            ups = np.empty(len(path), np.int64)
+            ups[:-1] = path[1:]
+            ups[-1] = self._parent[int(path[-1])]   # the root, or -1: restored without ancestors
+            if ups[-1] == _NO_PARENT:
+                path, ups = path[:-1], ups[:-1]
+            for i in np.flatnonzero(self._based[ups]).tolist():
+                node = int(path[i])
+                for cand in self._by_base[int(ups[i])]:
                     if node in cand.covers and (parent is None or cand.position > parent.position):
                         parent = cand
-                node = up
+                if parent is not None:
+                    break
         ck.parent = parent
         siblings = parent.children if parent is not None else self._tree_roots
         for child in list(siblings):
@@ -511,11 +650,9 @@ class HybridIndex:
     def exclusive_pages(self, ck: Checkpoint) -> list[int]:
         """Pages only ``ck`` needs: its trajectory's last KV segment (HiState Fig. 6)."""
         out = [n for n in ck.covers if self._deps[n] == 1]
-        node = ck.base
-        parent = self._parent
-        while node > ROOT and self._deps[node] == 1:
-            out.append(node)
-            node = parent[node]
+        path = self._path(ck.base)
+        shared = np.flatnonzero(self._deps[path] != 1)
+        out += path[: int(shared[0]) if shared.size else len(path)].tolist()
         return out
 
     def checkpoint(self, key: bytes) -> Checkpoint | None:
@@ -540,14 +677,14 @@ class HybridIndex:
         siblings.remove(ck)
         if not siblings:
             del self._by_base[ck.base]
-        deps = self._deps_of(ck)
-        if deps:
-            arr = np.asarray(deps, dtype=np.int64)
+            self._based[ck.base] = False
+        arr = self._deps_of(ck)
+        if arr.size:
             self._deps[arr] -= 1
             # Only pages that hold no bytes and that nothing else needs can go.
             gone = (self._tiers[arr] == 0) & (self._deps[arr] == 0) & (self._pins[arr] == 0)
-            for nid in arr[gone].tolist():
-                self._collect(nid)
+            if gone.any():
+                self._collect_many(arr[gone])
 
     # -- matching ---------------------------------------------------------------------
     def match(self, prompt: PrefixKeys, max_position: int | None = None) -> ResumePlan:
@@ -588,18 +725,18 @@ class HybridIndex:
 
     def _walk_ids(self, prompt: PrefixKeys) -> tuple[list[int], np.ndarray]:
         """Ids of the prompt's leading blocks the index knows, as a list and an int64 array
-        (one dict probe per block, high halves compared vectorised)."""
-        if not prompt.nblocks:
+        (one :meth:`~hybridstore.index.u64map.U64Map.prefix_many` probe of the low key
+        halves, the high halves compared vectorised)."""
+        n = prompt.nblocks
+        if not n:
             return [], np.zeros(0, np.int64)
-        get = self._ids.get
-        ids = [get(lo, ROOT) for lo in prompt.lo]
-        arr = np.asarray(ids, dtype=np.int64)
-        ok = (arr != ROOT) & (self._khi[arr] == prompt.keys[:, 1])
-        bad = np.flatnonzero(~ok)
+        arr = np.empty(n, np.int64)
+        k = self._ids.prefix_many(prompt.lo_array, arr)
+        arr = arr[:k]
+        bad = np.flatnonzero(self._khi[arr] != prompt.keys[:k, 1])
         if bad.size:
-            k = int(bad[0])
-            return ids[:k], arr[:k]
-        return ids, arr
+            arr = arr[: int(bad[0])]
+        return arr.tolist(), arr
 
     def _present_cover(self, ck: Checkpoint, preferred: int) -> int:
         if preferred in ck.covers and self._tiers[preferred]:
@@ -642,8 +779,9 @@ class HybridIndex:
         if len(arr):
             self._pins[arr] -= 1
             # Only pages that lost their bytes while pinned can now be forgotten.
-            for nid in arr[self._tiers[arr] == 0].tolist():
-                self._collect(nid)
+            gone = arr[self._tiers[arr] == 0]
+            if gone.size:
+                self._collect_many(gone)
 
     def is_live(self, plan: ResumePlan) -> bool:
         return plan.plan_id in self._plans
@@ -669,6 +807,23 @@ class HybridIndex:
         """``(tiers, deps, pins, nbytes)`` of page ``nid`` (eviction's hot path)."""
         return (int(self._tiers[nid]), int(self._deps[nid]), int(self._pins[nid]),
                 int(self._nbytes[nid]))
+
+    def page_columns4(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(tiers, deps, pins, nbytes)`` of pages ``ids`` (batched eviction)."""
+        return self._tiers[ids], self._deps[ids], self._pins[ids], self._nbytes[ids]
+
+    def page_keys_blob(self, ids: np.ndarray) -> bytes:
+        """16-byte keys of pages ``ids``, concatenated in order."""
+        return np.stack([self._klo[ids], self._khi[ids]], axis=1).astype("<u8").tobytes()
+
+    def page_atimes(self, ids: np.ndarray) -> np.ndarray:
+        return self._atime[ids]
+
+    def page_ctimes(self, ids: np.ndarray) -> np.ndarray:
+        return self._ctime[ids]
+
+    def page_nbytes(self, nid: int) -> int:
+        return int(self._nbytes[nid])
 
     def page_ctime(self, nid: int) -> int:
         return int(self._ctime[nid])
@@ -700,14 +855,10 @@ class HybridIndex:
         return len(self._ckpts)
 
     def memory_bytes(self) -> int:
-        """Approximate bytes the index uses for its page nodes (arrays + dict)."""
-        import sys
-
-        arrays = sum(getattr(self, n).nbytes for n in (
-            "_klo", "_khi", "_block", "_ntok", "_tiers", "_deps", "_pins", "_nchild", "_atime",
-            "_ctime", "_nbytes")) + self._parent.itemsize * len(self._parent)
-        dict_bytes = sys.getsizeof(self._ids) + sum(sys.getsizeof(k) for k in self._ids)
-        return arrays + dict_bytes
+        """Approximate bytes the index uses for its page nodes (columns + key map)."""
+        arrays = (sum(getattr(self, n).nbytes for n in _COLUMNS)
+                  + self._parent.itemsize * len(self._parent))
+        return arrays + self._ids.memory_bytes()
 
     def recount(self) -> tuple[np.ndarray, np.ndarray]:
         """``(deps, pins)`` of every node recomputed from scratch (for checks)."""

@@ -14,9 +14,26 @@ its extension is built and fall back to the twin otherwise.
     uint64 pairs that ``keys.py`` wraps with ``np.frombuffer``.  It does not
     validate id ranges: go through :mod:`hybridstore.index.keys`.
 
+``_u64map`` (``_u64map.c``)
+    ``U64Map``, a compact open-addressing hash map from uint64 keys to int32
+    values (12 bytes a slot) with batch lookups over numpy arrays; the index
+    maps block keys to node ids with it.  Its twin, ``PyU64Map``, and the API
+    documentation live in :mod:`hybridstore.index.u64map`, which exports the
+    native type as ``U64Map`` when it is built (``u64map.NATIVE``).
+
+``_trie`` (``_trie.c``)
+    The index's walks up parent links: ``collect`` (remove empty childless
+    pages bottom-up after evictions and releases) and ``path`` (a node's
+    ancestors), over the index's columns in place.  Their twins are
+    ``HybridIndex._collect_py`` / ``_path_py`` in :mod:`hybridstore.index.trie`
+    (the property tests run the index with both).
+
+``_buffers.h``
+    The integer-buffer checks ``_hashing`` and ``_trie`` share.
+
 Building: ``python setup.py build_ext --inplace`` (or any pip install of the
-package) compiles it with a C11 compiler; when none is available the build
-prints a notice and the twin is used.  ``hybridstore.index.keys.BACKEND``
-says which implementation is active and ``keys.force_python()`` selects the
-twin for tests and benchmarks.
+package) compiles them with a C11 compiler; when none is available the build
+prints a notice and the twins are used.  ``hybridstore.index.keys.BACKEND``
+says which hashing implementation is active and ``keys.force_python()``
+selects the twin for tests and benchmarks.
 """

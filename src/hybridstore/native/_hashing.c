@@ -27,6 +27,7 @@
 
 #include <stdint.h>
 #include <string.h>
+#include "_buffers.h"
 
 #define P1 UINT64_C(0x9E3779B185EBCA87)
 #define P2 UINT64_C(0xC2B2AE3D27D4EB4F)
@@ -253,52 +254,7 @@ static void select_kernels(void) {
 /* ------------------------------------------------------------------------ */
 /* buffer helpers                                                            */
 
-/* 1 when fmt names a native-order integer type of any size, else 0. */
-static int is_native_int_format(const char *fmt) {
-    if (fmt == NULL) {
-        return 1; /* PyBUF_FORMAT not honoured: treat as unsigned bytes */
-    }
-    if (*fmt == '@' || *fmt == '=') {
-        fmt++;
-    } else if (*fmt == '<' || *fmt == '>' || *fmt == '!') {
-#if defined(__BYTE_ORDER__) && defined(__ORDER_LITTLE_ENDIAN__) && \
-    __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-        if (*fmt != '<') {
-            return 0;
-        }
-#else
-        if (*fmt == '<') {
-            return 0;
-        }
-#endif
-        fmt++;
-    }
-    if (fmt[0] == '\0' || fmt[1] != '\0') {
-        return 0;
-    }
-    return strchr("bBhHiIlLqQnN", fmt[0]) != NULL;
-}
-
-/* Get a C-contiguous buffer of integer items of itemsize bytes. 0 on success. */
-static int get_int_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize,
-                          const char *what) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        return -1;
-    }
-    if (view->itemsize != itemsize || !is_native_int_format(view->format) ||
-        view->len % itemsize != 0) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s must be a C-contiguous buffer of native-order %zd-byte "
-                     "integers (got format %s, itemsize %zd); convert it with "
-                     "hybridstore.index.keys.as_token_array or "
-                     "np.ascontiguousarray(x, dtype=np.uint%d)",
-                     what, itemsize, view->format ? view->format : "B",
-                     view->itemsize, (int)(itemsize * 8));
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
+/* is_native_int_format, get_int_buffer: _buffers.h */
 
 static PyObject *new_key_bytes(size_t nkeys, unsigned char **out) {
     if (nkeys > (size_t)PY_SSIZE_T_MAX / 16) {

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from hybridstore.backends.base import ObjectKind
 from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import Checkpoint, HybridIndex
@@ -61,6 +63,23 @@ class ResidenceStats:
             prev = self.t_state
             self.t_state = lifetime if prev is None else prev + self.alpha * (lifetime - prev)
 
+    def observe_many(self, kind: ObjectKind, lifetimes: np.ndarray) -> None:
+        """:meth:`observe` of several lifetimes in order, in closed form: after ``n``
+        steps of ``t += alpha * (x - t)``, ``t = (1-alpha)^n t + sum alpha (1-alpha)^(n-1-i) x_i``."""
+        x = np.asarray(lifetimes, dtype=np.float64)
+        if not x.size:
+            return
+        prev = self.t_kv if kind == ObjectKind.PAGE else self.t_state
+        if prev is None:            # the first observation sets the average
+            prev, x = float(x[0]), x[1:]
+        a = self.alpha
+        decay = (1.0 - a) ** np.arange(x.size - 1, -1, -1, dtype=np.float64)
+        t = float((1.0 - a) ** x.size * prev + a * np.dot(decay, x))
+        if kind == ObjectKind.PAGE:
+            self.t_kv = t
+        else:
+            self.t_state = t
+
     def kv_state_ratio(self) -> float:
         """T_KV / T_state (1.0 until both have been observed)."""
         if not self.t_kv or not self.t_state:
@@ -86,9 +105,14 @@ class EvictionPolicy(ABC):
         """Called after a resume from ``checkpoint`` (e.g. to refresh ancestors)."""
 
     @abstractmethod
-    def victims(self, index: HybridIndex, tier: str,
-                kind: ObjectKind | None = None) -> Iterator[Victim]:
-        """Objects held by ``tier`` (only those of ``kind``, when given), first to evict first."""
+    def victims(self, index: HybridIndex, tier: str, kind: ObjectKind | None = None, *,
+                keep_needed: bool = False) -> Iterator[Victim]:
+        """Objects held by ``tier`` (only those of ``kind``, when given), first to evict first.
+
+        ``keep_needed``: the store will keep the last copy of every page a
+        retained checkpoint needs (a dependency-aware policy and no tier below
+        to spill to), so a policy may leave such pages out of the order.
+        """
 
 
 class AdmissionPolicy(ABC):

@@ -27,10 +27,10 @@ class LRURefreshEviction(LRUEviction):
         for ck in index.ancestors(checkpoint):
             ck.atime = max(ck.atime, checkpoint.atime)
 
-    def victims(self, index: HybridIndex, tier: str,
-                kind: ObjectKind | None = None) -> Iterator[Victim]:
+    def victims(self, index: HybridIndex, tier: str, kind: ObjectKind | None = None, *,
+                keep_needed: bool = False) -> Iterator[Victim]:
         """:class:`LRUEviction`'s order (only objects of ``kind``, when given)."""
-        for victim in super().victims(index, tier):
+        for victim in super().victims(index, tier, keep_needed=keep_needed):
             if kind is None or victim.kind == kind:
                 yield victim
 

@@ -25,8 +25,8 @@ class PlainLRUEviction(EvictionPolicy):
     name = "lru-vllm"
     dependency_aware = False
 
-    def victims(self, index: HybridIndex, tier: str,
-                kind: ObjectKind | None = None) -> Iterator[Victim]:
+    def victims(self, index: HybridIndex, tier: str, kind: ObjectKind | None = None, *,
+                keep_needed: bool = False) -> Iterator[Victim]:
         """Objects of ``tier`` by last access (only those of ``kind``, when given)."""
         bit = TIER_BITS[tier]
         if kind == ObjectKind.STATE:

@@ -147,8 +147,8 @@ class UnitEviction(EvictionPolicy):
     def score(self, index: HybridIndex, unit: HybridUnit, ctx: Any) -> float:
         """Rank of ``unit`` in this pass; the lowest is evicted first."""
 
-    def victims(self, index: HybridIndex, tier: str,
-                kind: ObjectKind | None = None) -> Iterator[Victim]:
+    def victims(self, index: HybridIndex, tier: str, kind: ObjectKind | None = None, *,
+                keep_needed: bool = False) -> Iterator[Victim]:
         """Objects of ``tier`` in eviction order (only those of ``kind``, when given)."""
         for victim in self._ranked(index, tier, kind):
             if kind is None or victim.kind == kind:
