@@ -107,7 +107,8 @@ class AccountingTier(ObjectTable):
         with self._lock:
             self._check_open()
             objects = self._objects
-            replaced = sum(objects[k][1] for k in objects.keys() & keys)
+            replaced = 0 if objects.keys().isdisjoint(keys) else sum(
+                objects[k][1] for k in objects.keys() & keys)
             used = self._used - replaced + charged * len(keys)
             if used > self._capacity:
                 raise CapacityError(

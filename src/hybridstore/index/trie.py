@@ -30,7 +30,7 @@ import itertools
 import struct
 from array import array
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -124,6 +124,9 @@ class ResumePlan:
     ``state_key``       16-byte key of the checkpoint at ``position`` (``None``
                         when ``position == 0``)
     ``plan_id``         identifies the pins this plan holds
+    ``block_size``      tokens per page
+    ``pages``           the pages' node ids in the index (read-only int64 array;
+                        ``page_ids`` as a tuple)
     ``kv_tokens``       how far the prompt's KV pages are known to the index
                         (the branch point where it leaves cached context)
     ==================  ==========================================================
@@ -132,11 +135,26 @@ class ResumePlan:
     position: int
     length: int
     page_blob: bytes          # the page keys, 16 bytes each, concatenated
-    page_tokens: tuple[int, ...]
     state_key: bytes | None
     plan_id: int
-    page_ids: tuple[int, ...] = ()
+    block_size: int
+    pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), compare=False,
+                              repr=False)   # the pages' node ids (read-only int64)
     kv_tokens: int = 0
+
+    @property
+    def page_ids(self) -> tuple[int, ...]:
+        """Node ids of the pages, in order (``pages`` as a tuple)."""
+        return tuple(self.pages.tolist())
+
+    @property
+    def page_tokens(self) -> tuple[int, ...]:
+        """Valid tokens of each page for this resume: whole blocks, the last one up to
+        ``position`` (derived, not stored: a 128K-token plan has 2,048 pages)."""
+        n = len(self.page_blob) // 16
+        if not n:
+            return ()
+        return (self.block_size,) * (n - 1) + (self.position - (n - 1) * self.block_size,)
 
     @property
     def page_keys(self) -> tuple[bytes, ...]:
@@ -624,7 +642,15 @@ class HybridIndex:
                     break
         ck.parent = parent
         siblings = parent.children if parent is not None else self._tree_roots
-        for child in list(siblings):
+        # ck's descendants among its siblings hang on its base (later in its block) or
+        # pass through one of its covers; when no path continues past a cover, only
+        # the former need the (per-candidate) precedence test.
+        if any(self._nchild[c] or self._based[c] for c in ck.covers):
+            candidates = list(siblings)
+        else:
+            candidates = [c for c in self._by_base.get(ck.base, ())
+                          if c is not ck and c.parent is parent]
+        for child in candidates:
             if self._precedes(ck, child, None):
                 siblings.remove(child)
                 child.parent = ck
@@ -696,47 +722,49 @@ class HybridIndex:
         pins its pages and checkpoint until :meth:`release`.
         """
         limit = prompt.length if max_position is None else min(max_position, prompt.length)
-        ids, arr = self._walk_ids(prompt)
+        arr = self._walk_ids(prompt)
+        walked = len(arr)
         B = self.block_size
-        tiers = self._tiers
-        present = tiers[arr] != 0
-        missing = np.flatnonzero(~present)
-        first_missing = int(missing[0]) if missing.size else len(ids)
+        missing = np.flatnonzero(self._tiers[arr] == 0)
+        first_missing = int(missing[0]) if missing.size else walked
         top = min(first_missing, prompt.nblocks - 1, (limit - 1) // B if limit > 0 else -1)
-        for j in range(top, -1, -1):
-            base = ids[j - 1] if j > 0 else ROOT
-            waiting = self._by_base.get(base)
-            if not waiting:
-                continue
-            for ck in sorted(waiting, key=lambda c: -c.offset):
-                p = j * B + ck.offset
-                if p > limit or not ck.tiers:
-                    continue
-                if prompt.key_at(p) != ck.key:
-                    continue
-                cover = self._present_cover(ck, ids[j] if j < len(ids) else -1)
-                if cover < 0:
-                    continue
-                pages = np.empty(j + 1, np.int64)
-                pages[:j] = arr[:j]
-                pages[j] = cover
-                return self._pin(prompt, pages, p, ck, len(ids))
-        return self._pin(prompt, np.zeros(0, np.int64), 0, None, len(ids))
+        if top >= 0:
+            # The base of block j is the page of block j-1 (the root for j = 0); only
+            # bases some checkpoint hangs on are visited, deepest first.
+            bases = np.empty(top + 1, np.int64)
+            bases[0] = ROOT
+            bases[1:] = arr[:top]
+            for j in np.flatnonzero(self._based[bases])[::-1].tolist():
+                waiting = self._by_base[int(bases[j])]
+                for ck in sorted(waiting, key=lambda c: -c.offset):
+                    p = j * B + ck.offset
+                    if p > limit or not ck.tiers:
+                        continue
+                    if prompt.key_at(p) != ck.key:
+                        continue
+                    cover = self._present_cover(ck, int(arr[j]) if j < walked else -1)
+                    if cover < 0:
+                        continue
+                    pages = np.empty(j + 1, np.int64)
+                    pages[:j] = arr[:j]
+                    pages[j] = cover
+                    return self._pin(prompt, pages, p, ck, walked)
+        return self._pin(prompt, np.zeros(0, np.int64), 0, None, walked)
 
-    def _walk_ids(self, prompt: PrefixKeys) -> tuple[list[int], np.ndarray]:
-        """Ids of the prompt's leading blocks the index knows, as a list and an int64 array
-        (one :meth:`~hybridstore.index.u64map.U64Map.prefix_many` probe of the low key
+    def _walk_ids(self, prompt: PrefixKeys) -> np.ndarray:
+        """Ids of the prompt's leading blocks the index knows, an int64 array (one
+        :meth:`~hybridstore.index.u64map.U64Map.prefix_many` probe of the low key
         halves, the high halves compared vectorised)."""
         n = prompt.nblocks
         if not n:
-            return [], np.zeros(0, np.int64)
+            return np.zeros(0, np.int64)
         arr = np.empty(n, np.int64)
         k = self._ids.prefix_many(prompt.lo_array, arr)
         arr = arr[:k]
         bad = np.flatnonzero(self._khi[arr] != prompt.keys[:k, 1])
         if bad.size:
             arr = arr[: int(bad[0])]
-        return arr.tolist(), arr
+        return arr
 
     def _present_cover(self, ck: Checkpoint, preferred: int) -> int:
         if preferred in ck.covers and self._tiers[preferred]:
@@ -760,13 +788,12 @@ class HybridIndex:
             ck.hits += 1
             ck.atime = t
         self._plans[plan_id] = (pages, ck.key if ck else None)
-        tokens = tuple([B] * (n - 1) + [position - (n - 1) * B]) if n else ()
         # Every page but the last is the prompt's own block; the last may be a cover.
         blob = prompt.keys[: n - 1].astype("<u8").tobytes() + self.node_key(int(pages[-1])) if n else b""
+        pages.flags.writeable = False
         return ResumePlan(position=position, length=prompt.length, page_blob=blob,
-                          page_tokens=tokens, state_key=ck.key if ck else None,
-                          plan_id=plan_id, page_ids=tuple(pages.tolist()),
-                          kv_tokens=min(walked * B, prompt.length))
+                          state_key=ck.key if ck else None, plan_id=plan_id, block_size=B,
+                          pages=pages, kv_tokens=min(walked * B, prompt.length))
 
     def release(self, plan: ResumePlan) -> None:
         """Drop the pins of ``plan``; raises PlanReleasedError when done twice."""
