@@ -339,7 +339,7 @@ class HybridStore:
             finally:
                 if landed:
                     self.index.add_pages(prompt, c, c + landed, name, nbytes)
-                    if ObjectKind.PAGE in self._tiering.write_through and len(self._chain) > 1:
+                    if self._writes_through(ObjectKind.PAGE):
                         B = self.config.block_size
                         for k in range(c, c + landed):
                             meta = M.encode_page(k, prompt.block_end(k) - k * B, prompt.key_before(k))
@@ -424,7 +424,8 @@ class HybridStore:
         okey = object_key(ObjectKind.STATE, key16)
         self._land(okey, ObjectKind.STATE, nbytes, pack)
         ck = self.index.add_checkpoint(prompt, p, self._chain[0], nbytes)
-        self._placed(okey, ObjectKind.STATE, nbytes, self._state_meta(ck))
+        if self._writes_through(ObjectKind.STATE):
+            self._placed(okey, ObjectKind.STATE, nbytes, self._state_meta(ck))
         if self._tiering.historical_to_ssd and ck.parent is not None:
             self._to_ssd(ck.parent)
         return True
@@ -493,11 +494,14 @@ class HybridStore:
         self._kind_bytes[name][kind] += tier.charge(nbytes)
         self._objects[name] += 1
 
+    def _writes_through(self, kind: ObjectKind) -> bool:
+        """Whether a new object of ``kind`` is copied to slower tiers as it lands."""
+        return kind in self._tiering.write_through and len(self._chain) > 1
+
     def _placed(self, okey: bytes, kind: ObjectKind, nbytes: int, meta: bytes) -> None:
-        """After a put: copy to every slower tier when the tier policy writes this kind through."""
-        if kind in self._tiering.write_through:
-            for name in self._chain[1:]:
-                self._copy(okey, kind, nbytes, meta, self._chain[0], name)
+        """After a put that :meth:`_writes_through`: copy to every slower tier."""
+        for name in self._chain[1:]:
+            self._copy(okey, kind, nbytes, meta, self._chain[0], name)
 
     def _copy(self, okey: bytes, kind: ObjectKind, nbytes: int, meta: bytes, src: str,
               dst: str) -> Future:
@@ -943,8 +947,12 @@ class HybridStore:
         if self._inflight:
             free_now = np.fromiter((not self._inflight[k] for k in okeys), bool, len(okeys))
             cand, okeys = cand[free_now], [k for k, f in zip(okeys, free_now.tolist()) if f]
-        uniq, inv = np.unique(nbytes[cand], return_inverse=True)
-        charges = np.array([t.charge(int(n)) for n in uniq], np.int64)[inv]
+        sizes = nbytes[cand]
+        if not sizes.size or sizes.min() == sizes.max():      # pages of one size: the usual case
+            charges = np.full(sizes.size, t.charge(int(sizes[0])) if sizes.size else 0, np.int64)
+        else:
+            uniq, inv = np.unique(sizes, return_inverse=True)
+            charges = np.array([t.charge(int(n)) for n in uniq], np.int64)[inv]
         cum = np.cumsum(charges)
         n = int(np.searchsorted(cum, owed)) + 1   # the first prefix that frees `owed`
         if n <= len(cand):
