@@ -75,6 +75,8 @@ _LAYOUT_INFO = {ObjectKind.PAGE: "layout.page", ObjectKind.STATE: "layout.state"
 
 
 _PAGE_TAG = bytes((int(ObjectKind.PAGE),))
+_NO_PAGES = np.zeros(0, np.int64)
+_NO_PAGES.flags.writeable = False
 
 
 def _page_object_keys(blob: bytes) -> list[bytes]:
@@ -875,16 +877,15 @@ class HybridStore:
                     continue
                 if made >= 0 and self._used_since(victim, made):
                     continue
-                exclusive = self._exclusive_pages(victim) if follow else ()
+                exclusive = self._exclusive_pages(victim) if follow else _NO_PAGES
                 got = self._evict_one(victim, tier)
                 freed += got
                 if freed >= nbytes:
                     return freed
-                if got and exclusive:
+                if got and exclusive.size:
                     # The pages only this checkpoint needed are reclaimable now, and a
                     # fresh ranking would offer them first; a reused one has passed them.
-                    freed += self._evict_pages(np.asarray(exclusive, np.int64), tier,
-                                               nbytes - freed)[0]
+                    freed += self._evict_pages(exclusive, tier, nbytes - freed)[0]
                     if freed >= nbytes:
                         return freed
             self._rankings.pop((tier, kind), None)
@@ -996,11 +997,9 @@ class HybridStore:
             self._below(tier) is not None and ObjectKind.PAGE in self._tiering.spill)
         return self._eviction.victims(self.index, tier, kind, keep_needed=keep)
 
-    def _exclusive_pages(self, victim: Victim) -> list[int]:
-        if victim.kind != ObjectKind.STATE:
-            return []
-        ck = self.index.checkpoint(bytes(victim.ref))
-        return [] if ck is None else self.index.exclusive_pages(ck)
+    def _exclusive_pages(self, victim: Victim) -> np.ndarray:
+        ck = self.index.checkpoint(bytes(victim.ref)) if victim.kind == ObjectKind.STATE else None
+        return _NO_PAGES if ck is None else self.index.exclusive_page_ids(ck)
 
     def _used_since(self, victim: Victim, t: int) -> bool:
         """Whether a checkpoint victim was used after ranking time ``t`` (pages: in a batch)."""

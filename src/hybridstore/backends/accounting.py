@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from concurrent.futures import Future
 from itertools import repeat
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -147,8 +148,8 @@ class AccountingTier(ObjectTable):
     def delete_many(self, keys: Iterable[ObjectKey]) -> int:
         with self._lock:
             self._check_open()
-            pop = self._objects.pop
-            freed = sum(entry[1] for entry in map(pop, keys, repeat(None)) if entry is not None)
+            gone = filter(None, map(self._objects.pop, keys, repeat(None)))
+            freed = sum(map(itemgetter(1), gone))
             self._used -= freed
             return freed
 

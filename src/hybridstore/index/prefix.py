@@ -27,6 +27,16 @@ from hybridstore.errors import InvalidTokensError
 from hybridstore.index import keys as K
 
 
+class PathCache:
+    """Node ids of a prompt's leading blocks in one index: ``ids[:n]`` (scratch)."""
+
+    __slots__ = ("ids", "n")
+
+    def __init__(self, nblocks: int) -> None:
+        self.ids = np.empty(nblocks, np.int64)
+        self.n = 0
+
+
 class PrefixKeys:
     """Chained prefix keys of one prompt.
 
@@ -50,7 +60,7 @@ class PrefixKeys:
         self.tokens = tokens
         self._lo_array: np.ndarray | None = None
         self._inner: dict[int, np.ndarray] = {}
-        self._paths: dict[int, list[int]] = {}
+        self._paths: dict[int, PathCache] = {}
 
     # -- construction ---------------------------------------------------------------
     @classmethod
@@ -97,12 +107,15 @@ class PrefixKeys:
             self._lo_array = np.ascontiguousarray(self.keys[:, 0])
         return self._lo_array
 
-    def path_cache(self, index: object) -> list[int]:
-        """A scratch list of node ids of this prompt's blocks, kept per index.
+    def path_cache(self, index: object) -> PathCache:
+        """Scratch node ids of this prompt's blocks, kept per index.
 
-        The index validates it before trusting it; see ``HybridIndex._ensure_path``.
+        The index validates them before trusting them; see ``HybridIndex._extend_path``.
         """
-        return self._paths.setdefault(id(index), [])
+        cache = self._paths.get(id(index))
+        if cache is None:
+            cache = self._paths[id(index)] = PathCache(self.nblocks)
+        return cache
 
     def block_key(self, k: int) -> bytes:
         """16-byte key of block ``k``."""

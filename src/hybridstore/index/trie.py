@@ -333,12 +333,12 @@ class HybridIndex:
             nid = parent[nid]
         return np.asarray(out, dtype=np.int64)
 
-    def _ensure_path(self, prompt: PrefixKeys, upto: int) -> list[int]:
+    def _ensure_path(self, prompt: PrefixKeys, upto: int) -> np.ndarray:
         """Ids of the nodes of blocks ``0..upto-1`` of ``prompt``, creating missing ones."""
         return self._extend_path(prompt, upto)[:upto]
 
-    def _extend_path(self, prompt: PrefixKeys, upto: int) -> list[int]:
-        """The prompt's cached path, extended to at least ``upto`` blocks (not copied).
+    def _extend_path(self, prompt: PrefixKeys, upto: int) -> np.ndarray:
+        """The prompt's cached path, extended to at least ``upto`` blocks (a view, not copied).
 
         Only entries ``< upto`` are validated: callers index it, never iterate past
         ``upto`` (a put of page after page would copy the path each time otherwise).
@@ -351,20 +351,22 @@ class HybridIndex:
         one :meth:`~hybridstore.index.u64map.U64Map.get_many` call and the
         missing ones created together (:meth:`_alloc`, :meth:`_init_nodes`).
         """
-        cached = prompt.path_cache(self)
-        if cached:
-            n = min(len(cached), upto)
-            last = cached[n - 1]
+        cache = prompt.path_cache(self)
+        ids = cache.ids
+        if upto <= 0:
+            return ids[:0]
+        if cache.n:
+            n = min(cache.n, upto)
+            last = int(ids[n - 1])
             if (self._block[last] == n - 1 and int(self._klo[last]) == int(prompt.keys[n - 1, 0])
                     and int(self._khi[last]) == int(prompt.keys[n - 1, 1])):
                 if n == upto:
-                    return cached
-                del cached[n:]
+                    return ids[:cache.n]
             else:
-                cached.clear()
-        start = len(cached)
-        if start >= upto:
-            return cached
+                n = 0
+            cache.n = n
+        start = cache.n
+        before = int(ids[start - 1]) if start else ROOT
         lo = prompt.lo_array[start:upto]
         hi = prompt.keys[start:upto, 1]
         found = np.empty(upto - start, np.int64)
@@ -379,7 +381,7 @@ class HybridIndex:
             blocks = missing + start
             found[missing] = nids = self._alloc(missing.size)
             prev = np.empty(upto - start, np.int64)
-            prev[0] = cached[-1] if cached else ROOT
+            prev[0] = before
             prev[1:] = found[:-1]
             self._init_nodes(nids, lo[missing], hi[missing], blocks,
                              np.minimum(blocks * B + B, prompt.length) - blocks * B, prev[missing])
@@ -388,10 +390,10 @@ class HybridIndex:
             # (a relink adds the deps the node carries to the path above it).
             orphan = known[(self._parent_view()[found[known]] == _NO_PARENT) & (known + start > 0)]
             for j in orphan.tolist():
-                up = int(found[j - 1]) if j else (cached[-1] if cached else ROOT)
-                self._relink(int(found[j]), up)
-        cached.extend(found.tolist())
-        return cached
+                self._relink(int(found[j]), int(found[j - 1]) if j else before)
+        ids[start:upto] = found
+        cache.n = upto
+        return ids[:upto]
 
     def _relink(self, nid: int, parent: int) -> None:
         """Give a node restored without its parent (after a reopen) its parent."""
@@ -428,7 +430,7 @@ class HybridIndex:
             raise InvalidTokensError(
                 f"blocks {first}..{stop - 1} are outside the prompt's {prompt.nblocks} blocks")
         ids = self._extend_path(prompt, stop)
-        nids = np.asarray(ids[first:stop], dtype=np.int64)
+        nids = ids[first:stop].copy()
         if tier is not None:
             self._tiers[nids] |= TIER_BITS[tier]
         self._nbytes[nids] = nbytes
@@ -531,7 +533,7 @@ class HybridIndex:
         ck = self._ckpts.get(key)
         if ck is None:
             ids = self._ensure_path(prompt, k)
-            base = ids[-1] if ids else ROOT
+            base = int(ids[-1]) if len(ids) else ROOT
             # Covers: the page ending exactly at `position`, and the prompt's own
             # page of block k when the prompt runs past `position`.
             covers = [(key, position - k * B)]
@@ -543,7 +545,7 @@ class HybridIndex:
         ck.atime = self._tick()
         return ck
 
-    def _insert_checkpoint(self, key: bytes, position: int, base: int, path: list[int],
+    def _insert_checkpoint(self, key: bytes, position: int, base: int, path: np.ndarray,
                            covers: Iterable[tuple[bytes, int]], nbytes: int,
                            prompt: PrefixKeys | None) -> Checkpoint:
         """Create a checkpoint on ``base``: count it on its path and covers, link it in the tree."""
@@ -554,7 +556,7 @@ class HybridIndex:
         self._by_base.setdefault(base, []).append(ck)
         self._based[base] = True
         if len(path):
-            self._deps[np.asarray(path, dtype=np.int64)] += 1
+            self._deps[path] += 1
         for ckey, ntok in covers:
             lo, hi = _split(ckey)
             nid = self._lookup(lo, hi)
@@ -675,11 +677,15 @@ class HybridIndex:
 
     def exclusive_pages(self, ck: Checkpoint) -> list[int]:
         """Pages only ``ck`` needs: its trajectory's last KV segment (HiState Fig. 6)."""
-        out = [n for n in ck.covers if self._deps[n] == 1]
+        return self.exclusive_page_ids(ck).tolist()
+
+    def exclusive_page_ids(self, ck: Checkpoint) -> np.ndarray:
+        """:meth:`exclusive_pages` as an int64 array: its covers, then its path upwards."""
+        covers = np.asarray(ck.covers, dtype=np.int64)
         path = self._path(ck.base)
         shared = np.flatnonzero(self._deps[path] != 1)
-        out += path[: int(shared[0]) if shared.size else len(path)].tolist()
-        return out
+        return np.concatenate([covers[self._deps[covers] == 1],
+                               path[: int(shared[0]) if shared.size else len(path)]])
 
     def checkpoint(self, key: bytes) -> Checkpoint | None:
         return self._ckpts.get(key)

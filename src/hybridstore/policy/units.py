@@ -101,9 +101,9 @@ def units_of(index: HybridIndex, tier: str, cks: list[Checkpoint] | None = None)
     """
     bit = TIER_BITS[tier]
     cks = list(index.checkpoints()) if cks is None else cks
-    owned = [index.exclusive_pages(ck) for ck in cks]
+    owned = [index.exclusive_page_ids(ck) for ck in cks]
     counts = np.fromiter((len(o) for o in owned), dtype=np.int64, count=len(owned))
-    flat = np.fromiter((n for o in owned for n in o), dtype=np.int64, count=int(counts.sum()))
+    flat = np.concatenate(owned) if owned else np.zeros(0, np.int64)
     cols = index.page_columns(flat)
     here = (cols["tiers"] & bit) != 0
     page_bytes = np.where(here, cols["nbytes"], 0)
