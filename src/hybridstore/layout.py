@@ -17,7 +17,7 @@ import json
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -132,21 +132,38 @@ class Layout:
                 out[spec.name] = raw.view(np.dtype(spec.dtype)).reshape(spec.shape)
         return out[_SINGLE] if self.single else out
 
-    def targets(self, into: Any) -> list[tuple[TensorSpec, Any]]:
-        """Match caller buffers to specs; raise LayoutMismatchError when they disagree."""
+    def targets(self, into: Any) -> list[Target]:
+        """Match caller buffers to specs; raise LayoutMismatchError when they disagree.
+
+        Runs once per buffer of every load (thousands per plan), so it compares
+        dtype and shape directly and resolves each host buffer's byte view here,
+        once, for :func:`copy_out`.
+        """
+        items = _items(into)
+        if len(items) != len(self.specs):
+            raise LayoutMismatchError(f"buffers have {len(items)} entries, the layout {len(self.specs)}")
         pairs = []
-        for spec, (name, tensor) in zip(self.specs, _items(into), strict=False):
-            got = _spec_of(name, tensor, spec.offset)
-            same = (got.name, got.dtype, got.shape) == (spec.name, spec.dtype, spec.shape)
-            if not same:
+        for spec, (name, tensor) in zip(self.specs, items):
+            if _is_torch(tensor):
+                fits = (str(tensor.dtype)[6:] == spec.dtype and tuple(tensor.shape) == spec.shape)
+                contiguous = tensor.is_contiguous()
+                host = None if tensor.is_cuda or not (fits and contiguous) else (
+                    tensor.view(-1).view(_torch().uint8).numpy())
+            elif isinstance(tensor, np.ndarray):
+                fits = tensor.dtype.str == spec.dtype and tensor.shape == spec.shape
+                contiguous = tensor.flags.c_contiguous
+                host = tensor.reshape(-1).view(np.uint8) if fits and contiguous else None
+            else:
+                fits = contiguous = False
+                host = None
+            if name != spec.name or not fits:
+                got = _spec_of(name, tensor, spec.offset)   # raises for what is not a tensor
                 raise LayoutMismatchError(
                     f"buffer {name or 'page'}: {got.dtype}{list(got.shape)} cannot receive "
                     f"{spec.dtype}{list(spec.shape)}; allocate buffers with the stored layout")
-            if _is_torch(tensor) and not tensor.is_contiguous():
+            if not contiguous:
                 raise LayoutMismatchError(f"buffer {name or 'page'} must be contiguous")
-            pairs.append((spec, tensor))
-        if len(pairs) != len(self.specs):
-            raise LayoutMismatchError(f"buffers have {len(pairs)} entries, the layout {len(self.specs)}")
+            pairs.append(Target(spec, tensor, host))
         return pairs
 
     # -- persistence ------------------------------------------------------------------
@@ -171,17 +188,23 @@ def _items(value: Any) -> list[tuple[str, Any]]:
     return [(_SINGLE, value)]
 
 
-def copy_out(spec: TensorSpec, src: np.ndarray, dst: Any) -> None:
-    """Copy one entry's bytes from a host buffer into a caller tensor/array."""
+class Target(NamedTuple):
+    """A caller buffer matched to one entry of a layout (:meth:`Layout.targets`)."""
+
+    spec: TensorSpec
+    buffer: Any                 # the caller's tensor or array
+    host: np.ndarray | None     # its bytes as a uint8 array (host buffers); None on a GPU
+
+
+def copy_out(target: Target, src: np.ndarray) -> None:
+    """Copy one entry's bytes from a host buffer into the caller's buffer."""
+    spec = target.spec
     raw = src[spec.offset: spec.offset + spec.nbytes]
-    if _is_torch(dst):
-        torch = _torch()
-        flat = dst.view(-1).view(torch.uint8)
-        if not dst.is_cuda:
-            flat.numpy()[:] = raw
-            return
-        with warnings.catch_warnings():  # the source view is read-only; torch only reads it
-            warnings.simplefilter("ignore", UserWarning)
-            flat.copy_(torch.from_numpy(raw), non_blocking=True)
-    else:
-        dst.reshape(-1).view(np.uint8)[:] = raw
+    if target.host is not None:
+        target.host[:] = raw
+        return
+    torch = _torch()
+    flat = target.buffer.view(-1).view(torch.uint8)
+    with warnings.catch_warnings():  # the source view is read-only; torch only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        flat.copy_(torch.from_numpy(raw), non_blocking=True)

@@ -49,7 +49,7 @@ from hybridstore.index import keys as K
 from hybridstore.index import meta as M
 from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import TIER_BITS, Checkpoint, HybridIndex, ResumePlan
-from hybridstore.layout import Layout, copy_out
+from hybridstore.layout import Layout, Target, copy_out
 from hybridstore.policy import admission_policy, eviction_policy
 from hybridstore.policy.base import (
     AdmissionPolicy,
@@ -684,8 +684,8 @@ class HybridStore:
             self._counters["loads"] += 1
         return self._io.submit(self._run_load, plan, jobs, sources, into, targets)
 
-    def _check_into(self, plan: ResumePlan, into: tuple[Sequence[Any], Any]) -> list[list[tuple[Any, Any]]]:
-        """The (entry, buffer) pairs of every object of the plan; raises on a mismatch."""
+    def _check_into(self, plan: ResumePlan, into: tuple[Sequence[Any], Any]) -> list[list[Target]]:
+        """The matched buffers of every object of the plan; raises on a mismatch."""
         page_bufs, state_buf = into
         n = len(plan.page_keys)
         if len(page_bufs) < n:
@@ -719,7 +719,7 @@ class HybridStore:
 
     def _run_load(self, plan: ResumePlan, jobs: list[tuple[bytes, ObjectKind]],
                   sources: list[str | None], into: tuple[Sequence[Any], Any] | None,
-                  targets: list[list[tuple[Any, Any]]] | None) -> tuple[list, Any]:
+                  targets: list[list[Target]] | None) -> tuple[list, Any]:
         outputs: list[Any] = []
         waits: list[tuple[int, Future]] = []
         bufs: list[np.ndarray | None] = []
@@ -765,10 +765,10 @@ class HybridStore:
                     outputs.append(None)
                     continue
                 if into is not None and targets is not None:
-                    for spec, dst in targets[i]:
-                        copy_out(spec, buf, dst)
-                        if getattr(dst, "is_cuda", False):
-                            devices.add(dst.device)
+                    for target in targets[i]:
+                        copy_out(target, buf)
+                        if target.host is None:          # a CUDA buffer: an async H2D copy
+                            devices.add(target.buffer.device)
                     outputs.append(into[0][i] if kind == ObjectKind.PAGE else into[1])
                 else:
                     outputs.append(self._layouts[kind].unpack(buf))
