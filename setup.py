@@ -42,6 +42,12 @@ setup(
             extra_compile_args=["-O3", "-std=c11"],
         ),
         Extension(
+            "hybridstore.native._gather",
+            sources=["src/hybridstore/native/_gather.c"],
+            depends=["src/hybridstore/native/_buffers.h"],
+            extra_compile_args=["-O3", "-std=c11"],
+        ),
+        Extension(
             "hybridstore.native._trie",
             sources=["src/hybridstore/native/_trie.c"],
             depends=["src/hybridstore/native/_buffers.h"],

@@ -166,6 +166,44 @@ class Layout:
             pairs.append(Target(spec, tensor, host))
         return pairs
 
+    def batch_targets(self, batch: Any, n: int) -> list[Target]:
+        """Match a page-major batch buffer to specs: each entry's buffer has ``>= n`` rows
+        (row ``i`` receives object ``i``) of the entry's shape.  ``Target.host`` is then the
+        ``(rows, nbytes)`` uint8 view of a host buffer (``None`` on a GPU).
+
+        Raises:
+            LayoutMismatchError: names, dtypes, shapes or row counts disagree, or a
+                buffer is not contiguous.
+        """
+        items = _items(batch)
+        if len(items) != len(self.specs):
+            raise LayoutMismatchError(f"buffers have {len(items)} entries, the layout {len(self.specs)}")
+        pairs = []
+        for spec, (name, tensor) in zip(self.specs, items):
+            if _is_torch(tensor):
+                dtype, shape, contiguous = str(tensor.dtype)[6:], tuple(tensor.shape), tensor.is_contiguous()
+            elif isinstance(tensor, np.ndarray):
+                dtype, shape, contiguous = tensor.dtype.str, tensor.shape, tensor.flags.c_contiguous
+            else:
+                _spec_of(name, tensor, spec.offset)          # raises: not a tensor
+                raise AssertionError("unreachable")
+            if name != spec.name or dtype != spec.dtype or shape[1:] != spec.shape or not shape:
+                raise LayoutMismatchError(
+                    f"batch buffer {name or 'pages'}: {dtype}{list(shape)} cannot receive rows of "
+                    f"{spec.dtype}{list(spec.shape)}; allocate (pages, *shape) buffers of the "
+                    "stored layout")
+            if shape[0] < n:
+                raise LayoutMismatchError(
+                    f"batch buffer {name or 'pages'} has {shape[0]} rows; the plan restores {n}")
+            if not contiguous:
+                raise LayoutMismatchError(f"batch buffer {name or 'pages'} must be contiguous")
+            if _is_torch(tensor):
+                host = None if tensor.is_cuda else tensor.view(-1).view(_torch().uint8).numpy()
+            else:
+                host = tensor.reshape(-1).view(np.uint8)
+            pairs.append(Target(spec, tensor, None if host is None else host.reshape(shape[0], -1)))
+        return pairs
+
     # -- persistence ------------------------------------------------------------------
     def to_json(self) -> bytes:
         return json.dumps({"single": self.single, "nbytes": self.nbytes,

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from hybridstore.backends.base import ObjectKind, Tier, aligned_empty, done_future, object_key
+from hybridstore.backends.gather import gather_rows
 from hybridstore.backends.host import HostPool
 from hybridstore.config import StoreConfig
 from hybridstore.errors import (
@@ -90,6 +91,11 @@ def _page_object_keys(blob: bytes) -> list[bytes]:
     rows[:, 0] = _PAGE_TAG[0]
     rows[:, 1:] = np.frombuffer(blob, np.uint8).reshape(-1, 16)
     return rows.view("V17").ravel().tolist()
+
+
+def _is_batch(pages: Any) -> bool:
+    """Whether ``into``'s pages are one page-major batch (not a list of page buffers)."""
+    return not isinstance(pages, (list, tuple))
 
 
 class _Victims:
@@ -649,15 +655,20 @@ class HybridStore:
                 sizes[name] = sizes.get(name, 0) + ck.nbytes
             return {name: (n, self.tiers[name].read_seconds(n)) for name, n in sizes.items()}
 
-    def load(self, plan: ResumePlan, into: tuple[Sequence[Any], Any] | None = None, *,
+    def load(self, plan: ResumePlan, into: tuple[Any, Any] | None = None, *,
              skip_tiers: Sequence[str] = ()) -> Future:
         """Restore the plan's pages and checkpoint.
 
         Args:
             plan: a live plan from :meth:`match`.
-            into: optional ``(page_buffers, state_buffers)``: a sequence of at
-                least ``len(plan.page_keys)`` page buffers and a state buffer
-                (tensor/dict of tensors of the stored layout), host or device.
+            into: optional ``(pages, state_buffers)``, host or device buffers of
+                the stored layout.  ``pages`` is either a list/tuple of at
+                least ``len(plan.page_keys)`` page buffers (tensor or dict of
+                tensors each), or one *page-major batch*: a tensor (dict of
+                tensors) whose first dimension indexes pages, row ``i`` for
+                page ``i`` — restored with one gather per entry from the pinned
+                pool (:func:`~hybridstore.backends.gather.gather_rows`)
+                instead of a copy per page.
             skip_tiers: objects whose fastest holder is one of these tiers are
                 not read (their slot in the result is ``None``, their ``into``
                 buffer untouched): an engine passes ``("device",)`` for what is
@@ -667,27 +678,39 @@ class HybridStore:
             A future of ``(pages, state)``: the pages covering
             ``[0, plan.position)`` in order and the checkpoint at
             ``plan.position`` (``([], None)`` for an empty plan).  With
-            ``into`` the filled buffers are returned.
+            ``into`` the filled buffers are returned (the batch itself for a
+            page-major batch).
         """
         with self._lock:
             self._check_open()
             if not self.index.is_live(plan):
                 raise PlanReleasedError(f"plan {plan.plan_id} was released; match again before load")
             targets = self._check_into(plan, into) if into is not None else None
-            jobs = [(object_key(ObjectKind.PAGE, k), ObjectKind.PAGE) for k in plan.page_keys]
-            if plan.state_key is not None:
-                jobs.append((object_key(ObjectKind.STATE, plan.state_key), ObjectKind.STATE))
             for name in skip_tiers:
                 if name not in TIER_BITS:
                     raise UnknownTierError(f"unknown tier {name!r} in skip_tiers; tiers are {list(TIER_BITS)}")
-            sources = [self._source(okey, skip_tiers) for okey, _ in jobs]
+            page_keys = _page_object_keys(plan.page_blob)
+            jobs = [(okey, ObjectKind.PAGE) for okey in page_keys]
+            sources = self._page_sources(plan, page_keys, skip_tiers)
+            if plan.state_key is not None:
+                jobs.append((object_key(ObjectKind.STATE, plan.state_key), ObjectKind.STATE))
+                sources.append(self._source(jobs[-1][0], skip_tiers))
             self._counters["loads"] += 1
         return self._io.submit(self._run_load, plan, jobs, sources, into, targets)
 
-    def _check_into(self, plan: ResumePlan, into: tuple[Sequence[Any], Any]) -> list[list[Target]]:
-        """The matched buffers of every object of the plan; raises on a mismatch."""
+    def _check_into(self, plan: ResumePlan, into: tuple[Any, Any]) -> list[list[Target]]:
+        """The matched buffers of every object of the plan; raises on a mismatch.
+
+        For a page-major batch the first list holds one :class:`Target` per
+        entry of the page layout (``host``: its ``(rows, nbytes)`` byte view).
+        """
         page_bufs, state_buf = into
         n = len(plan.page_keys)
+        if _is_batch(page_bufs):
+            out = [self._layouts[ObjectKind.PAGE].batch_targets(page_bufs, n) if n else []]
+            if plan.state_key is not None:
+                out.append(self._layouts[ObjectKind.STATE].targets(state_buf))
+            return out
         if len(page_bufs) < n:
             raise LayoutMismatchError(
                 f"into has {len(page_bufs)} page buffers; the plan restores {n}")
@@ -695,6 +718,38 @@ class HybridStore:
         if plan.state_key is not None:
             out.append(self._layouts[ObjectKind.STATE].targets(state_buf))
         return out
+
+    def _page_sources(self, plan: ResumePlan, okeys: list[bytes],
+                      skip: Sequence[str]) -> list[str | None]:
+        """:meth:`_source` of every page of ``plan``, from the index's tier masks at once;
+        the pages read from a pool are held with one ``acquire_many`` per pool."""
+        n = len(okeys)
+        if not n:
+            return []
+        held = self.index.page_columns(plan.pages)["tiers"]
+        rank = np.full(n, -1, np.int64)
+        for r, name in enumerate(self._chain):
+            rank[(rank < 0) & ((held & TIER_BITS[name]) != 0)] = r
+        if (rank < 0).any():      # the index lost a page of a live plan: _source says how
+            return [self._source(okey, skip) for okey in okeys]
+        names = np.array([None if name in skip else name for name in self._chain], object)
+        sources: list[str | None] = names[rank].tolist()
+        for r, name in enumerate(self._chain):
+            tier = self.tiers[name]
+            if name in skip:
+                continue
+            here = np.flatnonzero(rank == r).tolist()
+            if isinstance(tier, HostPool):
+                try:
+                    tier.acquire_many([okeys[i] for i in here])
+                    continue
+                except KeyError:  # index and pool disagree: _source finds what is there
+                    pass
+            for i in here:        # a byte tier: checked one by one (its reads cost more)
+                if not isinstance(tier, HostPool) and tier.contains(okeys[i]):
+                    continue
+                sources[i] = self._source(okeys[i], skip)
+        return sources
 
     def _source(self, okey: bytes, skip: Sequence[str] = ()) -> str | None:
         """The fastest tier holding ``okey``, its pool slot held (``None``: that tier is skipped)."""
@@ -718,12 +773,16 @@ class HybridStore:
         return tier.stores_bytes         # read from a byte tier into it
 
     def _run_load(self, plan: ResumePlan, jobs: list[tuple[bytes, ObjectKind]],
-                  sources: list[str | None], into: tuple[Sequence[Any], Any] | None,
+                  sources: list[str | None], into: tuple[Any, Any] | None,
                   targets: list[list[Target]] | None) -> tuple[list, Any]:
         outputs: list[Any] = []
         waits: list[tuple[int, Future]] = []
         bufs: list[np.ndarray | None] = []
         devices: set[Any] = set()          # CUDA devices with copies from pool slots in flight
+        # A page-major batch: page i is row i, restored by one gather per entry below.
+        batch = into is not None and _is_batch(into[0])
+        n_batch = len(plan.page_keys) if batch else 0
+        rows: dict[str | None, tuple[list[bytes], list[int]]] = {}   # by tier (None: own reads)
         # One 4 KiB-aligned arena for every object that needs a buffer of its own (reads from
         # a byte tier, or copies out of a pool slot when there is no `into`), instead of one
         # allocation per object: plans run to thousands of pages.
@@ -740,7 +799,14 @@ class HybridStore:
                     continue
                 tier = self.tiers[src]
                 own_buf = arena[offsets[i]: offsets[i] + layout.nbytes] if own[i] else None
-                if isinstance(tier, HostPool):
+                if i < n_batch:                   # gathered from the pool or the arena below
+                    keys, at = rows.setdefault(None if own_buf is not None else src, ([], []))
+                    keys.append(okey)
+                    at.append(i)
+                    if own_buf is not None:
+                        waits.append((i, tier.get_into(okey, own_buf)))
+                    bufs.append(None)
+                elif isinstance(tier, HostPool):
                     view = tier.view(okey)
                     if own_buf is not None:       # never hand out a pool slot
                         own_buf[:] = view[: layout.nbytes]
@@ -760,12 +826,16 @@ class HybridStore:
                         self._counters["corrupt"] += 1
                         self._forget(jobs[i][0], "disk", self._layouts[jobs[i][1]].nbytes)
                     raise
+            if batch and targets is not None and rows:
+                devices |= self._gather_batch(rows, arena, offsets, targets[0], n_batch)
             for i, ((okey, kind), buf) in enumerate(zip(jobs, bufs)):
+                if i < n_batch:
+                    continue
                 if buf is None:
                     outputs.append(None)
                     continue
                 if into is not None and targets is not None:
-                    for target in targets[i]:
+                    for target in targets[-1 if batch else i]:
                         copy_out(target, buf)
                         if target.host is None:          # a CUDA buffer: an async H2D copy
                             devices.add(target.buffer.device)
@@ -779,14 +849,57 @@ class HybridStore:
 
                 for device in devices:
                     torch.cuda.current_stream(device).synchronize()
+            held: dict[str, list[bytes]] = {}
             for (okey, _), src in zip(jobs, sources):
-                tier = self.tiers.get(src) if src is not None else None
-                if isinstance(tier, HostPool):   # _source acquired it (any tier that is a pool)
-                    tier.release_ref(okey)
+                if src is not None and isinstance(self.tiers[src], HostPool):
+                    held.setdefault(src, []).append(okey)   # _source acquired it
+            for name, keys in held.items():
+                self.tiers[name].release_many(keys)    # type: ignore[attr-defined]
+        if batch:
+            return into[0], (outputs[-1] if plan.state_key is not None else None)  # type: ignore[index]
         if plan.state_key is None:
             return outputs, None
         return outputs[:-1], outputs[-1]
 
+    def _gather_batch(self, rows: dict[str | None, tuple[list[bytes], list[int]]],
+                      arena: np.ndarray | None, offsets: list[int], targets: list[Target],
+                      n: int) -> set[Any]:
+        """Fill the rows of a page-major batch: one gather per layout entry over every
+        page, from the pool's arenas (``rows[tier]``) and the load's own reads
+        (``rows[None]``, at ``offsets`` in ``arena``).  Returns the CUDA devices copied to."""
+        sources: list[np.ndarray] = []
+        which, where, at = [], [], []
+        for name, (keys, idx) in rows.items():
+            if name is None:
+                part = [arena], np.zeros(len(idx), np.int64), np.asarray(
+                    [offsets[i] for i in idx], np.int64)
+            else:
+                part = self.tiers[name].locate(keys)            # type: ignore[attr-defined]
+            which.append(part[1] + len(sources))
+            sources += part[0]
+            where.append(part[2])
+            at.append(np.asarray(idx, np.int64))
+        w, o, r = np.concatenate(which), np.concatenate(where), np.concatenate(at)
+        devices: set[Any] = set()
+        for target in targets:
+            spec = target.spec
+            if target.host is not None:
+                gather_rows(sources, w, o, r, spec.offset, spec.nbytes, target.host)
+                continue
+            # A GPU batch: gather into host rows, then one copy per run of filled rows
+            # (rows skipped because the engine holds them stay untouched).
+            import torch
+
+            staged = np.empty((n, spec.nbytes), np.uint8)
+            gather_rows(sources, w, o, r, spec.offset, spec.nbytes, staged)
+            filled = np.zeros(n + 1, bool)
+            filled[r] = True
+            edges = np.flatnonzero(np.diff(np.concatenate([[False], filled])))
+            flat = target.buffer.view(target.buffer.shape[0], -1).view(torch.uint8)
+            for a, b in zip(edges[0::2].tolist(), edges[1::2].tolist()):
+                flat[a:b].copy_(torch.from_numpy(staged[a:b]))
+            devices.add(target.buffer.device)
+        return devices
     # -- eviction ---------------------------------------------------------------------
     def evict(self, nbytes: int, tier: str = "host") -> int:
         """Free at least ``nbytes`` of ``tier`` if the policy and pins allow.

@@ -325,9 +325,8 @@ class CachedModel:
         npages = len(plan.page_keys)
         stage = {e.name: torch.empty((npages, *e.shape), dtype=e.dtype, device=device)
                  for e in spec.pages}
-        page_bufs = [{name: buf[i] for name, buf in stage.items()} for i in range(npages)]
         state = spec.empty_state(device)
-        self.store.load(plan, into=(page_bufs, state)).result()
+        self.store.load(plan, into=(stage, state)).result()     # a page-major batch
         self._restore(cache, stage, state, p)
         return p, restored, cache
 

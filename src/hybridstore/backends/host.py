@@ -19,6 +19,8 @@ disk tier writes straight from it:
                                 free old slots on the last ``release_ref``)
 ``view(key)``                   a read-only view of the live object; valid only
                                 while the caller holds the key
+``locate(keys)``                the arenas and offsets of held objects (one
+                                gather restores an entry of all of them)
 =============================  ===============================================
 """
 
@@ -201,6 +203,27 @@ class HostPool(SlabBudget, ObjectTable):
                 raise KeyError(key)
             self._refs[key] = self._refs.get(key, 0) + 1
 
+    def acquire_many(self, keys: list[ObjectKey]) -> None:
+        """:meth:`acquire` of several keys at once; holds none of them if one is missing.
+
+        Raises:
+            KeyError: a key is not visible.
+        """
+        with self._lock:
+            self._check_open()
+            objects, refs = self._objects, self._refs
+            for key in keys:
+                if key not in objects:
+                    raise KeyError(key)
+            for key in keys:
+                refs[key] = refs.get(key, 0) + 1
+
+    def release_many(self, keys: list[ObjectKey]) -> None:
+        """:meth:`release_ref` of several keys at once."""
+        with self._lock:
+            for key in keys:
+                self.release_ref(key)
+
     def release_ref(self, key: ObjectKey) -> None:
         """Drop one hold on ``key``; the last one frees its deleted or replaced slots.
 
@@ -237,6 +260,25 @@ class HostPool(SlabBudget, ObjectTable):
             out = self._slot(obj.extent, obj.nbytes)
         out.flags.writeable = False
         return out
+
+    def locate(self, keys: list[ObjectKey]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        """Where held objects lie: ``(arenas, which, offsets)`` with object ``i`` at
+        ``arenas[which[i]][offsets[i]:]`` (for :func:`~hybridstore.backends.gather.gather_rows`).
+
+        Hold every key (:meth:`acquire`) while using the result.
+
+        Raises:
+            KeyError: a key is not visible.
+        """
+        with self._lock:
+            self._check_open()
+            extents = [self._objects[key].extent for key in keys]
+            order: dict[int, int] = {}
+            which = np.fromiter((order.setdefault(e.arena, len(order)) for e in extents),
+                                np.int64, len(extents))
+            offsets = np.fromiter((e.offset for e in extents), np.int64, len(extents))
+            arenas = [self._arenas[a].data for a in order]
+        return arenas, which, offsets
 
     # -- tier contract ------------------------------------------------------------
     def put(self, key: ObjectKey, data: np.ndarray | None, *, nbytes: int,

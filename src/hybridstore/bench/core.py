@@ -175,6 +175,7 @@ class _Workload:
     dst: np.ndarray
     store_prompts: list[tuple[list[Any], dict[str, Any]]]    # (pages, state) to put
     store_targets: list[tuple[list[Any], dict[str, Any]]]    # (pages, state) to load into
+    store_batches: list[tuple[Any, dict[str, Any]]]          # the same memory, page-major
     store_bytes: int                                         # bytes of one facade rep
     store_objects: int
     tokens_per_prompt: int
@@ -232,8 +233,21 @@ def _make_workload(name: str, size: int, n: int, rng: np.random.Generator) -> _W
             off += state_bytes
         return out
 
+    def batches(buf: np.ndarray) -> list[tuple[Any, dict[str, Any]]]:
+        """Each prompt's pages as one ``(pages, 2, 64, 256)`` tensor over the same bytes."""
+        out, off = [], 0
+        for _ in range(prompts):
+            span = buf[off:off + pages_per * PAGE_BYTES]
+            import torch
+
+            rows = torch.from_numpy(span).view(torch.bfloat16).view(pages_per, -1)
+            out.append((rows.view(pages_per, *_page_tensor(span[:PAGE_BYTES]).shape),
+                        _state_dict(buf[off + pages_per * PAGE_BYTES:][:state_bytes])))
+            off += pages_per * PAGE_BYTES + state_bytes
+        return out
+
     return _Workload(name=name, size=size, n=n, src=src, dst=dst,
-                     store_prompts=carve(src), store_targets=carve(dst),
+                     store_prompts=carve(src), store_targets=carve(dst), store_batches=batches(dst),
                      store_bytes=prompts * (pages_per * PAGE_BYTES + state_bytes),
                      store_objects=prompts * (pages_per + 1),
                      tokens_per_prompt=pages_per * STORE_BLOCK)
@@ -369,8 +383,8 @@ class _TierBench:
 
         short: list[int] = []
 
-        def load() -> None:
-            for pk, target in zip(prompts, wl.store_targets):
+        def load(batched: bool = False) -> None:
+            for pk, target in zip(prompts, wl.store_batches if batched else wl.store_targets):
                 plan = store.match(pk)
                 try:
                     if plan.position != pk.length:
@@ -395,14 +409,23 @@ class _TierBench:
         self._record(timed, where, "HybridStore", "match+load", t, wl.store_bytes, wl.store_objects,
                      mc, "match + load(into=preallocated tensors).result() + release"
                      + ("; served by the disk tier (cold, O_DIRECT)" if where == "disk" else ""))
-        if short:
-            self.issues.append(f"{wl.name}/{where}: match() resumed at {short[:3]} instead of the "
-                               "prompt end")
         last_pages, last_state = wl.store_targets[-1]
         want_pages, want_state = wl.store_prompts[-1]
         if not (_same_bytes(last_pages[-1], want_pages[-1])
                 and _same_bytes(last_state["ssm"], want_state["ssm"])):
             self.issues.append(f"{wl.name}/{where}: load() returned different bytes")
+        wl.dst[:] = 1                                   # the batch must write every byte again
+        t = _timed(lambda: load(batched=True))
+        self._record(timed, where, "HybridStore", "match+load(batch)", t, wl.store_bytes,
+                     wl.store_objects, mc, "match + load(into=one page-major tensor per prompt)"
+                     ".result() + release: one gather per layout entry"
+                     + ("; served by the disk tier (cold, O_DIRECT)" if where == "disk" else ""))
+        if not (_same_bytes(last_pages[-1], want_pages[-1]) and _same_bytes(last_pages[0], want_pages[0])
+                and _same_bytes(last_state["ssm"], want_state["ssm"])):
+            self.issues.append(f"{wl.name}/{where}: load(batch) returned different bytes")
+        if short:
+            self.issues.append(f"{wl.name}/{where}: match() resumed at {short[:3]} instead of the "
+                               "prompt end")
         # empty the store again so the next repetition reuses its arenas / segments
         for tier in list(store.tiers):
             store.evict(1 << 62, tier=tier)

@@ -1,0 +1,133 @@
+/* hybridstore.native._gather: one call copies an entry of many objects into rows.
+ *
+ *   gather(sources, which, offsets, rows, entry_offset, nbytes, dst, dst_stride)
+ *       For every i: copy nbytes from sources[which[i]] at offsets[i] +
+ *       entry_offset to dst at rows[i] * dst_stride.  sources: a sequence of
+ *       byte buffers (the host pool's arenas, a load's own read buffer);
+ *       which, offsets, rows: int64 arrays of one length; dst: a writable
+ *       C-contiguous buffer.  Bounds are checked before anything is copied;
+ *       the copies run without the GIL.
+ *
+ * store.load uses it to restore one tensor entry of every page of a plan
+ * into a page-major staging buffer with one call instead of a Python copy per
+ * page.  hybridstore.backends.gather.gather_rows holds the numpy twin.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+#include "_buffers.h"
+
+PyDoc_STRVAR(gather_doc,
+"gather(sources, which, offsets, rows, entry_offset, nbytes, dst, dst_stride) -> None\n\n"
+"dst[rows[i] * dst_stride : + nbytes] = sources[which[i]][offsets[i] + entry_offset : + nbytes]\n"
+"for every i; which, offsets, rows are int64 buffers of one length.");
+
+static PyObject *gather(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *sources_obj, *which_obj, *offsets_obj, *rows_obj, *dst_obj;
+    Py_ssize_t entry_off, nbytes, stride;
+    if (!PyArg_ParseTuple(args, "OOOOnnOn", &sources_obj, &which_obj, &offsets_obj, &rows_obj,
+                          &entry_off, &nbytes, &dst_obj, &stride)) {
+        return NULL;
+    }
+    if (entry_off < 0 || nbytes < 0 || stride < nbytes) {
+        PyErr_SetString(PyExc_ValueError,
+                        "entry_offset and nbytes must be >= 0 and dst_stride >= nbytes");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(sources_obj, "sources must be a sequence of buffers");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t nsrc = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer *src = PyMem_Calloc((size_t)(nsrc > 0 ? nsrc : 1), sizeof(Py_buffer));
+    Py_buffer idx[3], dst;
+    int got_src = 0, got_idx = 0, got_dst = 0;
+    PyObject *res = NULL;
+    if (src == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got_src < nsrc; got_src++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got_src), &src[got_src],
+                               PyBUF_C_CONTIGUOUS) < 0) {
+            goto done;
+        }
+    }
+    PyObject *idx_obj[3] = {which_obj, offsets_obj, rows_obj};
+    static const char *idx_name[3] = {"which", "offsets", "rows"};
+    for (; got_idx < 3; got_idx++) {
+        if (get_int_buffer(idx_obj[got_idx], &idx[got_idx], 8, idx_name[got_idx]) < 0) {
+            goto done;
+        }
+    }
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        goto done;
+    }
+    got_dst = 1;
+    Py_ssize_t n = idx[0].len / 8;
+    if (idx[1].len / 8 != n || idx[2].len / 8 != n) {
+        PyErr_SetString(PyExc_ValueError, "which, offsets and rows must have one length");
+        goto done;
+    }
+    const int64_t *which = idx[0].buf, *offsets = idx[1].buf, *rows = idx[2].buf;
+    for (Py_ssize_t i = 0; i < n; i++) {   /* every bound first: nothing copied on error */
+        if (which[i] < 0 || which[i] >= nsrc) {
+            PyErr_Format(PyExc_IndexError, "which[%zd] = %lld names no source", i,
+                         (long long)which[i]);
+            goto done;
+        }
+        if (offsets[i] < 0 || offsets[i] + entry_off + nbytes > src[which[i]].len) {
+            PyErr_Format(PyExc_IndexError, "offsets[%zd] reads past its source", i);
+            goto done;
+        }
+        if (rows[i] < 0 || rows[i] * stride + nbytes > dst.len) {
+            PyErr_Format(PyExc_IndexError, "rows[%zd] = %lld writes past dst", i,
+                         (long long)rows[i]);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memcpy((char *)dst.buf + rows[i] * stride,
+               (const char *)src[which[i]].buf + offsets[i] + entry_off, (size_t)nbytes);
+    }
+    Py_END_ALLOW_THREADS
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    if (got_dst) {
+        PyBuffer_Release(&dst);
+    }
+    for (int i = 0; i < got_idx; i++) {
+        PyBuffer_Release(&idx[i]);
+    }
+    for (int i = 0; i < got_src; i++) {
+        PyBuffer_Release(&src[i]);
+    }
+    PyMem_Free(src);
+    Py_DECREF(seq);
+    return res;
+}
+
+static PyMethodDef gather_methods[] = {
+    {"gather", gather, METH_VARARGS, gather_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef gather_module = {
+    PyModuleDef_HEAD_INIT,
+    "hybridstore.native._gather",
+    "Batched row gather for store.load (see hybridstore.backends.gather).",
+    -1,
+    gather_methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
+};
+
+PyMODINIT_FUNC PyInit__gather(void) { return PyModule_Create(&gather_module); }
