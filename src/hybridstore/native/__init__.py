@@ -28,8 +28,13 @@ its extension is built and fall back to the twin otherwise.
     ``HybridIndex._collect_py`` / ``_path_py`` in :mod:`hybridstore.index.trie`
     (the property tests run the index with both).
 
+``_gather`` (``_gather.c``)
+    ``gather``: one entry of many objects copied into the rows of a
+    page-major buffer (``store.load`` into a batch), without the GIL.  Its
+    twin and API: :func:`hybridstore.backends.gather.gather_rows`.
+
 ``_buffers.h``
-    The integer-buffer checks ``_hashing`` and ``_trie`` share.
+    The integer-buffer checks ``_hashing``, ``_trie`` and ``_gather`` share.
 
 Building: ``python setup.py build_ext --inplace`` (or any pip install of the
 package) compiles them with a C11 compiler; when none is available the build

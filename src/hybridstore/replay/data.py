@@ -31,7 +31,7 @@ import numpy as np
 from hybridstore.backends.base import ObjectKind, Tier
 from hybridstore.errors import ConfigError, CorruptObjectError
 from hybridstore.index.prefix import PrefixKeys
-from hybridstore.index.trie import ResumePlan
+from hybridstore.index.trie import TIER_BITS, ResumePlan
 from hybridstore.replay.datatiers import BudgetedPool, WriteBehindDisk, physical_bytes
 from hybridstore.replay.sim import TierBudget
 from hybridstore.store import HybridStore
@@ -117,6 +117,9 @@ class DataObjects:
         self._seconds = 0.0
         self._verified = {"objects": 0, "bytes": 0}
         self._scratch = np.empty(0, dtype=np.uint64)   # page contents, reused across puts
+        self._batch = np.empty((0, 0), dtype=np.uint8)  # restore target (page-major), reused
+        self._page_bytes = 0
+        self._state_buf = np.empty(0, dtype=np.uint8)
 
     # -- tiers ------------------------------------------------------------------------
     def open_tiers(self, budgets: Sequence[TierBudget]) -> dict[str, Tier]:
@@ -144,6 +147,7 @@ class DataObjects:
     def put_pages(self, store: HybridStore, prompt: PrefixKeys, first_block: int, nbytes: int) -> None:
         if first_block >= prompt.nblocks:
             return
+        self._page_bytes = nbytes
         need = (prompt.nblocks - first_block) * -(-nbytes // 8)
         if self._scratch.size < need:   # grown, then reused: no page faults per request
             self._scratch = np.empty(max(need, 2 * self._scratch.size), dtype=np.uint64)
@@ -154,23 +158,31 @@ class DataObjects:
         key = prompt.key_at(position)
         assert key is not None
         store.put_state(prompt, pattern(ObjectKind.STATE, key, nbytes), position=position)
+        if self._state_buf.size != nbytes:
+            self._state_buf = np.empty(nbytes, dtype=np.uint8)
 
     # -- restores ---------------------------------------------------------------------
     def restore(self, store: HybridStore, plan: ResumePlan) -> float:
-        """``store.load(plan)``, timed; then a sample of its bytes is checked."""
-        t0 = time.perf_counter()
+        """``store.load(plan)`` into a page-major batch (what an engine restores into: its
+        staging buffer, not new tensors), timed; then a sample of its bytes is checked."""
+        n = len(plan.page_keys)
+        if self._batch.shape[0] < n or self._batch.shape[1] != self._page_bytes:
+            self._batch = np.empty((max(n, 2 * self._batch.shape[0]), self._page_bytes), np.uint8)
         # what the GPU tier holds is resident: an engine reads only what must move
-        pages, state = store.load(plan, skip_tiers=("device",)).result()
+        resident = (store.index.page_columns(plan.pages)["tiers"] & TIER_BITS["device"]) != 0
+        t0 = time.perf_counter()
+        _, state = store.load(plan, into=(self._batch, self._state_buf),
+                              skip_tiers=("device",)).result()
         seconds = time.perf_counter() - t0
         self._timed += 1
         self._seconds += seconds
         keys = plan.page_keys
-        moved = [i for i, page in enumerate(pages) if page is not None]
+        moved = np.flatnonzero(~resident).tolist()
         self._objects += len(moved) + (state is not None)
-        n = len(moved)
-        picks = sorted({moved[round(i * (n - 1) / (VERIFY_PAGES - 1))] for i in range(VERIFY_PAGES)}) if n else []
+        m = len(moved)
+        picks = sorted({moved[round(i * (m - 1) / (VERIFY_PAGES - 1))] for i in range(VERIFY_PAGES)}) if m else []
         for i in picks:
-            self._verify(ObjectKind.PAGE, keys[i], pages[i])
+            self._verify(ObjectKind.PAGE, keys[i], self._batch[i])
         if state is not None:
             self._verify(ObjectKind.STATE, plan.state_key, state)
         return seconds
