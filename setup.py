@@ -39,6 +39,7 @@ setup(
         Extension(
             "hybridstore.native._u64map",
             sources=["src/hybridstore/native/_u64map.c"],
+            depends=["src/hybridstore/native/_buffers.h"],
             extra_compile_args=["-O3", "-std=c11"],
         ),
         Extension(

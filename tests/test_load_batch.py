@@ -69,17 +69,20 @@ def test_batch_equals_per_page_and_plain_loads_from_the_pool(tmp_path):
         assert store.tiers["host"]._refs == {}                 # every slot hold was dropped
 
 
+def put_half_in_dram(store: HybridStore, tokens: np.ndarray):
+    """Put a prompt, write it to disk, then evict about half of its pages from DRAM."""
+    pages, state = put_prompt(store, tokens)
+    store.flush()
+    store.evict(store.tiers["host"].used_bytes // 2, tier="host")
+    return pages, state
+
+
 def test_batch_from_disk_and_from_a_mix_of_tiers(tmp_path):
     tokens = RNG.integers(0, 150_000, 48 * B)
     with HybridStore(cfg(tmp_path)) as store:
-        pages, state = put_prompt(store, tokens)
-        store.flush()
+        pages, state = put_half_in_dram(store, tokens)
         plan = store.match(tokens)
         n = len(plan.page_keys)
-        store.release(plan)
-        # evict about half of the pages from DRAM: the plan reads the rest from disk
-        store.evict(store.tiers["host"].used_bytes // 2, tier="host")
-        plan = store.match(tokens)
         assert plan.position == len(tokens)
         costs = store.restore_cost(plan)
         assert "disk" in costs and "host" in costs
@@ -99,11 +102,7 @@ def test_batch_from_disk_and_from_a_mix_of_tiers(tmp_path):
 def test_skipped_tier_leaves_its_rows_untouched(tmp_path):
     tokens = RNG.integers(0, 150_000, 20 * B)
     with HybridStore(cfg(tmp_path)) as store:
-        pages, _ = put_prompt(store, tokens)
-        store.flush()
-        plan = store.match(tokens)
-        store.release(plan)
-        store.evict(store.tiers["host"].used_bytes // 2, tier="host")
+        pages, _ = put_half_in_dram(store, tokens)
         plan = store.match(tokens)
         n = len(plan.page_keys)
         in_host = [i for i, nid in enumerate(plan.page_ids)

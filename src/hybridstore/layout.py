@@ -133,75 +133,46 @@ class Layout:
         return out[_SINGLE] if self.single else out
 
     def targets(self, into: Any) -> list[Target]:
-        """Match caller buffers to specs; raise LayoutMismatchError when they disagree.
-
-        Runs once per buffer of every load (thousands per plan), so it compares
-        dtype and shape directly and resolves each host buffer's byte view here,
-        once, for :func:`copy_out`.
-        """
-        items = _items(into)
-        if len(items) != len(self.specs):
-            raise LayoutMismatchError(f"buffers have {len(items)} entries, the layout {len(self.specs)}")
-        pairs = []
-        for spec, (name, tensor) in zip(self.specs, items):
-            if _is_torch(tensor):
-                fits = (str(tensor.dtype)[6:] == spec.dtype and tuple(tensor.shape) == spec.shape)
-                contiguous = tensor.is_contiguous()
-                host = None if tensor.is_cuda or not (fits and contiguous) else (
-                    tensor.view(-1).view(_torch().uint8).numpy())
-            elif isinstance(tensor, np.ndarray):
-                fits = tensor.dtype.str == spec.dtype and tensor.shape == spec.shape
-                contiguous = tensor.flags.c_contiguous
-                host = tensor.reshape(-1).view(np.uint8) if fits and contiguous else None
-            else:
-                fits = contiguous = False
-                host = None
-            if name != spec.name or not fits:
-                got = _spec_of(name, tensor, spec.offset)   # raises for what is not a tensor
-                raise LayoutMismatchError(
-                    f"buffer {name or 'page'}: {got.dtype}{list(got.shape)} cannot receive "
-                    f"{spec.dtype}{list(spec.shape)}; allocate buffers with the stored layout")
-            if not contiguous:
-                raise LayoutMismatchError(f"buffer {name or 'page'} must be contiguous")
-            pairs.append(Target(spec, tensor, host))
-        return pairs
+        """Match one object's caller buffers to specs; raise LayoutMismatchError when they
+        disagree.  Runs for every buffer of a load, so it compares dtype and shape
+        directly and resolves each host buffer's byte view here, once, for :func:`copy_out`."""
+        return self._match(into, None)
 
     def batch_targets(self, batch: Any, n: int) -> list[Target]:
-        """Match a page-major batch buffer to specs: each entry's buffer has ``>= n`` rows
-        (row ``i`` receives object ``i``) of the entry's shape.  ``Target.host`` is then the
+        """Match a page-major batch to specs: each entry's buffer has ``>= n`` rows (row
+        ``i`` receives object ``i``) of the entry's shape; ``Target.host`` is then the
         ``(rows, nbytes)`` uint8 view of a host buffer (``None`` on a GPU).
 
         Raises:
             LayoutMismatchError: names, dtypes, shapes or row counts disagree, or a
                 buffer is not contiguous.
         """
-        items = _items(batch)
+        return self._match(batch, n)
+
+    def _match(self, buffers: Any, rows: int | None) -> list[Target]:
+        items = _items(buffers)
         if len(items) != len(self.specs):
             raise LayoutMismatchError(f"buffers have {len(items)} entries, the layout {len(self.specs)}")
+        what = "buffer" if rows is None else "batch buffer"
         pairs = []
         for spec, (name, tensor) in zip(self.specs, items):
-            if _is_torch(tensor):
-                dtype, shape, contiguous = str(tensor.dtype)[6:], tuple(tensor.shape), tensor.is_contiguous()
-            elif isinstance(tensor, np.ndarray):
-                dtype, shape, contiguous = tensor.dtype.str, tensor.shape, tensor.flags.c_contiguous
-            else:
-                _spec_of(name, tensor, spec.offset)          # raises: not a tensor
-                raise AssertionError("unreachable")
-            if name != spec.name or dtype != spec.dtype or shape[1:] != spec.shape or not shape:
+            dtype, shape, contiguous = _facts(name, tensor, spec.offset)
+            entry = shape if rows is None else shape[1:]
+            if name != spec.name or dtype != spec.dtype or entry != spec.shape or not shape:
                 raise LayoutMismatchError(
-                    f"batch buffer {name or 'pages'}: {dtype}{list(shape)} cannot receive rows of "
-                    f"{spec.dtype}{list(spec.shape)}; allocate (pages, *shape) buffers of the "
-                    "stored layout")
-            if shape[0] < n:
-                raise LayoutMismatchError(
-                    f"batch buffer {name or 'pages'} has {shape[0]} rows; the plan restores {n}")
+                    f"{what} {name or 'page'}: {dtype}{list(shape)} cannot receive "
+                    f"{'' if rows is None else 'rows of '}{spec.dtype}{list(spec.shape)}; "
+                    "allocate buffers of the stored layout"
+                    + ("" if rows is None else ", (pages, *shape) for a batch"))
+            if rows is not None and shape[0] < rows:
+                raise LayoutMismatchError(f"{what} {name or 'pages'} has {shape[0]} rows; the "
+                                          f"plan restores {rows}")
             if not contiguous:
-                raise LayoutMismatchError(f"batch buffer {name or 'pages'} must be contiguous")
-            if _is_torch(tensor):
-                host = None if tensor.is_cuda else tensor.view(-1).view(_torch().uint8).numpy()
-            else:
-                host = tensor.reshape(-1).view(np.uint8)
-            pairs.append(Target(spec, tensor, None if host is None else host.reshape(shape[0], -1)))
+                raise LayoutMismatchError(f"{what} {name or 'page'} must be contiguous")
+            host = _host_bytes(tensor)
+            if host is not None and rows is not None:
+                host = host.reshape(shape[0], -1)
+            pairs.append(Target(spec, tensor, host))
         return pairs
 
     # -- persistence ------------------------------------------------------------------
@@ -224,6 +195,23 @@ def _items(value: Any) -> list[tuple[str, Any]]:
                 raise LayoutMismatchError(f"dict keys must be non-empty strings, got {name!r}")
         return sorted(value.items())
     return [(_SINGLE, value)]
+
+
+def _facts(name: str, tensor: Any, offset: int) -> tuple[str, tuple[int, ...], bool]:
+    """Dtype string, shape and C-contiguity of a caller buffer (raises for what is not one)."""
+    if _is_torch(tensor):
+        return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tensor.is_contiguous()
+    if isinstance(tensor, np.ndarray):
+        return tensor.dtype.str, tensor.shape, tensor.flags.c_contiguous
+    _spec_of(name, tensor, offset)      # raises LayoutMismatchError: not a tensor
+    raise AssertionError("unreachable")
+
+
+def _host_bytes(tensor: Any) -> np.ndarray | None:
+    """A contiguous host buffer as flat uint8 (no copy); None for a GPU tensor."""
+    if _is_torch(tensor):
+        return None if tensor.is_cuda else tensor.view(-1).view(_torch().uint8).numpy()
+    return tensor.reshape(-1).view(np.uint8)
 
 
 class Target(NamedTuple):

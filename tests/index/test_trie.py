@@ -175,12 +175,7 @@ class IndexMachine(RuleBasedStateMachine):
         prompt = P(tokens)
         k = data.draw(st.integers(0, prompt.nblocks - 1))
         self.ix.add_page(prompt, k, "host", 10)
-        end = prompt.block_end(k)
-        page = tuple(tokens[:end])
-        self.pages[page] = True
-        for c, covers in self.ckpts.items():
-            if (len(c) - 1) // B == k and len(c) <= end and page[: len(c)] == c:
-                covers.add(page)
+        self.model_put(tokens, prompt, k)
 
     @rule(tokens=prompts, data=st.data())
     def put_run(self, tokens, data):
@@ -191,12 +186,17 @@ class IndexMachine(RuleBasedStateMachine):
         nids = self.ix.add_pages(prompt, a, b, "host", 10)
         assert len(nids) == b - a
         for k in range(a, b):
-            end = prompt.block_end(k)
-            page = tuple(tokens[:end])
-            self.pages[page] = True
-            for c, covers in self.ckpts.items():
-                if (len(c) - 1) // B == k and len(c) <= end and page[: len(c)] == c:
-                    covers.add(page)
+            self.model_put(tokens, prompt, k)
+
+    def model_put(self, tokens, prompt, k):
+        """The model's side of holding the page of block ``k``: it covers checkpoints
+        inside its block that it begins with."""
+        end = prompt.block_end(k)
+        page = tuple(tokens[:end])
+        self.pages[page] = True
+        for c, covers in self.ckpts.items():
+            if (len(c) - 1) // B == k and len(c) <= end and page[: len(c)] == c:
+                covers.add(page)
 
     @rule(tokens=prompts, data=st.data())
     def put_state(self, tokens, data):

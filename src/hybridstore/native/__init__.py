@@ -34,7 +34,7 @@ its extension is built and fall back to the twin otherwise.
     twin and API: :func:`hybridstore.backends.gather.gather_rows`.
 
 ``_buffers.h``
-    The integer-buffer checks ``_hashing``, ``_trie`` and ``_gather`` share.
+    The integer-buffer checks every extension here shares.
 
 Building: ``python setup.py build_ext --inplace`` (or any pip install of the
 package) compiles them with a C11 compiler; when none is available the build

@@ -1,4 +1,4 @@
-/* Buffer helpers shared by hybridstore's C extensions (_hashing, _trie).
+/* Buffer helpers shared by hybridstore's C extensions (_hashing, _trie, _gather, _u64map).
  *
  * Header-only: each extension is its own shared object, so the helpers are
  * static functions compiled into each of them.  Include after Python.h.
@@ -8,10 +8,13 @@
 
 #include <string.h>
 
-/* 1 when fmt names a native-order integer type of any size, else 0. */
-static inline int is_native_int_format(const char *fmt) {
+/*
+ * 'i' when fmt names a native-order signed integer type, 'u' for unsigned,
+ * 0 otherwise (the integer formats the other extensions accept, by kind).
+ */
+static inline char native_int_kind(const char *fmt) {
     if (fmt == NULL) {
-        return 1; /* PyBUF_FORMAT not honoured: treat as unsigned bytes */
+        return 'u'; /* no format given: unsigned bytes */
     }
     if (*fmt == '@' || *fmt == '=') {
         fmt++;
@@ -31,7 +34,18 @@ static inline int is_native_int_format(const char *fmt) {
     if (fmt[0] == '\0' || fmt[1] != '\0') {
         return 0;
     }
-    return strchr("bBhHiIlLqQnN", fmt[0]) != NULL;
+    if (strchr("bhilqn", fmt[0]) != NULL) {
+        return 'i';
+    }
+    if (strchr("BHILQN", fmt[0]) != NULL) {
+        return 'u';
+    }
+    return 0;
+}
+
+/* 1 when fmt names a native-order integer type of any size, else 0. */
+static inline int is_native_int_format(const char *fmt) {
+    return native_int_kind(fmt) != 0;
 }
 
 /* Get a C-contiguous buffer of integer items of itemsize bytes, with extra

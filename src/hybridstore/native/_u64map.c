@@ -46,6 +46,7 @@
 
 #include <stdint.h>
 #include <string.h>
+#include "_buffers.h"
 
 #define SLOT_BYTES 12    /* uint64 key + int32 value, packed */
 #define VALUE_OFFSET 8
@@ -306,40 +307,6 @@ static int value_from_object(PyObject *obj, int32_t *value) {
 /* ------------------------------------------------------------------------ */
 /* buffer helpers                                                            */
 
-/*
- * 'i' when fmt names a native-order signed integer type, 'u' for unsigned,
- * 0 otherwise (the integer formats the other extensions accept, by kind).
- */
-static char native_int_kind(const char *fmt) {
-    if (fmt == NULL) {
-        return 'u'; /* no format given: unsigned bytes */
-    }
-    if (*fmt == '@' || *fmt == '=') {
-        fmt++;
-    } else if (*fmt == '<' || *fmt == '>' || *fmt == '!') {
-#if defined(__BYTE_ORDER__) && defined(__ORDER_LITTLE_ENDIAN__) && \
-    __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-        if (*fmt != '<') {
-            return 0;
-        }
-#else
-        if (*fmt == '<') {
-            return 0;
-        }
-#endif
-        fmt++;
-    }
-    if (fmt[0] == '\0' || fmt[1] != '\0') {
-        return 0;
-    }
-    if (strchr("bhilqn", fmt[0]) != NULL) {
-        return 'i';
-    }
-    if (strchr("BHILQN", fmt[0]) != NULL) {
-        return 'u';
-    }
-    return 0;
-}
 
 /*
  * Get a 1-D C-contiguous buffer of native integers for argument `what`.
