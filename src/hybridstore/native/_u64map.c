@@ -569,46 +569,15 @@ PyDoc_STRVAR(get_many_doc,
 "read bit for bit).  out: writable 1-D C-contiguous int64 buffer of the\n"
 "same length.  Returns None.");
 
-static PyObject *U64Map_get_many(U64MapObject *m, PyObject *const *args,
-                                 Py_ssize_t nargs) {
+/*
+ * get_many and prefix_many: look keys up in order into out; with stop_at_miss,
+ * stop at the first missing key and return how many were found (Python int),
+ * else write MISSING for missing keys and return None.
+ */
+static PyObject *lookup_many(U64MapObject *m, PyObject *const *args, Py_ssize_t nargs,
+                             const char *name, int stop_at_miss) {
     if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "get_many expected 2 arguments, got %zd", nargs);
-        return NULL;
-    }
-    Py_buffer kv, ov;
-    if (get_keys(args[0], &kv) < 0) {
-        return NULL;
-    }
-    if (get_out(args[1], &ov, &kv) < 0) {
-        PyBuffer_Release(&kv);
-        return NULL;
-    }
-    const uint64_t *keys = kv.buf;
-    int64_t *out = ov.buf;
-    Py_ssize_t n = kv.shape[0];
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n) {
-            PREFETCH(slot_at(m, home_of(m, keys[i + PREFETCH_AHEAD])));
-        }
-        const unsigned char *s = find(m, keys[i]);
-        out[i] = s == NULL ? MISSING : slot_value(s);
-    }
-    PyBuffer_Release(&ov);
-    PyBuffer_Release(&kv);
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(prefix_many_doc,
-"prefix_many(keys, out, /)\n--\n\n"
-"Look keys up in order until the first missing one; return the count k of\n"
-"leading keys found.  out[:k] receives their values; out[k:] is untouched.\n"
-"Arguments as for get_many.");
-
-static PyObject *U64Map_prefix_many(U64MapObject *m, PyObject *const *args,
-                                    Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "prefix_many expected 2 arguments, got %zd",
-                     nargs);
+        PyErr_Format(PyExc_TypeError, "%s expected 2 arguments, got %zd", name, nargs);
         return NULL;
     }
     Py_buffer kv, ov;
@@ -628,14 +597,33 @@ static PyObject *U64Map_prefix_many(U64MapObject *m, PyObject *const *args,
             PREFETCH(slot_at(m, home_of(m, keys[i + PREFETCH_AHEAD])));
         }
         const unsigned char *s = find(m, keys[i]);
-        if (s == NULL) {
+        if (s == NULL && stop_at_miss) {
             break;
         }
-        out[i] = slot_value(s);
+        out[i] = s == NULL ? MISSING : slot_value(s);
     }
     PyBuffer_Release(&ov);
     PyBuffer_Release(&kv);
-    return PyLong_FromSsize_t(i);
+    if (stop_at_miss) {
+        return PyLong_FromSsize_t(i);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *U64Map_get_many(U64MapObject *m, PyObject *const *args,
+                                 Py_ssize_t nargs) {
+    return lookup_many(m, args, nargs, "get_many", 0);
+}
+
+PyDoc_STRVAR(prefix_many_doc,
+"prefix_many(keys, out, /)\n--\n\n"
+"Look keys up in order until the first missing one; return the count k of\n"
+"leading keys found.  out[:k] receives their values; out[k:] is untouched.\n"
+"Arguments as for get_many.");
+
+static PyObject *U64Map_prefix_many(U64MapObject *m, PyObject *const *args,
+                                    Py_ssize_t nargs) {
+    return lookup_many(m, args, nargs, "prefix_many", 1);
 }
 
 /*
