@@ -212,3 +212,31 @@ def test_pool_acquire_many_holds_nothing_when_a_key_is_missing():
     pool.release_many([b"a" * 17])
     assert pool._refs == {}
     pool.close()
+
+
+def test_device_batch_path_copies_only_filled_rows(tmp_path):
+    """The GPU branch of the batch gather (staged host rows, one copy per run of filled
+    rows), driven with a CPU tensor standing in for device memory: rows of skipped pages
+    (here: 1 and 4..5) must keep their bytes."""
+    from hybridstore.layout import Target
+
+    tokens = RNG.integers(0, 150_000, 8 * B)
+    with HybridStore(cfg(tmp_path, disk_path=None)) as store:
+        pages, _ = put_prompt(store, tokens)
+        plan = store.match(tokens)
+        okeys = [bytes((1,)) + k for k in plan.page_keys]
+        pool = store.tiers["host"]
+        keep = [0, 2, 3, 6, 7]
+        pool.acquire_many([okeys[i] for i in keep])
+        try:
+            batch = empty_batch(8, fill=5.0)
+            targets = [Target(t.spec, t.buffer, None)      # "device": no host view
+                       for t in store._layouts[1].batch_targets(batch, 8)]
+            rows = {"host": ([okeys[i] for i in keep], keep)}
+            store._gather_batch(rows, None, [], targets, 8)
+        finally:
+            pool.release_many([okeys[i] for i in keep])
+        assert_rows(batch, pages, keep)
+        for i in (1, 4, 5):
+            assert bool((batch["k"][i] == 5.0).all()) and bool((batch["v"][i] == 5.0).all())
+        store.release(plan)
