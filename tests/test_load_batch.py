@@ -240,3 +240,35 @@ def test_device_batch_path_copies_only_filled_rows(tmp_path):
         for i in (1, 4, 5):
             assert bool((batch["k"][i] == 5.0).all()) and bool((batch["v"][i] == 5.0).all())
         store.release(plan)
+
+
+def test_zero_dim_state_entries_load_into_buffers(tmp_path):
+    """A state dict with a scalar entry (a step counter) restores into caller buffers."""
+    tokens = RNG.integers(0, 150_000, 4 * B)
+    with HybridStore(cfg(tmp_path, disk_path=None)) as store:
+        prompt = store.prefix(tokens)
+        store.put_kv(prompt, [page_of(k) for k in range(4)])
+        store.put_state(prompt, {"ssm": torch.ones(4, 16), "step": np.array(8)})
+        plan = store.match(tokens)
+        sbuf = {"ssm": torch.empty(4, 16), "step": np.array(0)}
+        store.load(plan, into=(empty_batch(4), sbuf)).result()
+        assert int(sbuf["step"]) == 8 and bool((sbuf["ssm"] == 1).all())
+        store.release(plan)
+
+
+def test_a_failed_load_drops_every_pool_hold(tmp_path):
+    """The checkpoint vanished behind the index's back: load raises, and the page slots
+    it had already held are released (no slot stays pinned forever)."""
+    from hybridstore import CorruptObjectError
+    from hybridstore.backends.base import ObjectKind, object_key
+
+    tokens = RNG.integers(0, 150_000, 6 * B)
+    with HybridStore(cfg(tmp_path, disk_path=None)) as store:
+        put_prompt(store, tokens)
+        plan = store.match(tokens)
+        pool = store.tiers["host"]
+        pool.delete(object_key(ObjectKind.STATE, plan.state_key))
+        with pytest.raises(CorruptObjectError):
+            store.load(plan, into=(empty_batch(6), {"ssm": torch.empty(4, 16)})).result()
+        assert pool._refs == {}
+        store.release(plan)

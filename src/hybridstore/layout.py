@@ -158,7 +158,8 @@ class Layout:
         for spec, (name, tensor) in zip(self.specs, items):
             dtype, shape, contiguous = _facts(name, tensor, spec.offset)
             entry = shape if rows is None else shape[1:]
-            if name != spec.name or dtype != spec.dtype or entry != spec.shape or not shape:
+            if (name != spec.name or dtype != spec.dtype or entry != spec.shape
+                    or (rows is not None and not shape)):
                 raise LayoutMismatchError(
                     f"{what} {name or 'page'}: {dtype}{list(shape)} cannot receive "
                     f"{'' if rows is None else 'rows of '}{spec.dtype}{list(spec.shape)}; "

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -94,8 +94,9 @@ def _page_object_keys(blob: bytes) -> list[bytes]:
 
 
 def _is_batch(pages: Any) -> bool:
-    """Whether ``into``'s pages are one page-major batch (not a list of page buffers)."""
-    return not isinstance(pages, (list, tuple))
+    """Whether ``into``'s pages are one page-major batch (a tensor/array, or a dict of
+    them) rather than a sequence of per-page buffers."""
+    return isinstance(pages, Mapping) or hasattr(pages, "shape")
 
 
 class _Victims:
@@ -292,15 +293,19 @@ class HybridStore:
         new pages land together (:meth:`_land_pages`).  Returns the pages newly stored."""
         stop = prompt.nblocks
         pos, stored = first, 0
+        held = self.index.held_tiers(prompt, first, stop) != 0
         while pos < stop:
-            # Re-read after every run: landing one may have evicted pages of the next.
-            held = self.index.held_tiers(prompt, pos, stop) != 0
-            change = np.flatnonzero(held != held[0])
+            rest = held[pos - first:]
+            change = np.flatnonzero(rest != rest[0])
             end = pos + (int(change[0]) if change.size else stop - pos)
-            if held[0]:
+            if rest[0]:
                 self.index.add_pages(prompt, pos, end, None, nbytes)
             else:
+                evictions = self._counters["evictions"]
                 stored += self._land_pages(prompt, pos, end, nbytes, pack, first)
+                if self._counters["evictions"] != evictions and end < stop:
+                    # Making room may have evicted pages of the runs still to come.
+                    held[end - first:] = self.index.held_tiers(prompt, end, stop) != 0
             pos = end
         return stored
 
@@ -663,7 +668,7 @@ class HybridStore:
             plan: a live plan from :meth:`match`.
             into: optional ``(pages, state_buffers)``, host or device buffers of
                 the stored layout.  ``pages`` is either a list/tuple of at
-                least ``len(plan.page_keys)`` page buffers (tensor or dict of
+                least ``len(plan.pages)`` page buffers (tensor or dict of
                 tensors each), or one *page-major batch*: a tensor (dict of
                 tensors) whose first dimension indexes pages, row ``i`` for
                 page ``i`` — restored with one gather per entry from the pinned
@@ -692,11 +697,16 @@ class HybridStore:
             page_keys = _page_object_keys(plan.page_blob)
             jobs = [(okey, ObjectKind.PAGE) for okey in page_keys]
             sources = self._page_sources(plan, page_keys, skip_tiers)
-            if plan.state_key is not None:
-                jobs.append((object_key(ObjectKind.STATE, plan.state_key), ObjectKind.STATE))
-                sources.append(self._source(jobs[-1][0], skip_tiers))
+            try:
+                if plan.state_key is not None:
+                    jobs.append((object_key(ObjectKind.STATE, plan.state_key), ObjectKind.STATE))
+                    sources.append(self._source(jobs[-1][0], skip_tiers))
+                fut = self._io.submit(self._run_load, plan, jobs, sources, into, targets)
+            except BaseException:
+                self._release_sources(jobs, sources)   # the pool slots held for this load
+                raise
             self._counters["loads"] += 1
-        return self._io.submit(self._run_load, plan, jobs, sources, into, targets)
+        return fut
 
     def _check_into(self, plan: ResumePlan, into: tuple[Any, Any]) -> list[list[Target]]:
         """The matched buffers of every object of the plan; raises on a mismatch.
@@ -705,7 +715,7 @@ class HybridStore:
         entry of the page layout (``host``: its ``(rows, nbytes)`` byte view).
         """
         page_bufs, state_buf = into
-        n = len(plan.page_keys)
+        n = len(plan.pages)
         if _is_batch(page_bufs):
             out = [self._layouts[ObjectKind.PAGE].batch_targets(page_bufs, n) if n else []]
             if plan.state_key is not None:
@@ -734,21 +744,28 @@ class HybridStore:
             return [self._source(okey, skip) for okey in okeys]
         names = np.array([None if name in skip else name for name in self._chain], object)
         sources: list[str | None] = names[rank].tolist()
-        for r, name in enumerate(self._chain):
-            tier = self.tiers[name]
-            if name in skip:
-                continue
-            here = np.flatnonzero(rank == r).tolist()
-            if isinstance(tier, HostPool):
-                try:
-                    tier.acquire_many([okeys[i] for i in here])
+        held = [None] * n           # what this call holds, released if it fails part-way
+        try:
+            for r, name in enumerate(self._chain):
+                tier = self.tiers[name]
+                if name in skip:
                     continue
-                except KeyError:  # index and pool disagree: _source finds what is there
-                    pass
-            for i in here:        # a byte tier: checked one by one (its reads cost more)
-                if not isinstance(tier, HostPool) and tier.contains(okeys[i]):
-                    continue
-                sources[i] = self._source(okeys[i], skip)
+                here = np.flatnonzero(rank == r).tolist()
+                if isinstance(tier, HostPool):
+                    try:
+                        tier.acquire_many([okeys[i] for i in here])
+                        for i in here:
+                            held[i] = name
+                        continue
+                    except KeyError:  # index and pool disagree: _source finds what is there
+                        pass
+                for i in here:        # a byte tier: checked one by one (its reads cost more)
+                    if not isinstance(tier, HostPool) and tier.contains(okeys[i]):
+                        continue
+                    sources[i] = held[i] = self._source(okeys[i], skip)
+        except BaseException:
+            self._release_sources([(k, ObjectKind.PAGE) for k in okeys], held)
+            raise
         return sources
 
     def _source(self, okey: bytes, skip: Sequence[str] = ()) -> str | None:
@@ -781,17 +798,17 @@ class HybridStore:
         devices: set[Any] = set()          # CUDA devices with copies from pool slots in flight
         # A page-major batch: page i is row i, restored by one gather per entry below.
         batch = into is not None and _is_batch(into[0])
-        n_batch = len(plan.page_keys) if batch else 0
+        n_batch = len(plan.pages) if batch else 0
         rows: dict[str | None, tuple[list[bytes], list[int]]] = {}   # by tier (None: own reads)
         # One 4 KiB-aligned arena for every object that needs a buffer of its own (reads from
         # a byte tier, or copies out of a pool slot when there is no `into`), instead of one
         # allocation per object: plans run to thousands of pages.
-        own = [self._needs_buffer(src, into is not None) for src in sources]
-        sizes = [-(-self._layouts[kind].nbytes // 4096) * 4096 if mine else 0
-                 for (_, kind), mine in zip(jobs, own)]
-        arena = aligned_empty(sum(sizes)) if any(own) else None
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
         try:
+            own = [self._needs_buffer(src, into is not None) for src in sources]
+            sizes = [-(-self._layouts[kind].nbytes // 4096) * 4096 if mine else 0
+                     for (_, kind), mine in zip(jobs, own)]
+            arena = aligned_empty(sum(sizes)) if any(own) else None
+            offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
             for i, ((okey, kind), src) in enumerate(zip(jobs, sources)):
                 layout = self._layouts[kind]
                 if src is None:                   # skipped: resident in the engine's tier
@@ -827,7 +844,7 @@ class HybridStore:
                         self._forget(jobs[i][0], "disk", self._layouts[jobs[i][1]].nbytes)
                     raise
             if batch and targets is not None and rows:
-                devices |= self._gather_batch(rows, arena, offsets, targets[0], n_batch)
+                self._gather_batch(rows, arena, offsets, targets[0], n_batch)
             for i, ((okey, kind), buf) in enumerate(zip(jobs, bufs)):
                 if i < n_batch:
                     continue
@@ -849,24 +866,30 @@ class HybridStore:
 
                 for device in devices:
                     torch.cuda.current_stream(device).synchronize()
-            held: dict[str, list[bytes]] = {}
-            for (okey, _), src in zip(jobs, sources):
-                if src is not None and isinstance(self.tiers[src], HostPool):
-                    held.setdefault(src, []).append(okey)   # _source acquired it
-            for name, keys in held.items():
-                self.tiers[name].release_many(keys)    # type: ignore[attr-defined]
+            self._release_sources(jobs, sources)
         if batch:
             return into[0], (outputs[-1] if plan.state_key is not None else None)  # type: ignore[index]
         if plan.state_key is None:
             return outputs, None
         return outputs[:-1], outputs[-1]
 
+    def _release_sources(self, jobs: list[tuple[bytes, ObjectKind]],
+                         sources: Sequence[str | None]) -> None:
+        """Drop the pool-slot holds :meth:`_source` / :meth:`_page_sources` took for a load."""
+        held: dict[str, list[bytes]] = {}
+        for (okey, _), src in zip(jobs, sources):
+            if src is not None and isinstance(self.tiers[src], HostPool):
+                held.setdefault(src, []).append(okey)
+        for name, keys in held.items():
+            self.tiers[name].release_many(keys)    # type: ignore[attr-defined]
+
     def _gather_batch(self, rows: dict[str | None, tuple[list[bytes], list[int]]],
                       arena: np.ndarray | None, offsets: list[int], targets: list[Target],
-                      n: int) -> set[Any]:
+                      n: int) -> None:
         """Fill the rows of a page-major batch: one gather per layout entry over every
         page, from the pool's arenas (``rows[tier]``) and the load's own reads
-        (``rows[None]``, at ``offsets`` in ``arena``).  Returns the CUDA devices copied to."""
+        (``rows[None]``, at ``offsets`` in ``arena``).  A device batch is staged in pinned
+        host rows, copied and synchronised here: nothing is left in flight."""
         sources: list[np.ndarray] = []
         which, where, at = [], [], []
         for name, (keys, idx) in rows.items():
@@ -880,26 +903,26 @@ class HybridStore:
             where.append(part[2])
             at.append(np.asarray(idx, np.int64))
         w, o, r = np.concatenate(which), np.concatenate(where), np.concatenate(at)
-        devices: set[Any] = set()
         for target in targets:
             spec = target.spec
             if target.host is not None:
                 gather_rows(sources, w, o, r, spec.offset, spec.nbytes, target.host)
                 continue
-            # A GPU batch: gather into host rows, then one copy per run of filled rows
-            # (rows skipped because the engine holds them stay untouched).
+            # A GPU batch: gather into pinned host rows, then one async H2D copy per run
+            # of filled rows (rows skipped because the engine holds them stay untouched).
             import torch
 
-            staged = np.empty((n, spec.nbytes), np.uint8)
-            gather_rows(sources, w, o, r, spec.offset, spec.nbytes, staged)
+            cuda = bool(target.buffer.is_cuda)
+            staged = torch.empty((n, spec.nbytes), dtype=torch.uint8, pin_memory=cuda)
+            gather_rows(sources, w, o, r, spec.offset, spec.nbytes, staged.numpy())
             filled = np.zeros(n + 1, bool)
             filled[r] = True
             edges = np.flatnonzero(np.diff(np.concatenate([[False], filled])))
             flat = target.buffer.view(target.buffer.shape[0], -1).view(torch.uint8)
             for a, b in zip(edges[0::2].tolist(), edges[1::2].tolist()):
-                flat[a:b].copy_(torch.from_numpy(staged[a:b]))
-            devices.add(target.buffer.device)
-        return devices
+                flat[a:b].copy_(staged[a:b], non_blocking=cuda)
+            if cuda:   # the staging rows must outlive the copies
+                torch.cuda.current_stream(target.buffer.device).synchronize()
     # -- eviction ---------------------------------------------------------------------
     def evict(self, nbytes: int, tier: str = "host") -> int:
         """Free at least ``nbytes`` of ``tier`` if the policy and pins allow.
@@ -1013,11 +1036,14 @@ class HybridStore:
         index = self.index
         want = max(1, min(4096, -(-owed // max(1, self.tiers[tier].charge(
             index.page_nbytes(int(victim.ref)))))))
-        run = [victim]
+        run, seen = [victim], {victim.ref}
         for nxt in victims:
             if nxt.kind != ObjectKind.PAGE:
                 victims.push_back([nxt])
                 break
+            if nxt.ref in seen:        # named twice: the second time there is nothing to free
+                continue
+            seen.add(nxt.ref)
             run.append(nxt)
             if len(run) >= want:
                 break
@@ -1057,8 +1083,9 @@ class HybridStore:
         if self._eviction.dependency_aware:
             ok &= ~last | (deps == 0)
         cand = np.flatnonzero(ok)
-        okeys = _page_object_keys(index.page_keys_blob(ids[cand]))
+        okeys: list[bytes] | None = None          # built for what is evicted, unless needed here
         if self._inflight:
+            okeys = _page_object_keys(index.page_keys_blob(ids[cand]))
             free_now = np.fromiter((not self._inflight[k] for k in okeys), bool, len(okeys))
             cand, okeys = cand[free_now], [k for k, f in zip(okeys, free_now.tolist()) if f]
         sizes = nbytes[cand]
@@ -1070,14 +1097,15 @@ class HybridStore:
         cum = np.cumsum(charges)
         n = int(np.searchsorted(cum, owed)) + 1   # the first prefix that frees `owed`
         if n <= len(cand):
-            cand, okeys, charges = cand[:n], okeys[:n], charges[:n]
+            cand, charges = cand[:n], charges[:n]
             considered = int(cand[-1]) + 1
         else:
             considered = len(ids)
         if not len(cand):
             return 0, considered
         sel = ids[cand]
-        t.delete_many(okeys)
+        t.delete_many(okeys[:len(cand)] if okeys is not None
+                      else _page_object_keys(index.page_keys_blob(sel)))
         self._forget_pages(sel, tier, last[cand])
         freed = int(charges.sum())
         self._kind_bytes[tier][ObjectKind.PAGE] -= freed

@@ -168,11 +168,20 @@ class IndexMachine(RuleBasedStateMachine):
         self.pages: dict[tuple, bool] = {}
         self.ckpts: dict[tuple, set[tuple]] = {}
         self.plans: list = []
+        self.prompts: dict[tuple, PrefixKeys] = {}
+
+    def prompt(self, tokens) -> PrefixKeys:
+        """One PrefixKeys per token sequence, reused across rules as an engine reuses a
+        request's: its cached path must survive other prompts' evictions and id reuse."""
+        key = tuple(tokens)
+        if key not in self.prompts:
+            self.prompts[key] = P(tokens)
+        return self.prompts[key]
 
     # -- operations ----------------------------------------------------------------
     @rule(tokens=prompts, data=st.data())
     def put_page(self, tokens, data):
-        prompt = P(tokens)
+        prompt = self.prompt(tokens)
         k = data.draw(st.integers(0, prompt.nblocks - 1))
         self.ix.add_page(prompt, k, "host", 10)
         self.model_put(tokens, prompt, k)
@@ -180,7 +189,7 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(tokens=prompts, data=st.data())
     def put_run(self, tokens, data):
         """A run of pages in one call (the store's batched put)."""
-        prompt = P(tokens)
+        prompt = self.prompt(tokens)
         a = data.draw(st.integers(0, prompt.nblocks - 1))
         b = data.draw(st.integers(a + 1, prompt.nblocks))
         nids = self.ix.add_pages(prompt, a, b, "host", 10)
@@ -201,7 +210,7 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(tokens=prompts, data=st.data())
     def put_state(self, tokens, data):
         p = data.draw(st.integers(1, len(tokens)))
-        self.ix.add_checkpoint(P(tokens), p, "host", 10)
+        self.ix.add_checkpoint(self.prompt(tokens), p, "host", 10)
         c = tuple(tokens[:p])
         if c not in self.ckpts:
             k = (p - 1) // B
@@ -210,7 +219,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(tokens=prompts, limit=st.none() | st.integers(0, 18))
     def match(self, tokens, limit):
-        plan = self.ix.match(P(tokens), limit)
+        plan = self.ix.match(self.prompt(tokens), limit)
         assert plan.position == self.deepest(tuple(tokens), limit), (tokens, plan)
         if plan.position:
             c = tuple(tokens[: plan.position])
@@ -355,3 +364,19 @@ def test_memory_per_cached_block_is_small():
     per_block = ix.memory_bytes() / ix.n_pages
     assert ix.n_pages == 10_000
     assert per_block < 400, per_block
+
+
+def test_cached_path_survives_id_reuse():
+    """A PrefixKeys kept across other prompts' evictions (as an engine keeps a request's):
+    its cached node ids may be freed and handed to other pages; the index must notice."""
+    ix = HybridIndex(B, ROOT)
+    prompt = P(range(12))
+    x = int(ix.add_pages(P([100, 101, 102, 103]), 0, 1, "host", 10)[0])
+    a, b = ix.add_pages(prompt, 0, 2, "host", 10).tolist()
+    ix.drop_pages_tier(np.array([a, b]), "host")                  # free list: b, a
+    z = int(ix.add_pages(P([200, 201, 202, 203]), 0, 1, "host", 10)[0])   # takes a
+    ix.drop_pages_tier(np.array([x]), "host")                     # free list: b, x
+    fresh = ix.add_pages(P(range(12)), 0, 2, "host", 10).tolist()  # takes x, b
+    assert ix.add_pages(prompt, 0, 2, "host", 10).tolist() == fresh
+    ix.add_checkpoint(prompt, 10, "host", 10)
+    assert ix.page_info(z)["deps"] == 0 and ix.check_refcounts()

@@ -322,7 +322,7 @@ class CachedModel:
         if not p:
             return 0, {}, cache
         restored = {tier: n for tier, (n, _) in self.store.restore_cost(plan).items()}
-        npages = len(plan.page_keys)
+        npages = len(plan.pages)
         stage = {e.name: torch.empty((npages, *e.shape), dtype=e.dtype, device=device)
                  for e in spec.pages}
         state = spec.empty_state(device)

@@ -104,21 +104,21 @@ class AccountingTier(ObjectTable):
             CapacityError: they do not all fit (none is recorded).
         """
         charged = self.charge(nbytes)
-        entry = _Entry(nbytes, charged, meta)
+        new = dict.fromkeys(keys, _Entry(nbytes, charged, meta))     # a repeated key counts once
         with self._lock:
             self._check_open()
             objects = self._objects
-            replaced = 0 if objects.keys().isdisjoint(keys) else sum(
-                objects[k][1] for k in objects.keys() & keys)
-            used = self._used - replaced + charged * len(keys)
+            replaced = 0 if objects.keys().isdisjoint(new) else sum(
+                objects[k][1] for k in objects.keys() & new.keys())
+            used = self._used - replaced + charged * len(new)
             if used > self._capacity:
                 raise CapacityError(
                     f"the {self.name} tier has no room for {len(keys)} objects of {nbytes} bytes "
                     f"({self._used} of {self._capacity} bytes in use); evict objects and retry")
-            objects.update(dict.fromkeys(keys, entry))
+            objects.update(new)
             self._used = used
-            self._counts["puts"] += len(keys)
-            self._counts["bytes_in"] += nbytes * len(keys)
+            self._counts["puts"] += len(new)
+            self._counts["bytes_in"] += nbytes * len(new)
 
     def get_into(self, key: ObjectKey, out: Any) -> Future:
         """The future yields ``nbytes``; ``out`` (may be ``None``) is left untouched."""

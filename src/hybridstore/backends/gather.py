@@ -39,7 +39,7 @@ def gather_rows(sources: Sequence[np.ndarray], which: np.ndarray, offsets: np.nd
         IndexError: an index reads or writes out of bounds (nothing is copied).
         ValueError: the arrays disagree in length, or a row is shorter than ``nbytes``.
     """
-    if dst.ndim != 2 or not dst.flags.c_contiguous:
+    if dst.ndim != 2 or not dst.flags.c_contiguous or dst.dtype != np.uint8:
         raise ValueError("dst must be a C-contiguous 2-D uint8 array")
     stride = dst.shape[1]
     if _native is not None:

@@ -28,13 +28,15 @@ from hybridstore.index import keys as K
 
 
 class PathCache:
-    """Node ids of a prompt's leading blocks in one index: ``ids[:n]`` (scratch)."""
+    """Node ids of a prompt's leading blocks in one index: ``ids[:n]`` (scratch), valid
+    as of the index's free generation ``frees`` (ids freed since may name other pages)."""
 
-    __slots__ = ("ids", "n")
+    __slots__ = ("ids", "n", "frees")
 
     def __init__(self, nblocks: int) -> None:
         self.ids = np.empty(nblocks, np.int64)
         self.n = 0
+        self.frees = -1
 
 
 class PrefixKeys:

@@ -199,6 +199,7 @@ class HybridIndex:
         self._parent = array("i")                # scalar-walked, so a plain array; ids < 2**31
         self._ids = U64Map(capacity)             # low 64 bits of a node's key -> its id
         self._free: list[int] = []
+        self._frees = 0                          # bumped whenever nodes are freed (path caches)
         self._n_nodes = 0
         self._high_water = 0
         self._grow(max(capacity, 16))
@@ -345,9 +346,10 @@ class HybridIndex:
 
         The ids are cached on ``prompt`` (per index), so the engine's usual
         sequence (match, put pages block by block, put states) walks each
-        block once.  A cached path is trusted when its last node still holds
-        the expected key: a node with children is never collected, so its
-        ancestors are then intact too.  The blocks past it are looked up in
+        block once.  A cached path is trusted while no node has been freed
+        since it was cached (freed ids are reused for other pages); otherwise
+        its ids are checked against the prompt's keys in one vectorised pass
+        and the prefix that still holds them is kept.  The blocks past it are looked up in
         one :meth:`~hybridstore.index.u64map.U64Map.get_many` call and the
         missing ones created together (:meth:`_alloc`, :meth:`_init_nodes`).
         """
@@ -355,16 +357,18 @@ class HybridIndex:
         ids = cache.ids
         if upto <= 0:
             return ids[:0]
-        if cache.n:
-            n = min(cache.n, upto)
-            last = int(ids[n - 1])
-            if (self._block[last] == n - 1 and int(self._klo[last]) == int(prompt.keys[n - 1, 0])
-                    and int(self._khi[last]) == int(prompt.keys[n - 1, 1])):
-                if n == upto:
-                    return ids[:cache.n]
-            else:
-                n = 0
-            cache.n = n
+        if cache.n and cache.frees != self._frees:
+            # Nodes were freed since the path was cached: an id may now name another
+            # page (freed ids are reused).  Keep the prefix that still holds its keys.
+            n = cache.n
+            cached = ids[:n]
+            ok = ((self._block[cached] == np.arange(n)) & (self._klo[cached] == prompt.keys[:n, 0])
+                  & (self._khi[cached] == prompt.keys[:n, 1]))
+            bad = np.flatnonzero(~ok)
+            cache.n = int(bad[0]) if bad.size else n
+        cache.frees = self._frees
+        if cache.n >= upto:
+            return ids[:cache.n]
         start = cache.n
         before = int(ids[start - 1]) if start else ROOT
         lo = prompt.lo_array[start:upto]
@@ -501,6 +505,7 @@ class HybridIndex:
             self._ids.delete_many(self._klo[freed])
             self._free.extend(freed.tolist())
             self._n_nodes -= int(freed.size)
+            self._frees += 1
 
     def _collect_py(self, starts: np.ndarray) -> np.ndarray:
         """The Python twin of ``native._trie.collect`` (the same walk, one node at a time)."""

@@ -80,11 +80,14 @@ static PyObject *gather(PyObject *self, PyObject *args) {
                          (long long)which[i]);
             goto done;
         }
-        if (offsets[i] < 0 || offsets[i] + entry_off + nbytes > src[which[i]].len) {
+        /* subtraction forms: no signed overflow on hostile offsets */
+        if (offsets[i] < 0 || src[which[i]].len < entry_off + nbytes ||
+            offsets[i] > src[which[i]].len - entry_off - nbytes) {
             PyErr_Format(PyExc_IndexError, "offsets[%zd] reads past its source", i);
             goto done;
         }
-        if (rows[i] < 0 || rows[i] * stride + nbytes > dst.len) {
+        if (rows[i] < 0 || dst.len < nbytes ||
+            (stride > 0 && rows[i] > (dst.len - nbytes) / stride)) {
             PyErr_Format(PyExc_IndexError, "rows[%zd] = %lld writes past dst", i,
                          (long long)rows[i]);
             goto done;

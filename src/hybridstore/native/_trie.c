@@ -104,6 +104,12 @@ static PyObject *collect(PyObject *self, PyObject *args) {
             if (up < 0) {
                 break;
             }
+            if (up >= n) {
+                PyErr_Format(PyExc_IndexError, "node %lld has parent %d outside the index",
+                             (long long)nid, up);
+                PyMem_Free(out);
+                goto done;
+            }
             nchild[up] -= 1;
             nid = up;
         }

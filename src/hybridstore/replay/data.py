@@ -165,7 +165,7 @@ class DataObjects:
     def restore(self, store: HybridStore, plan: ResumePlan) -> float:
         """``store.load(plan)`` into a page-major batch (what an engine restores into: its
         staging buffer, not new tensors), timed; then a sample of its bytes is checked."""
-        n = len(plan.page_keys)
+        n = len(plan.pages)
         if self._batch.shape[0] < n or self._batch.shape[1] != self._page_bytes:
             self._batch = np.empty((max(n, 2 * self._batch.shape[0]), self._page_bytes), np.uint8)
         # what the GPU tier holds is resident: an engine reads only what must move
