@@ -327,6 +327,17 @@ class HybridStore:
         c = a
         while c < b:
             d = min(c + run, b)
+            try:
+                # The same room check for byte and accounting tiers, so that data mode
+                # and the simulator evict alike (docs/replay.md: equal by construction).
+                self._make_room(name, charge * (d - c), ObjectKind.PAGE)
+            except CapacityError:
+                if d - c == 1:
+                    raise
+                # Only room page by page: evicting may take this run's own
+                # earlier pages (reclaimable until their checkpoint lands).
+                run = 1
+                continue
             landed = 0
             try:
                 if tier.stores_bytes:
@@ -335,15 +346,6 @@ class HybridStore:
                                    lambda slot, i=k - first: pack(i, slot))  # type: ignore[misc]
                         landed += 1
                 else:
-                    try:
-                        self._make_room(name, charge * (d - c), ObjectKind.PAGE)
-                    except CapacityError:
-                        if d - c == 1:
-                            raise
-                        # Only room page by page: evicting may take this run's own
-                        # earlier pages (reclaimable until their checkpoint lands).
-                        run = 1
-                        continue
                     keys = okeys[c - a:d - a]
                     self._retry(name, nbytes * len(keys), lambda: tier.put_many(keys, nbytes=nbytes))
                     landed = d - c
