@@ -1051,7 +1051,7 @@ class HybridStore:
                 break
         ids = np.fromiter((v.ref for v in run), np.int64, len(run))
         if made >= 0:
-            keep = index.page_atimes(ids) <= made      # used since the ranking: skipped
+            keep = index.page_columns(ids, ("atime",))["atime"] <= made   # used since: skipped
             ids = ids[keep]
             run = [v for v, k in zip(run, keep.tolist()) if k]
         got, taken = self._evict_pages(ids, tier, owed)
@@ -1071,11 +1071,11 @@ class HybridStore:
             return 0, 0
         index, t = self.index, self.tiers[tier]
         bit = TIER_BITS[tier]
-        tiers, deps, pins, nbytes = index.page_columns4(ids)
+        cols = index.page_columns(ids, ("tiers", "deps", "pins", "nbytes"))
+        tiers, deps, pins, nbytes = cols["tiers"], cols["deps"], cols["pins"], cols["nbytes"]
         ok = ((tiers & bit) != 0) & (pins == 0)
         last = (tiers & (~bit & 0xFF)) == 0
-        below = self._below(tier)
-        if below is not None and ObjectKind.PAGE in self._tiering.spill and (ok & last).any():
+        if self._spills(ObjectKind.PAGE, tier) and (ok & last).any():
             freed = 0
             for i, nid in enumerate(ids.tolist()):
                 freed += self._evict_one(Victim(ObjectKind.PAGE, nid), tier)
@@ -1119,7 +1119,7 @@ class HybridStore:
         """The index side of dropping pages ``nids`` from ``tier`` (``last``: it held their
         only copy, so their residence ends)."""
         if last.any():
-            ages = self.index.now() - self.index.page_ctimes(nids[last])
+            ages = self.index.now() - self.index.page_columns(nids[last], ("ctime",))["ctime"]
             self.residence.observe_many(ObjectKind.PAGE, ages)
         self.index.drop_pages_tier(nids, tier)
 
@@ -1136,8 +1136,7 @@ class HybridStore:
 
     def _victims(self, tier: str, kind: ObjectKind | None) -> Iterator[Victim]:
         """The policy's order; it may leave out what :meth:`_evict_one` would refuse anyway."""
-        keep = self._eviction.dependency_aware and not (
-            self._below(tier) is not None and ObjectKind.PAGE in self._tiering.spill)
+        keep = self._eviction.dependency_aware and not self._spills(ObjectKind.PAGE, tier)
         return self._eviction.victims(self.index, tier, kind, keep_needed=keep)
 
     def _exclusive_pages(self, victim: Victim) -> np.ndarray:
@@ -1174,11 +1173,10 @@ class HybridStore:
         if self._inflight[okey]:
             return 0
         if not elsewhere:
-            below = self._below(tier)
             spilled = False
-            if below is not None and victim.kind in self._tiering.spill:
+            if self._spills(victim.kind, tier):
                 try:
-                    self._spill(okey, victim.kind, nbytes, tier, below)
+                    self._spill(okey, victim.kind, nbytes, tier, self._below(tier))  # type: ignore[arg-type]
                     spilled = True
                 except CapacityError:
                     # The tier below is full of what it must keep: the object is
@@ -1191,6 +1189,10 @@ class HybridStore:
         self._drop(okey, tier)
         self._counters["evictions"] += 1
         return freed
+
+    def _spills(self, kind: ObjectKind, tier: str) -> bool:
+        """Whether the last copy of a ``kind`` object leaving ``tier`` is written one tier down."""
+        return kind in self._tiering.spill and self._below(tier) is not None
 
     def _below(self, tier: str) -> str | None:
         """The next slower tier of this store, or None."""

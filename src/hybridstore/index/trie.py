@@ -54,6 +54,8 @@ TIER_BITS: dict[str, int] = {"device": 1, "host": 2, "disk": 4}
 _COLUMNS = ("_klo", "_khi", "_block", "_ntok", "_tiers", "_deps", "_pins", "_nchild", "_atime",
             "_ctime", "_nbytes", "_based")
 """The per-node numpy columns (struct of arrays)."""
+_RESET = ("_tiers", "_deps", "_pins", "_nchild", "_nbytes", "_based")
+"""The columns a new node starts at zero (its key, place, parent and times are set)."""
 
 
 def _split(key: bytes) -> tuple[int, int]:
@@ -236,13 +238,9 @@ class HybridIndex:
         self._khi[nid] = hi
         self._block[nid] = block
         self._ntok[nid] = ntok
-        self._tiers[nid] = 0
-        self._deps[nid] = 0
-        self._pins[nid] = 0
-        self._nchild[nid] = 0
+        for name in _RESET:
+            getattr(self, name)[nid] = 0
         self._atime[nid] = self._ctime[nid] = self._tick()
-        self._nbytes[nid] = 0
-        self._based[nid] = False
         self._parent[nid] = parent
         if parent != _NO_PARENT:
             self._nchild[parent] += 1
@@ -274,8 +272,8 @@ class HybridIndex:
         self._khi[nids] = hi
         self._block[nids] = blocks
         self._ntok[nids] = ntok
-        for col in (self._tiers, self._deps, self._pins, self._nchild, self._nbytes, self._based):
-            col[nids] = 0
+        for name in _RESET:
+            getattr(self, name)[nids] = 0
         self._atime[nids] = self._ctime[nids] = self._ticks(len(nids))
         self._parent_view()[nids] = parents
         self._nchild[parents] += 1
@@ -837,28 +835,20 @@ class HybridIndex:
         return {"ids": sel, "atime": self._atime[sel], "deps": self._deps[sel],
                 "pins": self._pins[sel], "nbytes": self._nbytes[sel], "tiers": self._tiers[sel]}
 
-    def page_columns(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        """``tiers`` and ``nbytes`` of the pages ``ids`` (vectorised, for restore costs)."""
-        return {"tiers": self._tiers[ids], "nbytes": self._nbytes[ids]}
+    def page_columns(self, ids: np.ndarray,
+                     names: tuple[str, ...] = ("tiers", "nbytes")) -> dict[str, np.ndarray]:
+        """Columns ``names`` (``tiers``, ``deps``, ``pins``, ``nbytes``, ``atime``,
+        ``ctime``, ...) of the pages ``ids``, vectorised (restore costs, batched eviction)."""
+        return {name: getattr(self, "_" + name)[ids] for name in names}
 
     def page_state(self, nid: int) -> tuple[int, int, int, int]:
         """``(tiers, deps, pins, nbytes)`` of page ``nid`` (eviction's hot path)."""
         return (int(self._tiers[nid]), int(self._deps[nid]), int(self._pins[nid]),
                 int(self._nbytes[nid]))
 
-    def page_columns4(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``(tiers, deps, pins, nbytes)`` of pages ``ids`` (batched eviction)."""
-        return self._tiers[ids], self._deps[ids], self._pins[ids], self._nbytes[ids]
-
     def page_keys_blob(self, ids: np.ndarray) -> bytes:
         """16-byte keys of pages ``ids``, concatenated in order."""
         return np.stack([self._klo[ids], self._khi[ids]], axis=1).astype("<u8").tobytes()
-
-    def page_atimes(self, ids: np.ndarray) -> np.ndarray:
-        return self._atime[ids]
-
-    def page_ctimes(self, ids: np.ndarray) -> np.ndarray:
-        return self._ctime[ids]
 
     def page_nbytes(self, nid: int) -> int:
         return int(self._nbytes[nid])
