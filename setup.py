@@ -49,6 +49,11 @@ setup(
             extra_compile_args=["-O3", "-std=c11"],
         ),
         Extension(
+            "hybridstore.native._keytable",
+            sources=["src/hybridstore/native/_keytable.c"],
+            extra_compile_args=["-O3", "-std=c11"],
+        ),
+        Extension(
             "hybridstore.native._trie",
             sources=["src/hybridstore/native/_trie.c"],
             depends=["src/hybridstore/native/_buffers.h"],

@@ -1,32 +1,28 @@
 """A tier that keeps sizes and modeled timings, never bytes (for the trace simulator).
 
 The simulator runs the real index and policies over these tiers, so simulated
-results describe the library that ships.  Every operation is a dict lookup;
-futures are shared, already-completed objects, so millions of operations
-allocate nothing per call beyond the dict entry of a stored object.
+results describe the library that ships.  The object table is a
+:class:`~hybridstore.backends.keytable.KeyTable` (compiled when built): a run of
+pages is recorded or dropped in one call over its key rows
+(:class:`~hybridstore.backends.base.KeyBatch`), with no Python work per key.
+Futures are shared, already-completed objects, so millions of operations
+allocate nothing per call beyond the table slot of a stored object.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
-from itertools import repeat
-from operator import itemgetter
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from hybridstore.backends.base import ObjectKey, ObjectTable, done_future
+from hybridstore.backends.base import KEY_BYTES, KeyBatch, ObjectKey, Tier, done_future
+from hybridstore.backends.keytable import KeyTable
 from hybridstore.errors import CapacityError, ConfigError, ObjectTooLargeError
 
 
-class _Entry(NamedTuple):
-    nbytes: int
-    charged: int
-    meta: bytes
-
-
-class AccountingTier(ObjectTable):
+class AccountingTier(Tier):
     """Sizes and modeled timings of a tier, without its bytes.
 
     Args:
@@ -59,7 +55,7 @@ class AccountingTier(ObjectTable):
         self._write_bps = write_gbps * 1e9
         self._align = alignment
         self._used = 0
-        self._objects: dict[ObjectKey, tuple[int, int, bytes]] = {}  # nbytes, charge, meta
+        self._objects = KeyTable(KEY_BYTES)     # key -> (nbytes, charged, meta)
         self._done: dict[int | None, Future] = {None: done_future()}  # shared results
         self._counts = dict.fromkeys(("puts", "gets", "bytes_in", "bytes_out"), 0)
 
@@ -91,40 +87,45 @@ class AccountingTier(ObjectTable):
                 raise CapacityError(
                     f"the {self.name} tier has no room for {nbytes} bytes ({self._used} of "
                     f"{self._capacity} bytes in use); evict objects and retry")
-            self._objects[key] = _Entry(nbytes, charged, meta)
+            self._objects.set(key, nbytes, charged, bytes(meta))
             self._used = used + charged
             self._counts["puts"] += 1
             self._counts["bytes_in"] += nbytes
         return self._done[None]
 
-    def put_many(self, keys: list[ObjectKey], *, nbytes: int, meta: bytes = b"") -> None:
+    def put_many(self, keys: Iterable[ObjectKey], *, nbytes: int, meta: bytes = b"") -> None:
         """Record many objects of one size at once (a run of pages; see :meth:`put`).
+
+        ``keys`` is best a :class:`KeyBatch` (its rows go to the table whole); a
+        key repeated in it counts once.
 
         Raises:
             CapacityError: they do not all fit (none is recorded).
         """
+        self._record(KeyBatch.from_keys(keys), nbytes, bytes(meta))
+
+    def _record(self, keys: KeyBatch, nbytes: int, meta: bytes) -> None:
         charged = self.charge(nbytes)
-        new = dict.fromkeys(keys, _Entry(nbytes, charged, meta))     # a repeated key counts once
         with self._lock:
             self._check_open()
-            objects = self._objects
-            replaced = 0 if objects.keys().isdisjoint(new) else sum(
-                objects[k][1] for k in objects.keys() & new.keys())
-            used = self._used - replaced + charged * len(new)
-            if used > self._capacity:
+            done = self._objects.put_many(keys.rows, nbytes, charged, meta,
+                                          self._capacity - self._used)
+            if done is None:
                 raise CapacityError(
                     f"the {self.name} tier has no room for {len(keys)} objects of {nbytes} bytes "
                     f"({self._used} of {self._capacity} bytes in use); evict objects and retry")
-            objects.update(new)
-            self._used = used
-            self._counts["puts"] += len(new)
-            self._counts["bytes_in"] += nbytes * len(new)
+            self._used += done[1]
+            self._counts["puts"] += len(keys)
+            self._counts["bytes_in"] += nbytes * len(keys)
 
     def get_into(self, key: ObjectKey, out: Any) -> Future:
         """The future yields ``nbytes``; ``out`` (may be ``None``) is left untouched."""
         with self._lock:
             self._check_open()
-            nbytes = self._objects[key][0]
+            entry = self._objects.get(key)
+            if entry is None:
+                raise KeyError(key)
+            nbytes = entry[0]
             self._counts["gets"] += 1
             self._counts["bytes_out"] += nbytes
             fut = self._done.get(nbytes)
@@ -139,19 +140,43 @@ class AccountingTier(ObjectTable):
     def delete(self, key: ObjectKey) -> int:
         with self._lock:
             self._check_open()
-            entry = self._objects.pop(key, None)
+            entry = self._objects.pop(key)
             if entry is None:
                 return 0
             self._used -= entry[1]
             return entry[1]
 
     def delete_many(self, keys: Iterable[ObjectKey]) -> int:
+        """Drop many objects at once (absent keys are skipped); returns the bytes freed."""
+        rows = KeyBatch.from_keys(keys).rows
         with self._lock:
             self._check_open()
-            gone = filter(None, map(self._objects.pop, keys, repeat(None)))
-            freed = sum(map(itemgetter(1), gone))
+            freed = self._objects.delete_many(rows)[1]
             self._used -= freed
             return freed
+
+    def contains(self, key: ObjectKey) -> bool:
+        with self._lock:
+            self._check_open()
+            return key in self._objects
+
+    def nbytes(self, key: ObjectKey) -> int | None:
+        with self._lock:
+            self._check_open()
+            entry = self._objects.get(key) if len(key) == KEY_BYTES else None
+            return None if entry is None else entry[0]
+
+    def meta(self, key: ObjectKey) -> bytes | None:
+        with self._lock:
+            self._check_open()
+            entry = self._objects.get(key) if len(key) == KEY_BYTES else None
+            return None if entry is None else entry[2]
+
+    def entries(self) -> Iterator[tuple[ObjectKey, int, bytes]]:
+        with self._lock:
+            self._check_open()
+            items = [(ObjectKey(k), n, m) for k, n, _, m in self._objects.items()]
+        return iter(items)
 
     def read_seconds(self, nbytes: int) -> float:
         return nbytes / self._read_bps

@@ -47,7 +47,7 @@ from __future__ import annotations
 import enum
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, ClassVar, NewType
 
@@ -78,6 +78,65 @@ def object_key(kind: ObjectKind, prefix_hash: bytes) -> ObjectKey:
 def key_kind(key: ObjectKey) -> ObjectKind:
     """The :class:`ObjectKind` of a key."""
     return ObjectKind(key[0])
+
+
+class KeyBatch(Sequence[ObjectKey]):
+    """Object keys of a run of objects, as the rows of one ``(n, 17)`` uint8 array.
+
+    The store builds the keys of a run of pages at once from the index's
+    16-byte keys.  A tier that keeps its object table natively (the
+    accounting tier's :class:`~hybridstore.backends.keytable.KeyTable`) takes
+    :attr:`rows` whole; every other tier sees an ordinary sequence of
+    :data:`ObjectKey` bytes, built on first use.  Slicing gives a batch that
+    shares the rows.
+    """
+
+    __slots__ = ("rows", "_keys")
+
+    def __init__(self, rows: np.ndarray) -> None:
+        if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[1] != KEY_BYTES:
+            raise ValueError(f"key rows must be a (n, {KEY_BYTES}) uint8 array, got "
+                             f"{rows.dtype} {rows.shape}")
+        self.rows = rows
+        self._keys: list[ObjectKey] | None = None
+
+    @classmethod
+    def of(cls, kind: ObjectKind, hashes: bytes) -> KeyBatch:
+        """Keys of ``kind`` from 16-byte prefix hashes, concatenated (``object_key`` in bulk)."""
+        if len(hashes) % 16:
+            raise ValueError(f"prefix hashes must be 16 bytes each, got {len(hashes)} bytes")
+        rows = np.empty((len(hashes) // 16, KEY_BYTES), np.uint8)
+        rows[:, 0] = int(kind)
+        rows[:, 1:] = np.frombuffer(hashes, np.uint8).reshape(-1, 16)
+        return cls(rows)
+
+    @classmethod
+    def from_keys(cls, keys: Iterable[ObjectKey]) -> KeyBatch:
+        """A batch of any keys (a :class:`KeyBatch` is returned as it is)."""
+        if isinstance(keys, KeyBatch):
+            return keys
+        keys = list(keys)
+        if any(len(k) != KEY_BYTES for k in keys):
+            raise ValueError(f"object keys are {KEY_BYTES} bytes")
+        return cls(np.frombuffer(b"".join(keys), np.uint8).reshape(-1, KEY_BYTES))
+
+    def keys(self) -> list[ObjectKey]:
+        """The keys as ``bytes``: the rows read back through a 17-byte *void* dtype, whose
+        ``tolist()`` gives whole ``bytes`` (an ``S17`` view would strip trailing NULs)."""
+        if self._keys is None:
+            self._keys = np.ascontiguousarray(self.rows).view(f"V{KEY_BYTES}").ravel().tolist()
+        return self._keys
+
+    def __len__(self) -> int:
+        return self.rows.shape[0]
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return KeyBatch(self.rows[i])
+        return self.keys()[i]
+
+    def __iter__(self) -> Iterator[ObjectKey]:
+        return iter(self.keys())
 
 
 def aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:

@@ -21,6 +21,17 @@ its extension is built and fall back to the twin otherwise.
     documentation live in :mod:`hybridstore.index.u64map`, which exports the
     native type as ``U64Map`` when it is built (``u64map.NATIVE``).
 
+``_keytable`` (``_keytable.c``)
+    ``KeyTable``, an open-addressing table from fixed-width byte keys (the
+    17-byte object keys) to ``(nbytes, charged, meta)``, for the accounting
+    tier.  Its batch methods take a whole buffer of packed keys (a uint8
+    array of shape ``(n, width)``): ``put_many`` records them against a
+    budget and undoes the batch exactly when it does not fit,
+    ``delete_many`` removes them and sums what they were charged.  Its twin,
+    ``PyKeyTable``, and the API documentation live in
+    :mod:`hybridstore.backends.keytable`, which exports the native type as
+    ``KeyTable`` when it is built (``keytable.NATIVE``).
+
 ``_trie`` (``_trie.c``)
     The index's walks up parent links: ``collect`` (remove empty childless
     pages bottom-up after evictions and releases) and ``path`` (a node's
@@ -34,7 +45,8 @@ its extension is built and fall back to the twin otherwise.
     twin and API: :func:`hybridstore.backends.gather.gather_rows`.
 
 ``_buffers.h``
-    The integer-buffer checks every extension here shares.
+    The integer-buffer checks the other extensions share (``_keytable``
+    reads its keys as raw bytes and does not include it).
 
 Building: ``python setup.py build_ext --inplace`` (or any pip install of the
 package) compiles them with a C11 compiler; when none is available the build
