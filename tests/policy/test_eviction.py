@@ -90,18 +90,27 @@ def test_plain_lru_strands_checkpoints_without_their_kv():
     assert stranded("lru-vllm") > 0
 
 
-_IN_FLIGHT = pytest.mark.xfail(strict=True, reason=(
-    "LRUEviction offers reclaimable pages first, including the pages a request has just put "
-    "and whose checkpoint it has not put yet: under pressure the request's own KV goes and its "
-    "checkpoint lands stranded (the unit policies offer such young pages last; the store could "
-    "protect a request's pages until its put_state)"))
-
-
-@pytest.mark.parametrize("policy", [pytest.param("lru", marks=_IN_FLIGHT),
-                                    pytest.param("lru-refresh", marks=_IN_FLIGHT),
-                                    "histate", "flashstates", "marconi"])
+@pytest.mark.parametrize("policy", ["lru", "lru-refresh", "histate", "flashstates", "marconi"])
 def test_dependency_aware_policies_never_strand_a_checkpoint(policy):
     assert stranded(policy) == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "lru-refresh", "histate", "flashstates", "marconi"])
+def test_orphan_pages_go_first_and_a_requests_pending_kv_last(policy):
+    """Reclaimable pages older than the newest checkpoint can resume nothing: first.  Pages
+    put after it are a request's KV whose checkpoint is still to come: last (offering
+    them first is how a checkpoint lands without its KV)."""
+    store = store_for(policy)
+    ix = store.index
+    orphan = store.prefix(np.arange(3_000_000, 3_000_064))       # 4 pages nothing needs
+    store.put_kv_sized(orphan, nbytes=PAGE)
+    Session(store, "done").turn(1, 300)                           # a checkpoint after them
+    pending = store.prefix(np.arange(4_000_000, 4_000_160))      # 10 pages, no checkpoint yet
+    store.put_kv_sized(pending, nbytes=PAGE)
+    order = [v.ref for v in store._eviction.victims(ix, "host") if v.kind == ObjectKind.PAGE]
+    assert len(order) == len(set(order)) == ix.n_pages
+    assert set(order[:4]) == set(ix._walk_ids(orphan).tolist())
+    assert set(order[-10:]) == set(ix._walk_ids(pending).tolist())
 
 
 def chain(store: HybridStore) -> Session:

@@ -3,7 +3,8 @@
 ==================  ======================================================
 eviction            ranking
 ==================  ======================================================
-``lru``             dependency-aware LRU, reclaimable pages first
+``lru``             dependency-aware LRU, reclaimable pages first (a request's
+                    KV awaiting its checkpoint last)
 ``lru-vllm``        plain per-object LRU, not dependency-aware (vLLM)
 ``lru-refresh``     ``lru`` whose hits refresh the whole checkpoint chain
 ``marconi``         recency + alpha * FLOP efficiency (Marconi)

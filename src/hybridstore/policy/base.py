@@ -115,6 +115,23 @@ class EvictionPolicy(ABC):
         """
 
 
+def reclaimable_pages(index: HybridIndex, atime: np.ndarray,
+                      deps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Split a tier's reclaimable pages (no retained checkpoint needs them) in two.
+
+    Returns ``(old, young)`` masks over the page columns ``atime`` / ``deps``
+    (:meth:`~hybridstore.index.trie.HybridIndex.page_table`).  ``young`` pages
+    were touched after the newest checkpoint put or hit: most likely the KV of
+    a request whose checkpoint the engine is about to put, so a dependency-aware
+    policy offers them last (evicting them would leave that checkpoint without
+    its KV).  ``old`` pages can resume nothing: they go first.
+    """
+    newest = max((ck.atime for ck in index.checkpoints()), default=-1)
+    free = deps == 0
+    young = free & (atime > newest)
+    return free & ~young, young
+
+
 class AdmissionPolicy(ABC):
     """Decides whether a checkpoint offered by the engine is kept."""
 

@@ -2,12 +2,16 @@
 
 Pages that no retained checkpoint needs (reclaimable: nothing can resume
 through them) go first, oldest first; then pages and checkpoints together in
-least-recently-used order.  When a checkpoint leaves its last tier, the pages
-only it needed become reclaimable and follow it on the next pass.  The last
-copy of a page that retained checkpoints need is not offered when the store
-says it keeps such pages (``keep_needed``: nothing below to spill them to);
-offering them would only make the store walk past the thousands of pages of a
-long prompt before reaching its checkpoint.
+least-recently-used order; last the reclaimable pages touched after the newest
+checkpoint put or hit, the KV of a request whose checkpoint is still to come
+(:func:`~hybridstore.policy.base.reclaimable_pages`; offering them first would
+evict a request's own KV to make room for its checkpoint, which then lands
+without it).  When a checkpoint leaves its last tier, the pages only it needed
+become reclaimable and follow it on the next pass.  The last copy of a page that
+retained checkpoints need is not offered when the store says it keeps such
+pages (``keep_needed``: nothing below to spill them to); offering them would
+only make the store walk past the thousands of pages of a long prompt before
+reaching its checkpoint.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ import numpy as np
 
 from hybridstore.backends.base import ObjectKind
 from hybridstore.index.trie import TIER_BITS, HybridIndex
-from hybridstore.policy.base import EvictionPolicy, Victim
+from hybridstore.policy.base import EvictionPolicy, Victim, reclaimable_pages
 
 
 class LRUEviction(EvictionPolicy):
-    """Least recently used first; reclaimable pages before anything else."""
+    """Least recently used first; reclaimable pages before anything else, except
+    those of a request whose checkpoint is still to come (last)."""
 
     name = "lru"
 
@@ -38,16 +43,19 @@ class LRUEviction(EvictionPolicy):
             # Needed pages held by this tier only stay (the store's rule): not offered.
             offer = (pages["deps"] == 0) | ((pages["tiers"] & (~bit & 0xFF)) != 0)
             pages = {name: col[offer] for name, col in pages.items()}
-        order = np.lexsort((pages["atime"], pages["deps"] > 0))
-        ids = pages["ids"][order]
-        reclaimable = int(np.count_nonzero(pages["deps"] == 0))
-        for nid in ids[:reclaimable].tolist():
+        old, young = reclaimable_pages(index, pages["atime"], pages["deps"])
+        ids, atime = pages["ids"], pages["atime"]
+        for nid in ids[old][np.argsort(atime[old], kind="stable")].tolist():
             yield Victim(ObjectKind.PAGE, nid)
-        # Merge the (already sorted) pages with the checkpoints lazily: eviction
+        # Merge the needed pages with the checkpoints lazily, by last use: eviction
         # usually stops long before the end of the list.
-        atimes = pages["atime"][order][reclaimable:].tolist()
-        rest_pages = zip(atimes, repeat(ObjectKind.PAGE), ids[reclaimable:].tolist())
+        needed = pages["deps"] > 0
+        order = np.argsort(atime[needed], kind="stable")
+        rest_pages = zip(atime[needed][order].tolist(), repeat(ObjectKind.PAGE),
+                         ids[needed][order].tolist())
         states = [] if kind == ObjectKind.PAGE else sorted(
             (ck.atime, ObjectKind.STATE, ck.key) for ck in index.checkpoints() if ck.tiers & bit)
-        for _, kind, ref in heapq.merge(rest_pages, states, key=lambda t: t[0]):
-            yield Victim(kind, ref)
+        for _, kind_, ref in heapq.merge(rest_pages, states, key=lambda t: t[0]):
+            yield Victim(kind_, ref)
+        for nid in ids[young][np.argsort(atime[young], kind="stable")].tolist():
+            yield Victim(ObjectKind.PAGE, nid)

@@ -42,7 +42,7 @@ import numpy as np
 from hybridstore.backends.base import ObjectKind
 from hybridstore.errors import ConfigError
 from hybridstore.index.trie import TIER_BITS, Checkpoint, HybridIndex
-from hybridstore.policy.base import EvictionPolicy, Victim
+from hybridstore.policy.base import EvictionPolicy, Victim, reclaimable_pages
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,12 +157,7 @@ class UnitEviction(EvictionPolicy):
     def _ranked(self, index: HybridIndex, tier: str, kind: ObjectKind | None) -> Iterator[Victim]:
         pages = index.page_table(tier)
         ids, atime, deps = pages["ids"], pages["atime"], pages["deps"]
-        # Reclaimable pages touched after the last checkpoint put or hit most likely
-        # belong to a request whose checkpoint is still to come: offer them last.
-        newest = max((ck.atime for ck in index.checkpoints()), default=-1)
-        free = deps == 0
-        young = free & (atime > newest)
-        free &= ~young
+        free, young = reclaimable_pages(index, atime, deps)   # young: offered last
         if kind == ObjectKind.STATE:    # pages are not wanted: skip the page-only phases
             free[:] = young[:] = False
         for nid in ids[free][np.argsort(atime[free], kind="stable")].tolist():
