@@ -198,6 +198,29 @@ def _items(value: Any) -> list[tuple[str, Any]]:
     return [(_SINGLE, value)]
 
 
+def batch_rows(batch: Any) -> int:
+    """Rows of a page-major batch (one tensor/array, or a dict of them, first dimension
+    = pages); raises LayoutMismatchError when its entries disagree or one has no rows."""
+    counts = set()
+    for name, tensor in _items(batch):
+        _, shape, _ = _facts(name, tensor, 0)
+        if not shape:
+            raise LayoutMismatchError(f"batch entry {name or 'pages'} is 0-d; a batch is "
+                                      "(pages, *shape)")
+        counts.add(shape[0])
+    if len(counts) != 1:
+        raise LayoutMismatchError(f"batch entries have different numbers of rows {sorted(counts)}; "
+                                  "row i of every entry is page i")
+    return counts.pop()
+
+
+def batch_row(batch: Any, i: int) -> Any:
+    """Page ``i`` of a page-major batch, as the per-page value it stands for."""
+    if isinstance(batch, Mapping):
+        return {name: tensor[i] for name, tensor in batch.items()}
+    return batch[i]
+
+
 def _facts(name: str, tensor: Any, offset: int) -> tuple[str, tuple[int, ...], bool]:
     """Dtype string, shape and C-contiguity of a caller buffer (raises for what is not one)."""
     if _is_torch(tensor):

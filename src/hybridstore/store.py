@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from hybridstore.backends.base import KeyBatch, ObjectKind, Tier, aligned_empty, done_future, object_key
-from hybridstore.backends.gather import gather_rows
+from hybridstore.backends.gather import gather_rows, scatter_rows
 from hybridstore.backends.host import HostPool
 from hybridstore.config import StoreConfig
 from hybridstore.errors import (
@@ -50,7 +50,7 @@ from hybridstore.index import keys as K
 from hybridstore.index import meta as M
 from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import TIER_BITS, Checkpoint, HybridIndex, ResumePlan
-from hybridstore.layout import Layout, Target, copy_out
+from hybridstore.layout import Layout, Target, batch_row, batch_rows, copy_out
 from hybridstore.policy import admission_policy, eviction_policy
 from hybridstore.policy.base import (
     AdmissionPolicy,
@@ -82,6 +82,10 @@ _NO_PAGES.flags.writeable = False
 def _page_object_keys(blob: bytes) -> KeyBatch:
     """Object keys of pages from their 16-byte keys, concatenated (``object_key`` in bulk)."""
     return KeyBatch.of(ObjectKind.PAGE, blob)
+
+
+_Scatter = Callable[[int, int, tuple[list[np.ndarray], np.ndarray, np.ndarray]], None]
+"""``scatter(i0, i1, (arenas, which, offsets))``: pages ``i0..i1-1`` of a put into pool slots."""
 
 
 def _is_batch(pages: Any) -> bool:
@@ -253,6 +257,63 @@ class HybridStore:
             return self._put_pages(prompt, first, layout.nbytes,
                                    lambda i, slot: layout.pack_into(batch[i], slot))
 
+    def put_kv_batch(self, tokens: Any, batch: Any, *, count: int | None = None) -> int:
+        """Store the KV pages of consecutive blocks ending at ``len(tokens)`` from one
+        page-major batch (the layout ``load(plan, into=(batch, state))`` fills).
+
+        New pages land in the pinned pool a run at a time: slots for the run are
+        reserved together (:meth:`HostPool.reserve_many`) and each layout entry
+        of the whole run is one scatter of batch rows into them
+        (``native/_gather.c``), instead of a Python copy per page.  A GPU batch
+        is copied to host one run at a time first.
+
+        Args:
+            tokens: the prompt up to the end of the last page (token ids or a
+                :class:`PrefixKeys`), as for :meth:`put_kv`.
+            batch: one tensor/array, or a dict of them, whose first dimension
+                indexes pages: row ``i`` of every entry is the page of block
+                ``nblocks - count + i``.  Every entry is contiguous.
+            count: pages to store (the batch's first ``count`` rows); defaults
+                to all its rows.
+
+        Returns:
+            The number of pages newly stored (pages already held are touched).
+
+        Raises:
+            LayoutMismatchError: the batch's rows do not have the store's page
+                layout, its entries disagree in rows, or one is not contiguous
+                (nothing is stored).
+            MisalignedPageError: more pages than the prompt has blocks.
+        """
+        prompt = self.prefix(tokens)
+        rows = batch_rows(batch)
+        n = rows if count is None else count
+        if not 0 < n <= rows:
+            raise MisalignedPageError(f"count={count} pages, but the batch has {rows} rows; "
+                                      "pass 1 <= count <= rows")
+        first = self._first_block(prompt, n)
+        with self._lock:
+            self._check_open()
+            self._drain()
+            layout = self._layout(ObjectKind.PAGE, batch_row(batch, 0), "page")
+            targets = layout.batch_targets(batch, n)
+
+            def scatter(i0: int, i1: int, slots: tuple[list[np.ndarray], np.ndarray, np.ndarray]) -> None:
+                arenas, which, offsets = slots
+                for target in targets:
+                    src, at = target.host, np.arange(i0, i1, dtype=np.int64)
+                    if src is None:        # a GPU batch: this run's rows to host first
+                        import torch
+
+                        src = target.buffer[i0:i1].reshape(i1 - i0, -1).view(torch.uint8).cpu().numpy()
+                        at = at - i0
+                    scatter_rows(arenas, which, offsets, at, target.spec.offset,
+                                 target.spec.nbytes, src)
+
+            return self._put_pages(prompt, first, layout.nbytes,
+                                   lambda i, slot: layout.pack_into(batch_row(batch, i), slot),
+                                   scatter)
+
     def put_kv_sized(self, tokens: Any, *, nbytes: int, first_block: int = 0) -> int:
         """Record pages by size only (accounting tiers: the trace simulator).
 
@@ -279,9 +340,14 @@ class HybridStore:
         return first
 
     def _put_pages(self, prompt: PrefixKeys, first: int, nbytes: int,
-                   pack: Callable[[int, np.ndarray], None] | None) -> int:
+                   pack: Callable[[int, np.ndarray], None] | None,
+                   scatter: _Scatter | None = None) -> int:
         """Store blocks ``first..`` of ``prompt``: runs of held pages are touched, runs of
-        new pages land together (:meth:`_land_pages`).  Returns the pages newly stored."""
+        new pages land together (:meth:`_land_pages`).  Returns the pages newly stored.
+
+        ``pack(i, slot)`` writes page ``i`` (block ``first + i``) into one slot;
+        ``scatter(i0, i1, slots)``, when given, writes pages ``i0..i1-1`` into the
+        pool slots ``slots`` (:meth:`HostPool.reserve_many`) at once."""
         stop = prompt.nblocks
         pos, stored = first, 0
         held = self.index.held_tiers(prompt, first, stop) != 0
@@ -293,7 +359,7 @@ class HybridStore:
                 self.index.add_pages(prompt, pos, end, None, nbytes)
             else:
                 evictions = self._counters["evictions"]
-                stored += self._land_pages(prompt, pos, end, nbytes, pack, first)
+                stored += self._land_pages(prompt, pos, end, nbytes, pack, first, scatter)
                 if self._counters["evictions"] != evictions and end < stop:
                     # Making room may have evicted pages of the runs still to come.
                     held[end - first:] = self.index.held_tiers(prompt, end, stop) != 0
@@ -301,12 +367,15 @@ class HybridStore:
         return stored
 
     def _land_pages(self, prompt: PrefixKeys, a: int, b: int, nbytes: int,
-                    pack: Callable[[int, np.ndarray], None] | None, first: int) -> int:
+                    pack: Callable[[int, np.ndarray], None] | None, first: int,
+                    scatter: _Scatter | None = None) -> int:
         """Land the new pages of blocks ``a..b-1`` in the fastest tier and index them.
 
         Room is made for a run at a time (at most an eighth of the tier, so that
         one eviction pass serves it); an accounting tier records the run in one
-        call.  Pages landed before a failure are indexed before it propagates.
+        call, the pinned pool takes it in one reservation and one ``scatter``
+        when the caller gave one.  Pages landed before a failure are indexed
+        before it propagates.
         """
         name = self._chain[0]
         tier = self.tiers[name]
@@ -331,7 +400,20 @@ class HybridStore:
                 continue
             landed = 0
             try:
-                if tier.stores_bytes:
+                if scatter is not None and isinstance(tier, HostPool):
+                    keys = okeys[c - a:d - a].keys()
+                    slots = self._retry(name, nbytes * len(keys),
+                                        lambda: tier.reserve_many(keys, nbytes))
+                    try:
+                        scatter(c - first, d - first, slots)
+                    except BaseException:
+                        tier.abort_many(keys)
+                        raise
+                    tier.commit_many(keys)
+                    landed = d - c
+                    self._kind_bytes[name][ObjectKind.PAGE] += charge * landed
+                    self._objects[name] += landed
+                elif tier.stores_bytes:
                     for k in range(c, d):
                         self._land(okeys[k - a], ObjectKind.PAGE, nbytes,
                                    lambda slot, i=k - first: pack(i, slot))  # type: ignore[misc]

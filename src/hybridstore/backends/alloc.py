@@ -217,19 +217,35 @@ class SlabAllocator:
         Raises:
             ObjectTooLargeError: the object can never fit.
         """
+        extents = self.alloc_many(nbytes, 1)
+        return None if extents is None else extents[0]
+
+    def alloc_many(self, nbytes: int, n: int) -> list[Extent] | None:
+        """``n`` extents for objects of ``nbytes`` each (a run of pages), under one lock:
+        all of them, or ``None`` (none allocated) when the budget is exhausted.
+
+        Raises:
+            ObjectTooLargeError: the object can never fit.
+        """
         size = self.slot_size(nbytes)
+        out: list[Extent] = []
         with self._lock:
-            if size > self._max_regular:
-                extent = self._alloc_dedicated(size)
-            elif size <= self._small_max:
-                extent = self._alloc_in_slab(size)
-            else:
-                where = self._take(size, self._align)
-                extent = None if where is None else Extent(where[0].id, where[1], size)
-            if extent is not None:
+            for _ in range(n):
+                if size > self._max_regular:
+                    extent = self._alloc_dedicated(size)
+                elif size <= self._small_max:
+                    extent = self._alloc_in_slab(size)
+                else:
+                    where = self._take(size, self._align)
+                    extent = None if where is None else Extent(where[0].id, where[1], size)
+                if extent is None:
+                    for done in reversed(out):
+                        self._free(done)
+                    return None
                 self._live[(extent.arena, extent.offset)] = size
                 self._used += size
-            return extent
+                out.append(extent)
+        return out
 
     def free(self, extent: Extent) -> None:
         """Return a live extent.
@@ -238,19 +254,23 @@ class SlabAllocator:
             ValueError: ``extent`` is not live here (freed twice, or foreign).
         """
         with self._lock:
-            key = (extent.arena, extent.offset)
-            if self._live.get(key) != extent.length:
-                raise ValueError(f"{extent} is not a live extent of this allocator "
-                                 "(freed twice, or allocated elsewhere)")
-            del self._live[key]
-            self._used -= extent.length
-            arena = self._arenas[extent.arena]
-            if arena.dedicated:
-                self._drop_arena(arena)
-            elif extent.length <= self._small_max:
-                self._free_in_slab(arena, extent)
-            else:
-                self._release(arena, extent.offset, extent.length)
+            self._free(extent)
+
+    def _free(self, extent: Extent) -> None:
+        """:meth:`free` with the lock held."""
+        key = (extent.arena, extent.offset)
+        if self._live.get(key) != extent.length:
+            raise ValueError(f"{extent} is not a live extent of this allocator "
+                             "(freed twice, or allocated elsewhere)")
+        del self._live[key]
+        self._used -= extent.length
+        arena = self._arenas[extent.arena]
+        if arena.dedicated:
+            self._drop_arena(arena)
+        elif extent.length <= self._small_max:
+            self._free_in_slab(arena, extent)
+        else:
+            self._release(arena, extent.offset, extent.length)
 
     def reserve(self, extent: Extent) -> None:
         """Mark ``extent`` used where it is (rebuilding state, e.g. on reopen).

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -170,6 +171,50 @@ class HostPool(SlabBudget, ObjectTable):
             self._pending[key] = obj
             return self._slot(obj.extent, nbytes)
 
+    def reserve_many(self, keys: Sequence[ObjectKey],
+                     nbytes: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        """:meth:`reserve_slot` for a run of objects of one size: all of them or none.
+
+        Returns where the slots lie, as :meth:`locate` does (object ``i`` at
+        ``arenas[which[i]][offsets[i]:]``), for
+        :func:`~hybridstore.backends.gather.scatter_rows`.  Then
+        :meth:`commit_many` or :meth:`abort_many` the same keys.
+
+        Raises:
+            CapacityError: no room for all of them (none is reserved).
+            ObjectTooLargeError: ``nbytes`` exceeds the whole pool.
+            ValueError: a key is repeated or already has a reserved slot.
+        """
+        with self._lock:
+            self._check_open()
+            if len(set(keys)) != len(keys) or any(key in self._pending for key in keys):
+                raise ValueError("reserve_many needs distinct keys without a reserved slot; "
+                                 "commit() or abort() the earlier reservation first")
+            objs = self._new_objects(nbytes, len(keys), b"")
+            self._pending.update(zip(keys, objs))
+            return self._where([obj.extent for obj in objs])
+
+    def commit_many(self, keys: Sequence[ObjectKey]) -> None:
+        """:meth:`commit` of several keys (a run reserved by :meth:`reserve_many`).
+
+        Raises:
+            KeyError: a key has no reserved slot (the keys before it are committed).
+        """
+        with self._lock:
+            self._check_open()
+            pending = self._pending
+            for key in keys:
+                self._publish(key, pending.pop(key))
+
+    def abort_many(self, keys: Sequence[ObjectKey]) -> None:
+        """:meth:`abort` of several keys; keys without a reserved slot are skipped."""
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                obj = self._pending.pop(key, None)
+                if obj is not None:
+                    self._alloc.free(obj.extent)
+
     def commit(self, key: ObjectKey) -> None:
         """Make the slot reserved for ``key`` visible, replacing any older object.
 
@@ -272,13 +317,15 @@ class HostPool(SlabBudget, ObjectTable):
         """
         with self._lock:
             self._check_open()
-            extents = [self._objects[key].extent for key in keys]
-            order: dict[int, int] = {}
-            which = np.fromiter((order.setdefault(e.arena, len(order)) for e in extents),
-                                np.int64, len(extents))
-            offsets = np.fromiter((e.offset for e in extents), np.int64, len(extents))
-            arenas = [self._arenas[a].data for a in order]
-        return arenas, which, offsets
+            return self._where([self._objects[key].extent for key in keys])
+
+    def _where(self, extents: list[Extent]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        """``(arenas, which, offsets)`` of slots ``extents`` (see :meth:`locate`)."""
+        order: dict[int, int] = {}
+        which = np.fromiter((order.setdefault(e.arena, len(order)) for e in extents),
+                            np.int64, len(extents))
+        offsets = np.fromiter((e.offset for e in extents), np.int64, len(extents))
+        return [self._arenas[a].data for a in order], which, offsets
 
     # -- tier contract ------------------------------------------------------------
     def put(self, key: ObjectKey, data: np.ndarray | None, *, nbytes: int,
@@ -358,13 +405,18 @@ class HostPool(SlabBudget, ObjectTable):
 
     # -- internals ----------------------------------------------------------------
     def _new_object(self, nbytes: int, meta: bytes) -> _Object:
-        extent = self._alloc.alloc(nbytes)
-        if extent is None:
+        return self._new_objects(nbytes, 1, meta)[0]
+
+    def _new_objects(self, nbytes: int, n: int, meta: bytes) -> list[_Object]:
+        """Slots for ``n`` objects of ``nbytes``: all of them, or CapacityError."""
+        extents = self._alloc.alloc_many(nbytes, n)
+        if extents is None:
             raise CapacityError(
-                f"the host pool has no room for {nbytes} bytes ({self.used_bytes} of "
+                f"the host pool has no room for {n} x {nbytes} bytes ({self.used_bytes} of "
                 f"{self.capacity_bytes} bytes in use, {len(self._objects)} objects); evict "
                 "objects and retry, or raise host_bytes")
-        return _Object(extent, nbytes, bytes(meta))
+        meta = bytes(meta)
+        return [_Object(extent, nbytes, meta) for extent in extents]
 
     def _publish(self, key: ObjectKey, obj: _Object) -> None:
         old = self._objects.get(key)
