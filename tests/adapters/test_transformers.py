@@ -139,22 +139,30 @@ class _Recorder:
     def __init__(self, store: HybridStore) -> None:
         self.pages: dict[bytes, dict[str, torch.Tensor]] = {}
         self.states: dict[bytes, dict[str, torch.Tensor]] = {}
-        put_kv, put_state = store.put_kv, store.put_state
+        put_kv, put_kv_batch, put_state = store.put_kv, store.put_kv_batch, store.put_state
 
-        def rec_kv(tokens, pages):
+        def record(tokens, pages):
             prompt = store.prefix(tokens)
             first = prompt.nblocks - len(pages)
             for i, page in enumerate(pages):
                 self.pages.setdefault(prompt.block_key(first + i),
                                       {k: v.detach().clone() for k, v in page.items()})
+
+        def rec_kv(tokens, pages):
+            record(tokens, pages)
             return put_kv(tokens, pages)
+
+        def rec_kv_batch(tokens, batch, *, count=None):
+            n = count or len(next(iter(batch.values())))
+            record(tokens, [{k: v[i] for k, v in batch.items()} for i in range(n)])
+            return put_kv_batch(tokens, batch, count=count)
 
         def rec_state(tokens, state, *, position=None):
             prompt = store.prefix(tokens)
             self.states[prompt.key_at(position)] = {k: v.detach().clone() for k, v in state.items()}
             return put_state(tokens, state, position=position)
 
-        store.put_kv, store.put_state = rec_kv, rec_state
+        store.put_kv, store.put_kv_batch, store.put_state = rec_kv, rec_kv_batch, rec_state
 
 
 def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

@@ -23,7 +23,7 @@ runner do for one request:
    prefill in pieces split at those positions, copying the recurrent states out
    after each piece (FlashStates §3: a state exists only at the moment the
    prefill passes its position);
-4. ``put_kv`` the new pages (the last one padded to a whole block) and
+4. ``put_kv_batch`` the new pages (the last one padded to a whole block) and
    ``put_state`` every captured checkpoint.
 
 The result equals a plain forward of the whole prompt up to floating-point
@@ -392,30 +392,31 @@ class CachedModel:
 
     def _put(self, prompt: Any, ids: torch.Tensor, cache: Any, p: int, T: int,
              snapshots: dict[int, dict[str, torch.Tensor]]) -> int:
-        """Put the pages from the block holding ``p`` to the end, then the checkpoints."""
+        """Put the pages from the block holding ``p`` to the end, then the checkpoints.
+
+        The pages go as one page-major batch (:meth:`HybridStore.put_kv_batch`):
+        per cache tensor one padded copy ``[pages, *page shape]``, which the
+        store scatters into its pool slots a run at a time.
+        """
         spec = self.spec
         B = spec.block_size
         first, nblocks = p // B, -(-T // B)
-        pages = []
-        for b in range(first, nblocks):
-            lo, hi = b * B, min((b + 1) * B, T)
-            page = {}
-            for e in spec.pages:
-                if e.slot == "tokens":
-                    src = ids[lo:hi].to(e.dtype)
-                else:
-                    layer = cache.layers[e.layer]
-                    src = (layer.keys if e.slot == "k" else layer.values)[0, :, lo:hi]
-                if hi - lo < B:
-                    padded = torch.zeros(e.shape, dtype=e.dtype, device=src.device)
-                    if e.slot == "tokens":
-                        padded[: hi - lo] = src
-                    else:
-                        padded[:, : hi - lo] = src
-                    src = padded
-                page[e.name] = src
-            pages.append(page)
-        stored = self.store.put_kv(prompt, pages) if pages else 0
+        n = nblocks - first
+        batch = {}
+        for e in spec.pages:
+            lo, hi = first * B, T
+            if e.slot == "tokens":
+                rows = torch.zeros((n * B,) + e.shape[1:], dtype=e.dtype, device=ids.device)
+                rows[: hi - lo] = ids[lo:hi].to(e.dtype)
+                batch[e.name] = rows.view(n, *e.shape)
+                continue
+            layer = cache.layers[e.layer]
+            src = (layer.keys if e.slot == "k" else layer.values)[0, :, lo:hi]   # [heads, t, dim]
+            heads, _, dim = src.shape
+            rows = torch.zeros((heads, n * B, dim), dtype=e.dtype, device=src.device)
+            rows[:, : hi - lo] = src
+            batch[e.name] = rows.view(heads, n, B, dim).transpose(0, 1).contiguous()
+        stored = self.store.put_kv_batch(prompt, batch) if n > 0 else 0
         for q in sorted(snapshots):
             self.store.put_state(prompt, snapshots[q], position=q)
         return stored

@@ -152,7 +152,7 @@ class DataObjects:
         if self._scratch.size < need:   # grown, then reused: no page faults per request
             self._scratch = np.empty(max(need, 2 * self._scratch.size), dtype=np.uint64)
         rows = patterns(ObjectKind.PAGE, prompt.keys[first_block:], nbytes, self._scratch)
-        store.put_kv(prompt, list(rows))   # the store copies them into its pool
+        store.put_kv_batch(prompt, np.ascontiguousarray(rows))   # copied into the pool a run at a time
 
     def put_state(self, store: HybridStore, prompt: PrefixKeys, position: int, nbytes: int) -> None:
         key = prompt.key_at(position)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -78,11 +78,16 @@ class _Budget:
         self.physical_refusals = 0
 
     def _room_for(self, key: bytes, nbytes: int) -> None:
-        old = self._held.get(key)
-        if self._charged - (old[0] if old else 0) + nbytes > self._budget:
+        self._room_for_many([key], nbytes)
+
+    def _room_for_many(self, keys: Sequence[bytes], nbytes: int) -> None:
+        """Raise CapacityError unless ``keys`` (distinct), ``nbytes`` each, fit the budget."""
+        held = self._held
+        replaced = sum(held[k][0] for k in keys if k in held) if held else 0
+        if self._charged - replaced + nbytes * len(keys) > self._budget:
             raise CapacityError(
-                f"the {self._tier_name} tier has no room for {nbytes} bytes ({self._charged} of "
-                f"{self._budget} bytes in use); evict objects and retry")
+                f"the {self._tier_name} tier has no room for {len(keys)} x {nbytes} bytes "
+                f"({self._charged} of {self._budget} bytes in use); evict objects and retry")
 
     def _hold(self, key: bytes, nbytes: int, meta: bytes) -> None:
         old = self._held.get(key)
@@ -161,10 +166,28 @@ class BudgetedPool(_Budget, HostPool):
             self._reserved[bytes(key)] = (nbytes, bytes(meta))
             return slot
 
-    def commit(self, key: ObjectKey) -> None:
+    def reserve_many(self, keys: Sequence[ObjectKey],
+                     nbytes: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
         with self._lock:
-            HostPool.commit(self, key)
-            self._hold(bytes(key), *self._reserved.pop(bytes(key)))
+            self._room_for_many(keys, nbytes)
+            slots = self._physical(lambda: HostPool.reserve_many(self, keys, nbytes))
+            self._reserved.update((bytes(key), (nbytes, b"")) for key in keys)
+            return slots
+
+    def commit(self, key: ObjectKey) -> None:
+        self.commit_many([key])
+
+    def commit_many(self, keys: Sequence[ObjectKey]) -> None:
+        with self._lock:
+            HostPool.commit_many(self, keys)
+            for key in keys:
+                self._hold(bytes(key), *self._reserved.pop(bytes(key)))
+
+    def abort_many(self, keys: Sequence[ObjectKey]) -> None:
+        with self._lock:
+            HostPool.abort_many(self, keys)
+            for key in keys:
+                self._reserved.pop(bytes(key), None)
 
     def abort(self, key: ObjectKey) -> None:
         with self._lock:
