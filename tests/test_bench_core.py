@@ -62,6 +62,7 @@ def test_tier_rows(bench) -> None:
         assert ("disk", "DiskTier", "get_into", size) in seen
         for tier in ("host", "disk"):
             assert (tier, "HybridStore", "put_kv+put_state", size) in seen
+            assert (tier, "HybridStore", "put_kv_batch+put_state", size) in seen
             assert (tier, "HybridStore", "match+load", size) in seen
     disk = doc["disk"]
     assert isinstance(disk["o_direct"], bool)

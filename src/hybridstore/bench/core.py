@@ -176,6 +176,7 @@ class _Workload:
     store_prompts: list[tuple[list[Any], dict[str, Any]]]    # (pages, state) to put
     store_targets: list[tuple[list[Any], dict[str, Any]]]    # (pages, state) to load into
     store_batches: list[tuple[Any, dict[str, Any]]]          # the same memory, page-major
+    src_batches: list[tuple[Any, dict[str, Any]]]            # store_prompts, page-major
     store_bytes: int                                         # bytes of one facade rep
     store_objects: int
     tokens_per_prompt: int
@@ -248,6 +249,7 @@ def _make_workload(name: str, size: int, n: int, rng: np.random.Generator) -> _W
 
     return _Workload(name=name, size=size, n=n, src=src, dst=dst,
                      store_prompts=carve(src), store_targets=carve(dst), store_batches=batches(dst),
+                     src_batches=batches(src),
                      store_bytes=prompts * (pages_per * PAGE_BYTES + state_bytes),
                      store_objects=prompts * (pages_per + 1),
                      tokens_per_prompt=pages_per * STORE_BLOCK)
@@ -374,9 +376,12 @@ class _TierBench:
         wl = self.wl
         prompts = self._prompts()  # hashing is measured on its own (section 3)
 
-        def put() -> None:
-            for pk, (pages, state) in zip(prompts, wl.store_prompts):
-                store.put_kv(pk, pages)
+        def put(batched: bool = False) -> None:
+            for pk, (pages, state) in zip(prompts, wl.src_batches if batched else wl.store_prompts):
+                if batched:
+                    store.put_kv_batch(pk, pages)
+                else:
+                    store.put_kv(pk, pages)
                 store.put_state(pk, state)
             if where == "disk":
                 store.flush()
@@ -400,6 +405,11 @@ class _TierBench:
         t = _timed(put)
         self._record(timed, where, "HybridStore", "put_kv+put_state", t, wl.store_bytes,
                      wl.store_objects, mc, note_put)
+        self._empty(store, where, "put_kv")
+        t = _timed(lambda: put(batched=True))
+        self._record(timed, where, "HybridStore", "put_kv_batch+put_state", t, wl.store_bytes,
+                     wl.store_objects, mc, note_put.replace("put_kv of", "put_kv_batch (one "
+                     "page-major tensor) of") + "; the loads below read what it stored")
         if where == "disk":
             store.evict(1 << 62, tier="host")
             left = store.tiers["host"].used_bytes
@@ -427,12 +437,16 @@ class _TierBench:
             self.issues.append(f"{wl.name}/{where}: match() resumed at {short[:3]} instead of the "
                                "prompt end")
         # empty the store again so the next repetition reuses its arenas / segments
+        self._empty(store, where, "the loads")
+
+    def _empty(self, store: HybridStore, where: str, after: str) -> None:
+        """Evict everything from every tier (and say so when something stays)."""
         for tier in list(store.tiers):
             store.evict(1 << 62, tier=tier)
         for tier, obj in store.tiers.items():
             if obj.used_bytes:
-                self.issues.append(f"{wl.name}/{where}: after evicting everything the {tier} tier "
-                                   f"still uses {obj.used_bytes} bytes "
+                self.issues.append(f"{self.wl.name}/{where}: after {after}, evicting everything "
+                                   f"left the {tier} tier using {obj.used_bytes} bytes "
                                    f"({store.stats()['pages']} pages in the index)")
 
     def direct_io(self) -> bool | None:
