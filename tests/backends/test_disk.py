@@ -598,3 +598,95 @@ def test_posix_engine_reports_reads_past_the_end(tmp_path: Path) -> None:
     assert err.value.expected == 4 * ALIGN and err.value.offset == 0
     engine.close_file(f)
     engine.close()
+
+
+# -- read_many_into: neighbours in one I/O -----------------------------------------------
+def _counting_reads(tier: DiskTier, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the length of every read the tier's engine makes."""
+    sizes: list[int] = []
+    real = tier.engine.read
+
+    def read(file: Any, buf: Any, nbytes: int, offset: int) -> int:
+        sizes.append(nbytes)
+        return real(file, buf, nbytes, offset)
+
+    monkeypatch.setattr(tier.engine, "read", read)
+    return sizes
+
+
+def _put_run(tier: DiskTier, n: int, nbytes: int, seed: int) -> list[bytes]:
+    keys = [key(seed * 1000 + i) for i in range(n)]
+    futs = [tier.put(k, payload(nbytes, seed * 1000 + i), nbytes=nbytes) for i, k in enumerate(keys)]
+    for f in futs:
+        f.result()
+    return keys
+
+
+def test_read_many_into_coalesces_neighbours_and_round_trips(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    with open_tier(tmp_path / "d", segment_bytes=16 * MiB) as tier:
+        n, nbytes = 40, 60_000                     # slot 64 KiB: padding between neighbours
+        keys = _put_run(tier, n, nbytes, 1)
+        recs = [tier.catalog.get(k) for k in keys]
+        stride = tier.slot_bytes(nbytes)
+        assert stride >= nbytes and all(r.slot_length == stride for r in recs)
+        sizes = _counting_reads(tier, monkeypatch)
+        # destinations spaced like the slots, in the order the keys were written
+        dst = aligned_empty(n * stride)
+        order = sorted(range(n), key=lambda i: (recs[i].segment, recs[i].offset))
+        offsets = [0] * n
+        for rank, i in enumerate(order):
+            offsets[i] = rank * stride
+        assert tier.read_many_into(keys, dst, offsets).result() == n * nbytes
+        for i in range(n):
+            assert np.array_equal(dst[offsets[i]:offsets[i] + nbytes], payload(nbytes, 1000 + i))
+        # runs end only where the allocator's slabs (~1 MiB of slots) do
+        assert len(sizes) <= n // 8 and max(sizes) >= 8 * stride
+        assert tier._pins == {}
+        # spaced differently from the disk: one read per object, same bytes
+        sizes.clear()
+        dst2 = aligned_empty(n * (stride + 4096))
+        fut = tier.read_many_into(keys, dst2, [i * (stride + 4096) for i in range(n)])
+        assert fut.result() == n * nbytes and len(sizes) == n
+        for i in range(n):
+            o = i * (stride + 4096)
+            assert np.array_equal(dst2[o:o + nbytes], payload(nbytes, 1000 + i))
+
+
+def test_read_many_into_drops_each_corrupt_object_and_fails_once_all_reads_are_done(
+        tmp_path: Path) -> None:
+    path = tmp_path / "d"
+    with open_tier(path, segment_bytes=16 * MiB) as tier:
+        keys = _put_run(tier, 6, 64 * 1024, 2)
+        for bad in (1, 3):
+            rec = tier.catalog.get(keys[bad])
+            fd = os.open(path / segment_name(rec.segment), os.O_RDWR)
+            os.pwrite(fd, bytes([os.pread(fd, 1, rec.offset + 7)[0] ^ 0x55]), rec.offset + 7)
+            os.close(fd)
+        recs = [tier.catalog.get(k) for k in keys]
+        base = min(r.offset for r in recs)
+        dst = aligned_empty(6 * 64 * 1024 + (max(r.offset for r in recs) - base))
+        offsets = [r.offset - base for r in recs]          # spaced exactly like the disk
+        with pytest.raises(CorruptObjectError) as err:
+            tier.read_many_into(keys, dst, offsets).result()
+        assert err.value.key in (keys[1], keys[3])
+        assert not tier.contains(keys[1]) and not tier.contains(keys[3])
+        assert tier.stats()["corrupt_dropped"] == 2 and tier._pins == {}
+        for i in (0, 2, 4, 5):                              # the good ones landed and stay
+            assert np.array_equal(dst[offsets[i]:offsets[i] + 64 * 1024], payload(64 * 1024, 2000 + i))
+            assert tier.contains(keys[i])
+
+
+def test_read_many_into_checks_before_reading(tmp_path: Path) -> None:
+    with open_tier(tmp_path / "d") as tier:
+        keys = _put_run(tier, 3, 10_000, 3)
+        dst = aligned_empty(3 * 16384)
+        dst[:] = 0
+        with pytest.raises(KeyError):
+            tier.read_many_into(keys + [key(999_999)], dst, [0, 16384, 32768, 0])
+        with pytest.raises(ValueError):
+            tier.read_many_into(keys, dst, [0, 16384, 3 * 16384 - 100])   # past dst
+        with pytest.raises(ValueError):
+            tier.read_many_into(keys, dst, [0, 16384])                      # lengths differ
+        assert tier._pins == {}
+        assert not dst.any()

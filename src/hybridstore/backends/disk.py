@@ -37,7 +37,7 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +63,8 @@ LOCK_NAME = "LOCK"
 CATALOG_DIR = "catalog"
 _GEOMETRY = struct.Struct("<Q")  # segment_bytes, stored as catalog info "disk.geometry"
 _COMMIT_BATCH = 256
+COALESCE_BYTES = 8 << 20
+"""Longest I/O :meth:`DiskTier.read_many_into` makes of neighbouring objects."""
 _STOP = object()
 
 
@@ -241,6 +243,112 @@ class DiskTier(SlabBudget, Tier):
         except BaseException:
             self._unpin(obj.extent)
             raise
+
+    def slot_bytes(self, nbytes: int) -> int:
+        """Bytes the slot of an ``nbytes`` object spans in its segment file (the spacing at
+        which :meth:`read_many_into` reads neighbours in one I/O)."""
+        return self._alloc.slot_size(nbytes)
+
+    def read_many_into(self, keys: Sequence[ObjectKey], dst: np.ndarray,
+                       offsets: Sequence[int]) -> Future:
+        """Read objects ``keys[i]`` into ``dst[offsets[i]:]``, neighbours in one I/O.
+
+        Objects that lie back to back in one segment file, in the same order and
+        spacing as their destinations in ``dst``, are read with one request of
+        up to :data:`COALESCE_BYTES` (a load of many small pages written
+        together reads at the device's large-I/O rate instead of paying a
+        request per page), then each object's checksum is checked on its own.
+        The slot padding between two coalesced objects lands in ``dst`` between
+        their destinations: space destinations by :meth:`slot_bytes` where they
+        should coalesce, and give each at least that much room.
+
+        Args:
+            keys: distinct keys of visible objects.
+            dst: a writable, C-contiguous host uint8 array.
+            offsets: where each object lands in ``dst``.
+
+        Returns:
+            One future for all of them, yielding their total ``nbytes`` once every
+            read has finished (``dst`` is no longer written to); it fails with the
+            first error, e.g. ``CorruptObjectError`` (every corrupt object is
+            dropped; the error names the first).
+
+        Raises:
+            KeyError: a key is not visible here (nothing is read).
+            ValueError: a destination does not fit in ``dst``.
+        """
+        self._check_open()
+        if len(keys) != len(offsets):
+            raise ValueError("keys and offsets must have one length")
+        with self._lock:
+            objs = [self._objects.get(_check_key(key)) for key in keys]
+            for key, obj in zip(keys, objs):
+                if obj is None:
+                    raise KeyError(key)
+            for obj, off in zip(objs, offsets):
+                if off < 0 or off + obj.record.length > dst.nbytes:
+                    raise ValueError(f"offset {off} + {obj.record.length} bytes is past dst "
+                                     f"({dst.nbytes} bytes)")
+            for obj in objs:
+                self._pins[obj.extent] = self._pins.get(obj.extent, 0) + 1
+        order = sorted(range(len(keys)), key=lambda i: (objs[i].record.segment, objs[i].record.offset))
+        runs: list[list[int]] = []
+        for i in order:
+            if runs:
+                j, head = runs[-1][-1], runs[-1][0]
+                a, b = objs[j].record, objs[i].record
+                if (a.segment == b.segment and b.offset - a.offset == objs[j].extent.length
+                        and offsets[i] - offsets[j] == objs[j].extent.length
+                        and b.offset + b.length - objs[head].record.offset <= COALESCE_BYTES):
+                    runs[-1].append(i)
+                    continue
+            runs.append([i])
+        group = _ReadGroup(len(runs))
+        submitted = 0
+        try:
+            for run in runs:
+                self._jobs.submit(self._read_run, [(bytes(keys[i]), objs[i]) for i in run], dst,
+                                  [offsets[i] for i in run], group)
+                submitted += 1
+        except BaseException as e:
+            for run in runs[submitted:]:
+                for i in run:
+                    self._unpin(objs[i].extent)
+                group.done(0, e)
+        return group.future
+
+    def _read_run(self, items: list[tuple[bytes, _Object]], dst: np.ndarray, offsets: list[int],
+                  group: _ReadGroup) -> None:
+        """One I/O for neighbouring objects (see :meth:`read_many_into`), then each checksum."""
+        first, last = items[0][1].record, items[-1][1].record
+        span = last.offset + last.length - first.offset
+        error: BaseException | None = None
+        got_bytes = 0
+        try:
+            self.engine.read(self._files[first.segment], dst[offsets[0]:offsets[0] + span],
+                             span, first.offset)
+            for (key, obj), off in zip(items, offsets):
+                rec = obj.record
+                if self._verify:
+                    got = xxhash.xxh3_64_intdigest(dst[off:off + rec.length])
+                    if got != rec.checksum:
+                        try:
+                            self._drop_corrupt(key, obj, got)
+                        except CorruptObjectError as e:
+                            error = error or e
+                        continue
+                got_bytes += rec.length
+            with self._lock:
+                self._counters["reads"] += len(items)
+                self._counters["bytes_read"] += got_bytes
+        except BaseException as e:
+            if isinstance(e, BackendIOError):
+                _with_key(e, items[0][0])
+            error = error or e
+        finally:
+            for _, obj in items:
+                self._unpin(obj.extent)
+            group.done(got_bytes, error)
 
     def get(self, key: ObjectKey) -> np.ndarray:
         n = self.nbytes(key)
@@ -606,6 +714,34 @@ class DiskTier(SlabBudget, Tier):
 # helpers
 # ---------------------------------------------------------------------------------
 _EMPTY = np.empty(0, dtype=np.uint8)
+
+
+class _ReadGroup:
+    """The runs of one :meth:`DiskTier.read_many_into`: its future completes when the
+    last run is done, with the first error any run met."""
+
+    __slots__ = ("future", "_left", "_bytes", "_error", "_lock")
+
+    def __init__(self, runs: int) -> None:
+        self.future: Future = Future()
+        self._left = runs
+        self._bytes = 0
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        if not runs:
+            self.future.set_result(0)
+
+    def done(self, nbytes: int, error: BaseException | None) -> None:
+        with self._lock:
+            self._left -= 1
+            self._bytes += nbytes
+            self._error = self._error or error
+            last = self._left == 0
+        if last:
+            if self._error is not None:
+                self.future.set_exception(self._error)
+            else:
+                self.future.set_result(self._bytes)
 
 
 class _ReadTarget:

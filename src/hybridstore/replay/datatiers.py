@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -271,11 +271,21 @@ class WriteBehindDisk(_Budget, DiskTier):
         return done_future(nbytes)
 
     def get_into(self, key: ObjectKey, out: Any) -> Future:
-        with self._wb_lock:
-            write = self._writes.get(bytes(key))
-        if write is not None:
-            write[0].result()   # the write-behind: a read waits for the object's write
+        self._written([key])
         return DiskTier.get_into(self, key, out)
+
+    def read_many_into(self, keys: Sequence[ObjectKey], dst: np.ndarray,
+                       offsets: Sequence[int]) -> Future:
+        self._written(keys)
+        return DiskTier.read_many_into(self, keys, dst, offsets)
+
+    def _written(self, keys: Iterable[ObjectKey]) -> None:
+        """The write-behind: a read waits for the writes of its objects still in flight."""
+        with self._wb_lock:
+            writes = [self._writes.get(bytes(key)) for key in keys]
+        for write in writes:
+            if write is not None:
+                write[0].result()
 
     def contains(self, key: ObjectKey) -> bool:
         self._check_open()
