@@ -251,3 +251,32 @@ def test_scatter_checks_bounds_before_copying(monkeypatch, native):
     frozen.flags.writeable = False
     with pytest.raises((ValueError, TypeError)):
         G.scatter_rows([frozen], one, one, one, 0, 8, src)   # destinations must be writable
+
+
+def test_alloc_many_gives_the_run_back_when_mapping_an_arena_fails():
+    calls = []
+
+    def on_new_arena(arena_id: int, nbytes: int) -> None:
+        calls.append(arena_id)
+        if len(calls) == 2:
+            raise OSError(12, "cannot map the arena")
+
+    a = SlabAllocator(budget_bytes=4 << 20, arena_bytes=1 << 20, alignment=4096,
+                      on_new_arena=on_new_arena)
+    with pytest.raises(OSError):
+        a.alloc_many(64 << 10, 40)                   # 40 x 64 KiB needs a second arena
+    assert a.used_bytes == 0
+    got = a.alloc_many(64 << 10, 8)
+    assert got is not None and a.used_bytes == 8 * (64 << 10)
+
+
+def test_pool_commit_many_commits_nothing_when_a_key_was_not_reserved():
+    pool = HostPool(1 << 20, pin=False, arena_bytes=1 << 18)
+    keys = [bytes([1]) + i.to_bytes(16, "little") for i in range(4)]
+    pool.reserve_many(keys[:3], 100)
+    with pytest.raises(KeyError):
+        pool.commit_many(keys)
+    assert pool.stats()["objects"] == 0 and len(pool._pending) == 3
+    pool.commit_many(keys[:3])
+    assert pool.stats()["objects"] == 3 and pool._pending == {}
+    pool.close()

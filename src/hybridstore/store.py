@@ -32,6 +32,7 @@ import numpy as np
 
 from hybridstore.backends.base import KeyBatch, ObjectKind, Tier, aligned_empty, done_future, object_key
 from hybridstore.backends.gather import gather_rows, scatter_rows
+from hybridstore.backends.disk import DiskTier
 from hybridstore.backends.host import HostPool
 from hybridstore.config import StoreConfig
 from hybridstore.errors import (
@@ -880,10 +881,15 @@ class HybridStore:
         # allocation per object: plans run to thousands of pages.
         try:
             own = [self._needs_buffer(src, into is not None) for src in sources]
-            sizes = [-(-self._layouts[kind].nbytes // 4096) * 4096 if mine else 0
-                     for (_, kind), mine in zip(jobs, own)]
+            # Spaced like the disk tier's slots, so that pages written together are read
+            # back with one I/O per run of neighbours (DiskTier.read_many_into).
+            sizes = [max(-(-self._layouts[kind].nbytes // 4096) * 4096,
+                         self.tiers[src].slot_bytes(self._layouts[kind].nbytes)  # type: ignore[attr-defined]
+                         if isinstance(self.tiers[src], DiskTier) else 0) if mine else 0
+                     for (_, kind), mine, src in zip(jobs, own, sources)]
             arena = aligned_empty(sum(sizes)) if any(own) else None
             offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+            reads: dict[str, list[int]] = {}      # disk tiers: jobs read in coalesced runs
             for i, ((okey, kind), src) in enumerate(zip(jobs, sources)):
                 layout = self._layouts[kind]
                 if src is None:                   # skipped: resident in the engine's tier
@@ -896,7 +902,7 @@ class HybridStore:
                     keys.append(okey)
                     at.append(i)
                     if own_buf is not None:
-                        waits.append((i, tier.get_into(okey, own_buf)))
+                        self._read_own(tier, src, i, okey, own_buf, reads, waits)
                     bufs.append(None)
                 elif isinstance(tier, HostPool):
                     view = tier.view(okey)
@@ -905,18 +911,22 @@ class HybridStore:
                         view = own_buf
                     bufs.append(view)
                 elif own_buf is not None:
-                    waits.append((i, tier.get_into(okey, own_buf)))
+                    self._read_own(tier, src, i, okey, own_buf, reads, waits)
                     bufs.append(own_buf)
                 else:
                     bufs.append(None)
                 self._loaded_bytes[src] += layout.nbytes
+            for src, idx in reads.items():
+                waits.append((idx[0], self.tiers[src].read_many_into(   # type: ignore[attr-defined]
+                    [jobs[i][0] for i in idx], arena, [offsets[i] for i in idx])))
             for i, fut in waits:
                 try:
                     fut.result()
-                except CorruptObjectError:
+                except CorruptObjectError as e:
+                    okey = e.key if e.key is not None else jobs[i][0]
                     with self._lock:
                         self._counters["corrupt"] += 1
-                        self._forget(jobs[i][0], "disk", self._layouts[jobs[i][1]].nbytes)
+                        self._forget(okey, "disk", self._layouts[ObjectKind(okey[0])].nbytes)
                     raise
             if batch and targets is not None and rows:
                 self._gather_batch(rows, arena, offsets, targets[0], n_batch)
@@ -947,6 +957,16 @@ class HybridStore:
         if plan.state_key is None:
             return outputs, None
         return outputs[:-1], outputs[-1]
+
+    @staticmethod
+    def _read_own(tier: Tier, src: str, i: int, okey: bytes, own_buf: np.ndarray,
+                  reads: dict[str, list[int]], waits: list[tuple[int, Future]]) -> None:
+        """Read job ``i`` into its own buffer: a disk tier's reads are collected for
+        :meth:`DiskTier.read_many_into` (runs of neighbours), any other tier's start now."""
+        if isinstance(tier, DiskTier):
+            reads.setdefault(src, []).append(i)
+        else:
+            waits.append((i, tier.get_into(okey, own_buf)))
 
     def _release_sources(self, jobs: list[tuple[bytes, ObjectKind]],
                          sources: Sequence[str | None]) -> None:

@@ -589,3 +589,14 @@ def test_bad_rows_and_budget(impl: type) -> None:
     with pytest.raises(TypeError):
         t.put_many(pack([k], "bytes"), 1, 1, b"")
     assert t.items() == before
+
+
+def test_a_stepped_key_batch_goes_to_the_accounting_tier():
+    from hybridstore.backends.accounting import AccountingTier
+    from hybridstore.backends.base import KeyBatch, ObjectKind
+
+    tier = AccountingTier("host", 1 << 20, read_gbps=10)
+    batch = KeyBatch.of(ObjectKind.PAGE, b"".join(i.to_bytes(16, "little") for i in range(10)))
+    tier.put_many(batch[::2], nbytes=100)
+    assert tier.used_bytes == 500 and tier.contains(batch[4]) and not tier.contains(batch[5])
+    assert tier.delete_many(batch[::-1]) == 500 and tier.used_bytes == 0

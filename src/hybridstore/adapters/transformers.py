@@ -395,8 +395,9 @@ class CachedModel:
         """Put the pages from the block holding ``p`` to the end, then the checkpoints.
 
         The pages go as one page-major batch (:meth:`HybridStore.put_kv_batch`):
-        per cache tensor one padded copy ``[pages, *page shape]``, which the
-        store scatters into its pool slots a run at a time.
+        per cache tensor one padded copy ``[pages, *page shape]`` in host memory
+        (one device-to-host copy per tensor; no second copy of the KV on the
+        GPU), which the store scatters into its pool slots a run at a time.
         """
         spec = self.spec
         B = spec.block_size
@@ -406,15 +407,15 @@ class CachedModel:
         for e in spec.pages:
             lo, hi = first * B, T
             if e.slot == "tokens":
-                rows = torch.zeros((n * B,) + e.shape[1:], dtype=e.dtype, device=ids.device)
-                rows[: hi - lo] = ids[lo:hi].to(e.dtype)
+                rows = torch.zeros((n * B,) + e.shape[1:], dtype=e.dtype)
+                rows[: hi - lo] = ids[lo:hi].to(e.dtype).cpu()
                 batch[e.name] = rows.view(n, *e.shape)
                 continue
             layer = cache.layers[e.layer]
             src = (layer.keys if e.slot == "k" else layer.values)[0, :, lo:hi]   # [heads, t, dim]
             heads, _, dim = src.shape
-            rows = torch.zeros((heads, n * B, dim), dtype=e.dtype, device=src.device)
-            rows[:, : hi - lo] = src
+            rows = torch.zeros((heads, n * B, dim), dtype=e.dtype)
+            rows[:, : hi - lo] = src          # one device-to-host copy per tensor
             batch[e.name] = rows.view(heads, n, B, dim).transpose(0, 1).contiguous()
         stored = self.store.put_kv_batch(prompt, batch) if n > 0 else 0
         for q in sorted(snapshots):

@@ -96,8 +96,8 @@ class AccountingTier(Tier):
     def put_many(self, keys: Iterable[ObjectKey], *, nbytes: int, meta: bytes = b"") -> None:
         """Record many objects of one size at once (a run of pages; see :meth:`put`).
 
-        ``keys`` is best a :class:`KeyBatch` (its rows go to the table whole); a
-        key repeated in it counts once.
+        ``keys`` is best a :class:`KeyBatch` (its rows go to the table whole); the
+        bytes of a key repeated in it count once (the ``puts`` counter counts rows).
 
         Raises:
             CapacityError: they do not all fit (none is recorded).

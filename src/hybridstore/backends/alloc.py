@@ -230,22 +230,29 @@ class SlabAllocator:
         size = self.slot_size(nbytes)
         out: list[Extent] = []
         with self._lock:
-            for _ in range(n):
-                if size > self._max_regular:
-                    extent = self._alloc_dedicated(size)
-                elif size <= self._small_max:
-                    extent = self._alloc_in_slab(size)
+            try:
+                for _ in range(n):
+                    if size > self._max_regular:
+                        extent = self._alloc_dedicated(size)
+                    elif size <= self._small_max:
+                        extent = self._alloc_in_slab(size)
+                    else:
+                        where = self._take(size, self._align)
+                        extent = None if where is None else Extent(where[0].id, where[1], size)
+                    if extent is None:
+                        break
+                    self._live[(extent.arena, extent.offset)] = size
+                    self._used += size
+                    out.append(extent)
                 else:
-                    where = self._take(size, self._align)
-                    extent = None if where is None else Extent(where[0].id, where[1], size)
-                if extent is None:
-                    for done in reversed(out):
-                        self._free(done)
-                    return None
-                self._live[(extent.arena, extent.offset)] = size
-                self._used += size
-                out.append(extent)
-        return out
+                    return out
+            except BaseException:      # e.g. mapping a new arena failed: give back the run
+                for done in reversed(out):
+                    self._free(done)
+                raise
+            for done in reversed(out):  # the budget ran out: none of the run is taken
+                self._free(done)
+            return None
 
     def free(self, extent: Extent) -> None:
         """Return a live extent.

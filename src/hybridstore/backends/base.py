@@ -97,7 +97,7 @@ class KeyBatch(Sequence[ObjectKey]):
         if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[1] != KEY_BYTES:
             raise ValueError(f"key rows must be a (n, {KEY_BYTES}) uint8 array, got "
                              f"{rows.dtype} {rows.shape}")
-        self.rows = rows
+        self.rows = np.ascontiguousarray(rows)     # a stepped slice is copied
         self._keys: list[ObjectKey] | None = None
 
     @classmethod
@@ -124,7 +124,7 @@ class KeyBatch(Sequence[ObjectKey]):
         """The keys as ``bytes``: the rows read back through a 17-byte *void* dtype, whose
         ``tolist()`` gives whole ``bytes`` (an ``S17`` view would strip trailing NULs)."""
         if self._keys is None:
-            self._keys = np.ascontiguousarray(self.rows).view(f"V{KEY_BYTES}").ravel().tolist()
+            self._keys = self.rows.view(f"V{KEY_BYTES}").ravel().tolist()
         return self._keys
 
     def __len__(self) -> int:

@@ -198,11 +198,14 @@ class HostPool(SlabBudget, ObjectTable):
         """:meth:`commit` of several keys (a run reserved by :meth:`reserve_many`).
 
         Raises:
-            KeyError: a key has no reserved slot (the keys before it are committed).
+            KeyError: a key has no reserved slot (none is committed).
         """
         with self._lock:
             self._check_open()
             pending = self._pending
+            for key in keys:
+                if key not in pending:
+                    raise KeyError(key)
             for key in keys:
                 self._publish(key, pending.pop(key))
 
