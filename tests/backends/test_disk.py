@@ -690,3 +690,34 @@ def test_read_many_into_checks_before_reading(tmp_path: Path) -> None:
             tier.read_many_into(keys, dst, [0, 16384])                      # lengths differ
         assert tier._pins == {}
         assert not dst.any()
+
+
+def test_put_many_writes_neighbours_together_and_each_object_reads_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "d"
+    n, nbytes = 50, 60_000                         # slot 60 KiB + padding
+    datas = [payload(nbytes, 3000 + i) for i in range(n)]
+    keys = [key(3000 + i) for i in range(n)]
+    with open_tier(path, segment_bytes=16 * MiB) as tier:
+        writes: list[int] = []
+        real = tier.engine.write
+
+        def write(file: Any, buf: Any, size: int, offset: int) -> int:
+            writes.append(size)
+            return real(file, buf, size, offset)
+
+        monkeypatch.setattr(tier.engine, "write", write)
+        futs = tier.put_many(keys, datas, nbytes=nbytes, metas=[bytes([i]) for i in range(n)])
+        assert [f.result() for f in futs] == [nbytes] * n
+        assert len(writes) <= n // 8 and sum(writes) >= n * nbytes
+        for i in range(n):
+            assert np.array_equal(tier.get(keys[i]), datas[i]) and tier.meta(keys[i]) == bytes([i])
+        with pytest.raises(ValueError):
+            tier.put_many([keys[0], keys[0]], datas[:2], nbytes=nbytes)
+        used = tier.used_bytes
+        with pytest.raises(CapacityError):
+            tier.put_many([key(i) for i in range(9000, 9000 + 2000)], [datas[0]] * 2000, nbytes=nbytes)
+        assert tier.used_bytes == used
+    with open_tier(path, segment_bytes=16 * MiB) as tier:     # durable: the catalog has them all
+        assert sorted(k for k, _, _ in tier.entries()) == sorted(keys)
+        assert np.array_equal(tier.get(keys[-1]), datas[-1])

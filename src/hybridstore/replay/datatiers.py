@@ -270,6 +270,13 @@ class WriteBehindDisk(_Budget, DiskTier):
             self._settle(MAX_STAGED_WRITES // 2)
         return done_future(nbytes)
 
+    def put_many(self, keys: Sequence[ObjectKey], datas: Sequence[Any], *, nbytes: int,
+                 metas: Sequence[bytes] | None = None) -> list[Future]:
+        """:meth:`put` of each (every put is staged and charged on its own here)."""
+        metas = [b""] * len(keys) if metas is None else metas
+        return [self.put(key, data, nbytes=nbytes, meta=meta)
+                for key, data, meta in zip(keys, datas, metas)]
+
     def get_into(self, key: ObjectKey, out: Any) -> Future:
         self._written([key])
         return DiskTier.get_into(self, key, out)
