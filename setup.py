@@ -33,13 +33,13 @@ setup(
         Extension(
             "hybridstore.native._hashing",
             sources=["src/hybridstore/native/_hashing.c"],
-            depends=["src/hybridstore/native/_buffers.h"],
+            depends=["src/hybridstore/native/_buffers.h", "src/hybridstore/native/_tables.h"],
             extra_compile_args=["-O3", "-std=c11"],
         ),
         Extension(
             "hybridstore.native._u64map",
             sources=["src/hybridstore/native/_u64map.c"],
-            depends=["src/hybridstore/native/_buffers.h"],
+            depends=["src/hybridstore/native/_buffers.h", "src/hybridstore/native/_tables.h"],
             extra_compile_args=["-O3", "-std=c11"],
         ),
         Extension(
@@ -51,6 +51,7 @@ setup(
         Extension(
             "hybridstore.native._keytable",
             sources=["src/hybridstore/native/_keytable.c"],
+            depends=["src/hybridstore/native/_tables.h"],
             extra_compile_args=["-O3", "-std=c11"],
         ),
         Extension(

@@ -601,16 +601,16 @@ def test_posix_engine_reports_reads_past_the_end(tmp_path: Path) -> None:
 
 
 # -- read_many_into: neighbours in one I/O -----------------------------------------------
-def _counting_reads(tier: DiskTier, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Record the length of every read the tier's engine makes."""
+def _counting(tier: DiskTier, op: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the length of every ``op`` ("read" / "write") the tier's engine makes."""
     sizes: list[int] = []
-    real = tier.engine.read
+    real = getattr(tier.engine, op)
 
-    def read(file: Any, buf: Any, nbytes: int, offset: int) -> int:
+    def counted(file: Any, buf: Any, nbytes: int, offset: int) -> int:
         sizes.append(nbytes)
         return real(file, buf, nbytes, offset)
 
-    monkeypatch.setattr(tier.engine, "read", read)
+    monkeypatch.setattr(tier.engine, op, counted)
     return sizes
 
 
@@ -630,7 +630,7 @@ def test_read_many_into_coalesces_neighbours_and_round_trips(tmp_path: Path,
         recs = [tier.catalog.get(k) for k in keys]
         stride = tier.slot_bytes(nbytes)
         assert stride >= nbytes and all(r.slot_length == stride for r in recs)
-        sizes = _counting_reads(tier, monkeypatch)
+        sizes = _counting(tier, "read", monkeypatch)
         # destinations spaced like the slots, in the order the keys were written
         dst = aligned_empty(n * stride)
         order = sorted(range(n), key=lambda i: (recs[i].segment, recs[i].offset))
@@ -699,14 +699,7 @@ def test_put_many_writes_neighbours_together_and_each_object_reads_back(
     datas = [payload(nbytes, 3000 + i) for i in range(n)]
     keys = [key(3000 + i) for i in range(n)]
     with open_tier(path, segment_bytes=16 * MiB) as tier:
-        writes: list[int] = []
-        real = tier.engine.write
-
-        def write(file: Any, buf: Any, size: int, offset: int) -> int:
-            writes.append(size)
-            return real(file, buf, size, offset)
-
-        monkeypatch.setattr(tier.engine, "write", write)
+        writes = _counting(tier, "write", monkeypatch)
         futs = tier.put_many(keys, datas, nbytes=nbytes, metas=[bytes([i]) for i in range(n)])
         assert [f.result() for f in futs] == [nbytes] * n
         assert len(writes) <= n // 8 and sum(writes) >= n * nbytes

@@ -11,18 +11,18 @@ allocate nothing per call beyond the table slot of a stored object.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
-from hybridstore.backends.base import KEY_BYTES, KeyBatch, ObjectKey, Tier, done_future
+from hybridstore.backends.base import KEY_BYTES, KeyBatch, ObjectKey, ObjectTable, done_future
 from hybridstore.backends.keytable import KeyTable
 from hybridstore.errors import CapacityError, ConfigError, ObjectTooLargeError
 
 
-class AccountingTier(Tier):
+class AccountingTier(ObjectTable):
     """Sizes and modeled timings of a tier, without its bytes.
 
     Args:
@@ -155,28 +155,12 @@ class AccountingTier(Tier):
             self._used -= freed
             return freed
 
-    def contains(self, key: ObjectKey) -> bool:
-        with self._lock:
-            self._check_open()
-            return key in self._objects
+    def _entry(self, key: ObjectKey) -> tuple[int, bytes] | None:
+        entry = self._objects.get(key) if len(key) == KEY_BYTES else None
+        return None if entry is None else (entry[0], entry[2])
 
-    def nbytes(self, key: ObjectKey) -> int | None:
-        with self._lock:
-            self._check_open()
-            entry = self._objects.get(key) if len(key) == KEY_BYTES else None
-            return None if entry is None else entry[0]
-
-    def meta(self, key: ObjectKey) -> bytes | None:
-        with self._lock:
-            self._check_open()
-            entry = self._objects.get(key) if len(key) == KEY_BYTES else None
-            return None if entry is None else entry[2]
-
-    def entries(self) -> Iterator[tuple[ObjectKey, int, bytes]]:
-        with self._lock:
-            self._check_open()
-            items = [(ObjectKey(k), n, m) for k, n, _, m in self._objects.items()]
-        return iter(items)
+    def _listing(self) -> list[tuple[ObjectKey, int, bytes]]:
+        return [(ObjectKey(k), n, m) for k, n, _, m in self._objects.items()]
 
     def read_seconds(self, nbytes: int) -> float:
         return nbytes / self._read_bps

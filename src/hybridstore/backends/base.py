@@ -259,10 +259,20 @@ class ObjectTable(Tier):
     """A tier that keeps its object table in memory.
 
     ``self._objects`` maps each visible key to an entry with ``nbytes`` and
-    ``meta`` attributes; the probes below are shared by every such tier.
+    ``meta`` attributes (a tier with another table overrides :meth:`_entry`
+    and :meth:`_listing`); the probes below are shared by every such tier.
     """
 
-    _objects: dict[ObjectKey, Any]
+    _objects: Any
+
+    def _entry(self, key: ObjectKey) -> tuple[int, bytes] | None:
+        """``(nbytes, meta)`` of a visible object, or None (the lock is held)."""
+        entry = self._objects.get(key)
+        return None if entry is None else (entry.nbytes, entry.meta)
+
+    def _listing(self) -> list[tuple[ObjectKey, int, bytes]]:
+        """``(key, nbytes, meta)`` of every visible object (the lock is held)."""
+        return [(key, e.nbytes, e.meta) for key, e in self._objects.items()]
 
     def contains(self, key: ObjectKey) -> bool:
         with self._lock:
@@ -272,17 +282,17 @@ class ObjectTable(Tier):
     def nbytes(self, key: ObjectKey) -> int | None:
         with self._lock:
             self._check_open()
-            entry = self._objects.get(key)
-            return None if entry is None else entry.nbytes
+            entry = self._entry(key)
+            return None if entry is None else entry[0]
 
     def meta(self, key: ObjectKey) -> bytes | None:
         with self._lock:
             self._check_open()
-            entry = self._objects.get(key)
-            return None if entry is None else entry.meta
+            entry = self._entry(key)
+            return None if entry is None else entry[1]
 
     def entries(self) -> Iterator[tuple[ObjectKey, int, bytes]]:
         with self._lock:
             self._check_open()
-            items = [(key, e.nbytes, e.meta) for key, e in self._objects.items()]
+            items = self._listing()
         return iter(items)

@@ -28,6 +28,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "_buffers.h"
+#include "_tables.h"
 
 #define P1 UINT64_C(0x9E3779B185EBCA87)
 #define P2 UINT64_C(0xC2B2AE3D27D4EB4F)
@@ -36,14 +37,6 @@
 #define P5 UINT64_C(0x27D4EB2F165667C5)
 #define ID_NTOK_TAG (UINT64_C(1) << 40)
 
-static inline uint64_t mix64(uint64_t x) {
-    x ^= x >> 30;
-    x *= UINT64_C(0xBF58476D1CE4E5B9);
-    x ^= x >> 27;
-    x *= UINT64_C(0x94D049BB133111EB);
-    x ^= x >> 31;
-    return x;
-}
 
 static inline uint64_t rotl64(uint64_t x, unsigned r) {
     return (x << r) | (x >> (64u - r));

@@ -63,8 +63,8 @@
 
 #include <stdint.h>
 #include <string.h>
+#include "_tables.h"
 
-#define MIN_CAPACITY 8
 #define MIN_WIDTH 8
 #define MAX_WIDTH 65536   /* keep slot arithmetic far from overflow */
 #define STORE_WIDTH 17    /* the store's keys: the batch loops get a copy for this width */
@@ -82,15 +82,6 @@
 #define ALWAYS_INLINE inline
 #endif
 
-/* splitmix64's finalizer: a bijection on uint64 whose low bits depend on all bits. */
-static inline uint64_t mix64(uint64_t x) {
-    x ^= x >> 30;
-    x *= UINT64_C(0xBF58476D1CE4E5B9);
-    x ^= x >> 27;
-    x *= UINT64_C(0x94D049BB133111EB);
-    x ^= x >> 31;
-    return x;
-}
 
 static inline uint64_t load64(const unsigned char *p) {
     uint64_t v;
@@ -98,10 +89,6 @@ static inline uint64_t load64(const unsigned char *p) {
     return v;
 }
 
-/* Largest number of entries a table of `capacity` slots may hold (load 0.7). */
-static inline size_t max_fill_of(size_t capacity) {
-    return capacity / 10 * 7 + capacity % 10 * 7 / 10;
-}
 
 /* What an entry holds; it sits 8-aligned at VALUE_OFF(w) in its slot. */
 typedef struct {
@@ -180,21 +167,9 @@ static ALWAYS_INLINE int key_eq(const unsigned char *a, const unsigned char *b, 
     return 1;
 }
 
-/*
- * Smallest power-of-two capacity >= MIN_CAPACITY that holds n entries at a
- * load factor <= 0.7.  0 (with MemoryError set) when no such table fits in
- * memory at all.
- */
+/* Capacity for n entries (see table_capacity_for). */
 static size_t capacity_for(const KeyTableObject *t, size_t n) {
-    size_t cap = MIN_CAPACITY;
-    while (max_fill_of(cap) < n) {
-        if (cap > (size_t)PY_SSIZE_T_MAX / (2 * SLOT_BYTES(t->width))) {
-            PyErr_NoMemory();
-            return 0;
-        }
-        cap *= 2;
-    }
-    return cap;
+    return table_capacity_for(n, SLOT_BYTES(t->width));
 }
 
 /* A fresh table of `capacity` empty slots, or NULL with MemoryError set. */

@@ -47,12 +47,12 @@
 #include <stdint.h>
 #include <string.h>
 #include "_buffers.h"
+#include "_tables.h"
 
 #define SLOT_BYTES 12    /* uint64 key + int32 value, packed */
 #define VALUE_OFFSET 8
 #define EMPTY (-1)       /* value of an empty slot */
 #define MISSING (-1)     /* what get_many writes for a missing key */
-#define MIN_CAPACITY 8
 #define PREFETCH_AHEAD 16 /* keys between a prefetch and its lookup */
 #define ITEMSIZE(n) (1u << (n)) /* bit of an accepted buffer item size */
 
@@ -62,15 +62,6 @@
 #define PREFETCH(p) ((void)(p))
 #endif
 
-/* splitmix64's finalizer: a bijection on uint64 whose low bits depend on all bits. */
-static inline uint64_t mix64(uint64_t x) {
-    x ^= x >> 30;
-    x *= UINT64_C(0xBF58476D1CE4E5B9);
-    x ^= x >> 27;
-    x *= UINT64_C(0x94D049BB133111EB);
-    x ^= x >> 31;
-    return x;
-}
 
 static inline uint64_t slot_key(const unsigned char *s) {
     uint64_t k;
@@ -93,10 +84,6 @@ static inline void slot_set_value(unsigned char *s, int32_t value) {
     memcpy(s + VALUE_OFFSET, &value, sizeof value);
 }
 
-/* Largest number of entries a table of `capacity` slots may hold (load 0.7). */
-static inline size_t max_fill_of(size_t capacity) {
-    return capacity / 10 * 7 + capacity % 10 * 7 / 10;
-}
 
 /* ------------------------------------------------------------------------ */
 /* the table                                                                 */
@@ -121,22 +108,8 @@ static inline size_t home_of(const U64MapObject *m, uint64_t key) {
     return (size_t)mix64(key) & m->mask;
 }
 
-/*
- * Smallest power-of-two capacity >= MIN_CAPACITY that holds n entries at a
- * load factor <= 0.7.  0 (with MemoryError set) when no such table fits in
- * memory at all.
- */
-static size_t capacity_for(size_t n) {
-    size_t cap = MIN_CAPACITY;
-    while (max_fill_of(cap) < n) {
-        if (cap > (size_t)PY_SSIZE_T_MAX / (2 * SLOT_BYTES)) {
-            PyErr_NoMemory();
-            return 0;
-        }
-        cap *= 2;
-    }
-    return cap;
-}
+/* Capacity for n entries (see table_capacity_for). */
+static size_t capacity_for(size_t n) { return table_capacity_for(n, SLOT_BYTES); }
 
 /* A fresh table of `capacity` empty slots, or NULL with MemoryError set. */
 static unsigned char *new_slots(size_t capacity) {
