@@ -41,12 +41,18 @@ its extension is built and fall back to the twin otherwise.
 
 ``_gather`` (``_gather.c``)
     ``gather``: one entry of many objects copied into the rows of a
-    page-major buffer (``store.load`` into a batch), without the GIL.  Its
-    twin and API: :func:`hybridstore.backends.gather.gather_rows`.
+    page-major buffer (``store.load`` into a batch), without the GIL;
+    ``scatter``: the reverse (``store.put_kv_batch``).  Their twins and API:
+    :func:`hybridstore.backends.gather.gather_rows` / ``scatter_rows``.
 
 ``_buffers.h``
     The integer-buffer checks the other extensions share (``_keytable``
     reads its keys as raw bytes and does not include it).
+
+``_tables.h``
+    What the two hash tables and the hashing share: ``mix64`` (splitmix64's
+    finalizer, part of the prefix-key specification), the 0.7 load factor
+    and the power-of-two capacity for a number of entries.
 
 Building: ``python setup.py build_ext --inplace`` (or any pip install of the
 package) compiles them with a C11 compiler; when none is available the build
