@@ -617,12 +617,16 @@ class HybridStore:
             if isinstance(source, HostPool):
                 source.release_ref(okey)
             raise
-        self._pending[(okey, dst)] = fut
-        self._inflight[okey] += 1
-        fut.add_done_callback(lambda f, k=okey, s=src, d=dst: self._copy_done(k, s, d, f))
+        self._track_copy(okey, src, dst, fut)
         if fut.done():
             self._drain()
         return fut
+
+    def _track_copy(self, okey: bytes, src: str, dst: str, fut: Future) -> None:
+        """Count a copy in flight until its future completes (then :meth:`_drain` applies it)."""
+        self._pending[(okey, dst)] = fut
+        self._inflight[okey] += 1
+        fut.add_done_callback(lambda f, k=okey, s=src, d=dst: self._copy_done(k, s, d, f))
 
     def _copy_many(self, okeys: list[bytes], kind: ObjectKind, nbytes: int, metas: list[bytes],
                    src: str, dst: str) -> None:
@@ -648,9 +652,7 @@ class HybridStore:
                 source.release_many(keys)
                 raise
             for okey, fut in zip(keys, futs):
-                self._pending[(okey, dst)] = fut
-                self._inflight[okey] += 1
-                fut.add_done_callback(lambda f, k=okey, s=src, d=dst: self._copy_done(k, s, d, f))
+                self._track_copy(okey, src, dst, fut)
             if any(fut.done() for fut in futs):
                 self._drain()
 
