@@ -60,6 +60,8 @@ def test_tier_rows(bench) -> None:
         assert ("host", "HostPool", "get_into", size) in seen
         assert ("disk", "DiskTier", "put", size) in seen
         assert ("disk", "DiskTier", "get_into", size) in seen
+        assert ("disk", "DiskTier", "read_many_into", size) in seen
+        assert ("disk", "DiskTier", "put_many", size) in seen
         for tier in ("host", "disk"):
             assert (tier, "HybridStore", "put_kv+put_state", size) in seen
             assert (tier, "HybridStore", "put_kv_batch+put_state", size) in seen

@@ -714,3 +714,24 @@ def test_put_many_writes_neighbours_together_and_each_object_reads_back(
     with open_tier(path, segment_bytes=16 * MiB) as tier:     # durable: the catalog has them all
         assert sorted(k for k, _, _ in tier.entries()) == sorted(keys)
         assert np.array_equal(tier.get(keys[-1]), datas[-1])
+
+
+def test_put_many_writes_straight_from_sources_spaced_like_the_slots(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hybridstore.backends.disk as D
+
+    n, nbytes = 32, 64 * 1024                       # slot = object: one buffer spaced like the slots
+    src = aligned_empty(n * nbytes)
+    src[:] = payload(n * nbytes, 77)
+    keys = [key(7000 + i) for i in range(n)]
+    with open_tier(tmp_path / "d", segment_bytes=16 * MiB) as tier:
+        def no_bounce(nbytes: int, align: int = 4096) -> np.ndarray:
+            raise AssertionError("a bounce buffer was allocated")
+
+        with monkeypatch.context() as m:
+            m.setattr(D, "aligned_empty", no_bounce)
+            futs = tier.put_many(keys, [src[i * nbytes:(i + 1) * nbytes] for i in range(n)],
+                                 nbytes=nbytes)
+            assert [f.result() for f in futs] == [nbytes] * n
+        for i in range(n):
+            assert np.array_equal(tier.get(keys[i]), src[i * nbytes:(i + 1) * nbytes])

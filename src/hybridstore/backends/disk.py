@@ -48,7 +48,8 @@ import xxhash
 from hybridstore.backends.alloc import Extent, SlabAllocator, SlabBudget
 from hybridstore.backends.base import KEY_BYTES, ObjectKey, Tier, aligned_empty
 from hybridstore.backends.catalog import Catalog, CatalogRecord
-from hybridstore.backends.engines import ALIGN, Engine, fsync_path, round_up, select_engine
+from hybridstore.backends.engines import (ALIGN, Engine, buffer_address, fsync_path, round_up,
+                                          select_engine)
 from hybridstore.errors import (
     BackendIOError,
     CapacityError,
@@ -540,19 +541,25 @@ class DiskTier(SlabBudget, Tier):
         self._commits.put(p)
 
     def _write_run(self, run: list[_PendingWrite]) -> None:
-        """One write for objects in adjacent slots (see :meth:`put_many`); the slot padding
-        between them is written as zeros."""
+        """One write for objects in adjacent slots (see :meth:`put_many`): straight from
+        the sources when they lie in one buffer spaced like the slots (pool slots of a
+        run reserved together do), else gathered into a bounce buffer whose slot
+        padding is zeroed."""
         first, last = run[0].extent, run[-1].extent
         span = last.offset + run[-1].nbytes - first.offset
         try:
-            buf = aligned_empty(span)
-            end = 0
+            buf = _spanning_view([p.view for p in run], [p.extent.offset - first.offset for p in run],
+                                 span)
+            if buf is None:
+                buf = aligned_empty(span)
+                end = 0
+                for p in run:
+                    at = p.extent.offset - first.offset
+                    buf[end:at] = 0
+                    buf[at:at + p.nbytes] = p.view
+                    end = at + p.nbytes
             for p in run:
-                at = p.extent.offset - first.offset
-                buf[end:at] = 0
-                buf[at:at + p.nbytes] = p.view
                 p.checksum = xxhash.xxh3_64_intdigest(p.view)
-                end = at + p.nbytes
             self.engine.write(self._files[first.arena], buf, span, first.offset)
         except BaseException as e:  # noqa: BLE001 - reported through the futures
             self._abandon(run, _with_key(e, run[0].key))
@@ -903,6 +910,24 @@ def _host_view(data: Any, nbytes: int, *, writable: bool) -> np.ndarray:
     if nbytes < 0 or arr.nbytes < nbytes:
         raise ValueError(f"the buffer holds {arr.nbytes} bytes, {nbytes} are needed")
     return arr[:nbytes]
+
+
+def _spanning_view(views: list[np.ndarray], at: list[int], span: int) -> np.ndarray | None:
+    """One uint8 view of ``span`` bytes covering ``views`` when they lie in one buffer with
+    ``views[k]`` at byte ``at[k]`` of it (``at[0] == 0``); None otherwise."""
+    root = views[0]
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if root.dtype != np.uint8 or root.ndim != 1 or not root.flags.c_contiguous:
+        return None
+    base = buffer_address(root)
+    start = buffer_address(views[0]) - base
+    if start < 0 or start + span > root.nbytes:
+        return None
+    for view, offset in zip(views, at):
+        if buffer_address(view) - base != start + offset:
+            return None
+    return root[start:start + span]
 
 
 def _check_key(key: bytes) -> bytes:
