@@ -80,11 +80,6 @@ _NO_PAGES = np.zeros(0, np.int64)
 _NO_PAGES.flags.writeable = False
 
 
-def _page_object_keys(blob: bytes) -> KeyBatch:
-    """Object keys of pages from their 16-byte keys, concatenated (``object_key`` in bulk)."""
-    return KeyBatch.of(ObjectKind.PAGE, blob)
-
-
 _Scatter = Callable[[int, int, tuple[list[np.ndarray], np.ndarray, np.ndarray]], None]
 """``scatter(i0, i1, (arenas, which, offsets))``: pages ``i0..i1-1`` of a put into pool slots."""
 
@@ -383,7 +378,7 @@ class HybridStore:
         if pack is None and tier.stores_bytes:
             raise HybridStoreError("sized puts (no bytes) need accounting tiers; pass the tensors")
         charge = tier.charge(nbytes)
-        okeys = _page_object_keys(prompt.keys[a:b].astype("<u8", copy=False).tobytes())
+        okeys = KeyBatch.of(ObjectKind.PAGE, prompt.keys[a:b].astype("<u8", copy=False).tobytes())
         run = max(1, min(b - a, tier.capacity_bytes // 8 // max(charge, 1)))
         c = a
         while c < b:
@@ -804,7 +799,7 @@ class HybridStore:
             for name in skip_tiers:
                 if name not in TIER_BITS:
                     raise UnknownTierError(f"unknown tier {name!r} in skip_tiers; tiers are {list(TIER_BITS)}")
-            page_keys = _page_object_keys(plan.page_blob).keys()
+            page_keys = KeyBatch.of(ObjectKind.PAGE, plan.page_blob).keys()
             jobs = [(okey, ObjectKind.PAGE) for okey in page_keys]
             sources = self._page_sources(plan, page_keys, skip_tiers)
             try:
@@ -1214,7 +1209,7 @@ class HybridStore:
         cand = np.flatnonzero(ok)
         okeys: Sequence[bytes] | None = None      # built for what is evicted, unless needed here
         if self._inflight:
-            okeys = _page_object_keys(index.page_keys_blob(ids[cand]))
+            okeys = KeyBatch.of(ObjectKind.PAGE, index.page_keys_blob(ids[cand]))
             free_now = np.fromiter((not self._inflight[k] for k in okeys), bool, len(okeys))
             cand, okeys = cand[free_now], [k for k, f in zip(okeys, free_now.tolist()) if f]
         sizes = nbytes[cand]
@@ -1234,7 +1229,7 @@ class HybridStore:
             return 0, considered
         sel = ids[cand]
         t.delete_many(okeys[:len(cand)] if okeys is not None
-                      else _page_object_keys(index.page_keys_blob(sel)))
+                      else KeyBatch.of(ObjectKind.PAGE, index.page_keys_blob(sel)))
         self._forget_pages(sel, tier, last[cand])
         freed = int(charges.sum())
         self._kind_bytes[tier][ObjectKind.PAGE] -= freed

@@ -18,18 +18,10 @@ from hypothesis.stateful import (
 
 from hybridstore.backends import keytable
 from hybridstore.backends.keytable import PyKeyTable
+from tests.twins import native_and_twin
 
-try:
-    from hybridstore.native._keytable import KeyTable as NativeKeyTable
-except ImportError:  # pragma: no cover - depends on the build
-    NativeKeyTable = None
-
-needs_native = pytest.mark.skipif(
-    NativeKeyTable is None,
-    reason="hybridstore.native._keytable is not built; run `python setup.py build_ext --inplace`")
-
-IMPLS = [pytest.param(NativeKeyTable, id="native", marks=needs_native),
-         pytest.param(PyKeyTable, id="python")]
+NativeKeyTable = keytable._NativeKeyTable
+needs_native, IMPLS = native_and_twin(NativeKeyTable, PyKeyTable, "_keytable")
 
 W = 17  # the store's object keys: a kind byte and a 16-byte hash
 M64 = (1 << 64) - 1

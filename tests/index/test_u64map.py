@@ -17,18 +17,10 @@ from hypothesis.stateful import (
 
 from hybridstore.index import u64map
 from hybridstore.index.u64map import PyU64Map
+from tests.twins import native_and_twin
 
-try:
-    from hybridstore.native._u64map import U64Map as NativeU64Map
-except ImportError:  # pragma: no cover - depends on the build
-    NativeU64Map = None
-
-needs_native = pytest.mark.skipif(
-    NativeU64Map is None,
-    reason="hybridstore.native._u64map is not built; run `python setup.py build_ext --inplace`")
-
-IMPLS = [pytest.param(NativeU64Map, id="native", marks=needs_native),
-         pytest.param(PyU64Map, id="python")]
+NativeU64Map = u64map._NativeU64Map
+needs_native, IMPLS = native_and_twin(NativeU64Map, PyU64Map, "_u64map")
 
 M64 = (1 << 64) - 1
 

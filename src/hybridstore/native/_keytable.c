@@ -694,13 +694,22 @@ PyDoc_STRVAR(get_doc,
 "get(key, /)\n--\n\n"
 "(nbytes, charged, meta) of key, or None when it is absent.");
 
-static PyObject *KeyTable_get(KeyTableObject *t, PyObject *key_obj) {
+/* Slot index of key_obj in *i (NOT_FOUND when absent).  -1 on a bad key. */
+static int lookup(KeyTableObject *t, PyObject *key_obj, size_t *i) {
     KeyArg k;
     if (key_of_width(t, key_obj, &k) < 0) {
+        return -1;
+    }
+    *i = find(t, k.buf);
+    key_release(&k);
+    return 0;
+}
+
+static PyObject *KeyTable_get(KeyTableObject *t, PyObject *key_obj) {
+    size_t i;
+    if (lookup(t, key_obj, &i) < 0) {
         return NULL;
     }
-    size_t i = find(t, k.buf);
-    key_release(&k);
     if (i == NOT_FOUND) {
         Py_RETURN_NONE;
     }
@@ -766,12 +775,10 @@ PyDoc_STRVAR(pop_doc,
 "Remove key and return its (nbytes, charged, meta), or None when it is absent.");
 
 static PyObject *KeyTable_pop(KeyTableObject *t, PyObject *key_obj) {
-    KeyArg k;
-    if (key_of_width(t, key_obj, &k) < 0) {
+    size_t i;
+    if (lookup(t, key_obj, &i) < 0) {
         return NULL;
     }
-    size_t i = find(t, k.buf);
-    key_release(&k);
     if (i == NOT_FOUND) {
         Py_RETURN_NONE;
     }
