@@ -25,6 +25,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from hybridstore.errors import ConfigError
 
@@ -118,7 +119,7 @@ class StoreConfig:
         if self.disk_path is not None and not isinstance(self.disk_path, (str, os.PathLike)):
             raise ConfigError(f"disk_path must be a path or None, got {self.disk_path!r}")
 
-    def replace(self, **changes: object) -> StoreConfig:
+    def replace(self, **changes: Any) -> StoreConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
@@ -133,10 +134,13 @@ class StoreConfig:
                 continue
             if field.name.endswith("_bytes"):
                 kwargs[field.name] = parse_bytes(raw)
-            elif field.type in ("int",):
-                kwargs[field.name] = int(raw)
-            elif field.type in ("float",):
-                kwargs[field.name] = float(raw)
+            elif field.type in ("int", "float"):
+                convert = int if field.type == "int" else float
+                try:
+                    kwargs[field.name] = convert(raw)
+                except ValueError:
+                    raise ConfigError(f"HYBRIDSTORE_{field.name.upper()}={raw!r} is not "
+                                      f"{'an integer' if convert is int else 'a number'}") from None
             elif field.type in ("bool",):
                 kwargs[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
             else:
