@@ -11,7 +11,7 @@ from hybridstore.backends.alloc import Extent, SlabAllocator
 from hybridstore.backends.base import ObjectKey, ObjectKind, Tier, object_key
 from hybridstore.backends.host import HostPool
 
-# The disk tier goes here: from hybridstore.backends.disk import DiskTier
+# DiskTier: import it from hybridstore.backends.disk (it brings lmdb and the I/O engines).
 
 __all__ = [
     "AccountingTier",
