@@ -103,9 +103,6 @@ def test_from_env_validates_what_it_reads():
         StoreConfig.from_env({"HYBRIDSTORE_HOST_BYTES": "lots"})
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="config.py: from_env lets int()/float() raise a bare ValueError for a "
-                          "non-number; it should raise ConfigError naming the variable")
 @pytest.mark.parametrize("variable", ["HYBRIDSTORE_IO_THREADS", "HYBRIDSTORE_H2D_GBPS"])
 def test_from_env_a_non_number_raises_config_error(variable):
     with pytest.raises(ConfigError, match=variable):
