@@ -23,13 +23,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from hybridstore.replay.data import DATA_POLICIES, DATA_SCALE
+    from hybridstore.replay.bytes_plane import DATA_POLICIES, DATA_SCALE, data_planes
     from hybridstore.replay.loaders import load
     from hybridstore.replay.report import plot, print_table, summarize, write_json
+    from hybridstore.replay.samples import weka_sample
     from hybridstore.replay.sim import ReplayConfig, replay
     from hybridstore.replay.trace import merge
-
-    from hybridstore.data import weka_sample
 
     specs = args.trace or [str(weka_sample())]
     traces = [load(spec) for spec in specs]
@@ -41,7 +40,9 @@ def _replay(args: argparse.Namespace) -> int:
                        scale=scale, data=args.data, data_dir=args.data_dir)
     policy = args.policy or (DATA_POLICIES if args.data else DEFAULT_POLICIES)
     names = [n.strip() for n in policy.split(",") if n.strip()]
-    runs = replay(trace, names, cfg, progress=not args.no_progress)
+    # the objects: real bytes (unlimited presets: sizes, as the reference) or sizes only
+    plane_for = data_planes(cfg.data_dir) if cfg.data else None
+    runs = replay(trace, names, cfg, plane_for=plane_for, progress=not args.no_progress)
     doc = summarize(trace, runs, cfg)
     print_table(doc)
     if args.json:
