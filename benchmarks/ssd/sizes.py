@@ -10,7 +10,7 @@ MIB = 1 << 20
 
 
 def _qwen_sizes() -> tuple[int, int]:
-    from hybridstore.replay.models import model_preset
+    from hybridstore.replay.model_presets import model_preset
 
     m = model_preset("qwen3.5-9b")
     return m.page_bytes(576), m.checkpoint_bytes

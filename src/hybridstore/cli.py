@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--policy", default=None,
                      help=f"comma-separated presets (default: {DEFAULT_POLICIES}; with --data: "
                           "unlimited,vllm-disk,histate)")
-    rep.add_argument("--model", default="qwen3.5-9b", help="model preset (replay/models.py)")
+    rep.add_argument("--model", default="qwen3.5-9b", help="model preset (replay/model_presets.py)")
     rep.add_argument("--live-sessions", type=int, default=24)
     rep.add_argument("--gpu-gib", type=float, default=45.0)
     rep.add_argument("--host-gib", type=float, default=96.0)

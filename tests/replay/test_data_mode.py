@@ -14,8 +14,8 @@ from hybridstore.errors import CapacityError, ConfigError, CorruptObjectError
 from hybridstore.replay.bytes_plane import DataObjects, data_planes, pattern, patterns
 from hybridstore.replay.datatiers import BudgetedPool, WriteBehindDisk
 from hybridstore.replay.loaders import load
-from hybridstore.replay.report import summarize
 from hybridstore.replay.planes import TierBudget
+from hybridstore.replay.report import summarize
 from hybridstore.replay.sim import ReplayConfig, replay
 
 # Six agent sessions (prompts up to ~18K tokens) under budgets that hold a few

@@ -8,10 +8,10 @@ import pytest
 
 from hybridstore.errors import ConfigError
 from hybridstore.replay.loaders import load
-from hybridstore.replay.presets import PRESETS
 from hybridstore.replay.report import plot, summarize
 from hybridstore.replay.samples import weka_sample
 from hybridstore.replay.sim import ReplayConfig, replay
+from hybridstore.replay.systems import PRESETS
 
 SHARED = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
 ALL = list(PRESETS)

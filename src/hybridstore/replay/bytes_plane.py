@@ -34,7 +34,7 @@ from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import TIER_BITS, ResumePlan
 from hybridstore.replay.datatiers import BudgetedPool, WriteBehindDisk, physical_bytes
 from hybridstore.replay.planes import ObjectPlane, SizedObjects, TierBudget
-from hybridstore.replay.presets import Preset
+from hybridstore.replay.systems import Preset
 from hybridstore.store import HybridStore
 
 DATA_SCALE = 128.0

@@ -44,9 +44,9 @@ from tqdm import tqdm
 from hybridstore.config import StoreConfig
 from hybridstore.errors import ConfigError
 from hybridstore.index.prefix import PrefixKeys
-from hybridstore.replay.models import ModelPreset, model_preset
+from hybridstore.replay.model_presets import ModelPreset, model_preset
 from hybridstore.replay.planes import ObjectPlane, SizedObjects, TierBudget
-from hybridstore.replay.presets import Preset, preset
+from hybridstore.replay.systems import Preset, preset
 from hybridstore.replay.tokens import session_tokens
 from hybridstore.replay.trace import Request, Session, Trace
 from hybridstore.store import HybridStore
@@ -68,7 +68,7 @@ class ReplayConfig:
     """Settings of one replay (the defaults are HiState's setup).
 
     Attributes:
-        model: model preset name (``replay/models.py``).
+        model: model preset name (``replay/model_presets.py``).
         live_sessions: sessions live at once.
         gpu_gib, host_gib, disk_gib: cache budgets per tier.
         h2d_gbps, ssd_gbps: bandwidths for restore time.
@@ -343,7 +343,7 @@ def replay(trace: Trace, names: Sequence[str], cfg: ReplayConfig, *,
 
     Args:
         trace: the trace.
-        names: preset names (``replay/presets.py``).
+        names: preset names (``replay/systems.py``).
         cfg: budgets, bandwidths, model, scale.
         plane_for: the objects of each preset's run (``replay/planes.py``);
             default: sizes only (:func:`sized_planes`).  Data mode
