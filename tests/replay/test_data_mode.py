@@ -192,3 +192,15 @@ def test_cli_replay_data_writes_measured_restores(tmp_path):
     d = doc["policies"]["histate"]["data"]
     assert d["restores"] > 0 and d["measured_restore_p50_s"] > 0 and d["bytes_read"]["disk"] > 0
     assert png.stat().st_size > 10_000
+
+
+def test_data_planes_move_bytes_for_presets_with_a_budget(tmp_path):
+    """The caller's choice of planes: bytes where a preset has budgets, sizes for ``unlimited``."""
+    from hybridstore.replay.planes import SizedObjects
+    from hybridstore.replay.systems import preset
+
+    plane_for = data_planes(str(tmp_path))
+    assert isinstance(plane_for(preset("unlimited")), SizedObjects)
+    plane = plane_for(preset("histate"))
+    assert isinstance(plane, DataObjects)
+    plane.close()

@@ -17,8 +17,9 @@ runs over real tiers: puts carry bytes, and every hit is also restored with
 ``store.load(plan)`` and timed.  Only the *objects* differ (the
 :class:`~hybridstore.replay.planes.ObjectPlane`: ``SizedObjects`` or
 ``DataObjects``, ``replay/planes.py``), and the caller chooses them
-(:func:`replay`'s ``plane_for``); the loop, the store and its policies are the same, and the simulated clock advances by the modeled
-restore in both modes, so both make the same decisions.  ``ReplayConfig.scale``
+(:func:`replay`'s ``plane_for``); the loop, the store and its policies are
+the same, and the simulated clock advances by the modeled restore in both
+modes, so both make the same decisions.  ``ReplayConfig.scale``
 divides object sizes and budgets alike (real bytes must fit the machine);
 modeled times are reported at full size.
 
