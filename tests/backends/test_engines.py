@@ -185,3 +185,52 @@ def test_kvikio_engine_tuning_under_the_stand_in_driver(tmp_path: Path) -> None:
                               capture_output=True, timeout=120, check=False)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip() == want, proc.stdout
+
+
+def test_kvikio_keep_names_the_settings_the_environment_gives_kvikio() -> None:
+    from hybridstore.backends.engines import KVIKIO_TUNING, kvikio_keep
+
+    assert kvikio_keep({}) == frozenset()
+    assert kvikio_keep({"KVIKIO_TASK_SIZE": "1048576", "PATH": "/bin"}) == {"task_size"}
+    both = {"KVIKIO_TASK_SIZE": "1", "KVIKIO_AUTO_DIRECT_IO_READ": "ON"}
+    assert kvikio_keep(both) == set(KVIKIO_TUNING)
+
+
+class _FakeDefaults:
+    """kvikio.defaults' get/set on a dict (no kvikio, no driver)."""
+
+    def __init__(self, **values: object) -> None:
+        self.values = dict(values)
+        self.sets = 0
+
+    def get(self, name: str) -> object:
+        if name not in self.values:
+            raise KeyError(name)
+        return self.values[name]
+
+    def set(self, name: str, value: object) -> None:
+        self.values[name] = value
+        self.sets += 1
+
+
+def test_kvikio_settings_hold_while_any_holder_is_open() -> None:
+    """Overlapping holders: the last one opened wins, the last one closed restores."""
+    import types
+
+    from hybridstore.backends.engines import KvikioSettings
+
+    defaults = _FakeDefaults(num_threads=1, task_size=4 << 20)
+    kvikio = types.SimpleNamespace(defaults=defaults)
+    settings = KvikioSettings()
+    settings.acquire(kvikio, {"num_threads": 8, "task_size": 512 << 10, "no_such": 1})
+    assert defaults.values == {"num_threads": 8, "task_size": 512 << 10}  # unknown: skipped
+    settings.acquire(kvikio, {"num_threads": 4})
+    assert defaults.values["num_threads"] == 4
+    settings.release(kvikio)
+    assert defaults.values == {"num_threads": 4, "task_size": 512 << 10}
+    settings.release(kvikio)
+    assert defaults.values == {"num_threads": 1, "task_size": 4 << 20}
+    sets = defaults.sets
+    settings.acquire(kvikio, {"num_threads": 1})  # already so: nothing is set (no pool reset)
+    settings.release(kvikio)
+    assert defaults.sets == sets and defaults.values["num_threads"] == 1

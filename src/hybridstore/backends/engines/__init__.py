@@ -59,9 +59,12 @@ from hybridstore.backends.engines.base import (
     round_up,
 )
 from hybridstore.backends.engines.kvikio import (
+    KVIKIO_TUNING,
     KvikioEngine,
+    KvikioSettings,
     cuda_driver_usable,
     kvikio_importable,
+    kvikio_keep,
     libcuda_loadable,
 )
 from hybridstore.backends.engines.posix import (
@@ -76,12 +79,14 @@ from hybridstore.backends.engines.select import select_engine
 __all__ = [
     "ALIGN",
     "DEFAULT_CHUNK_BYTES",
+    "KVIKIO_TUNING",
     "MIN_PIECE_BYTES",
     "WHOLE_IO_BYTES",
     "AlignedBufferPool",
     "Engine",
     "FuturePieces",
     "KvikioEngine",
+    "KvikioSettings",
     "PieceStream",
     "PosixEngine",
     "PosixFile",
@@ -91,6 +96,7 @@ __all__ = [
     "fsync_path",
     "gather",
     "kvikio_importable",
+    "kvikio_keep",
     "libcuda_loadable",
     "piece_size",
     "round_up",

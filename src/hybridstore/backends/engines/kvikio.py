@@ -12,7 +12,7 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -37,7 +37,8 @@ class KvikioEngine(Engine):
     the blocking :meth:`read`/:meth:`write` wait on them directly.
 
     Two more process-wide kvikio settings are made (:data:`KVIKIO_TUNING`),
-    unless their environment variables are set (:func:`kvikio_tuning`):
+    unless the user gave kvikio their values (``keep``; by default those whose
+    ``KVIKIO_*`` environment variable is set, :func:`kvikio_keep`):
     compat-mode reads use ``O_DIRECT`` where the buffer allows
     (``auto_direct_io_read``; kvikio's default reads through the page cache,
     which ``python -m benchmarks ssd`` measured at 0.4-0.6x the device, and
@@ -49,15 +50,16 @@ class KvikioEngine(Engine):
 
     Args:
         io_threads: size of kvikio's thread pool.
-        tuning: the settings besides ``num_threads`` (default:
-            ``kvikio_tuning(os.environ)``).
+        keep: names of :data:`KVIKIO_TUNING` settings to leave as kvikio has
+            them (None: ``kvikio_keep(os.environ)``; ``StoreConfig.from_env``
+            is the place that should read the environment, and pass it here).
 
     Raises:
         ConfigError: kvikio cannot be imported, or the CUDA driver library
             (``libcuda.so.1``, which kvikio needs even in compat mode) is missing.
     """
 
-    def __init__(self, io_threads: int = 8, *, tuning: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, io_threads: int = 8, *, keep: Collection[str] | None = None) -> None:
         if not libcuda_loadable():
             raise ConfigError("disk_engine='kvikio' needs the NVIDIA driver library libcuda.so.1, "
                               "even in kvikio's compat mode; install the driver or set "
@@ -69,8 +71,9 @@ class KvikioEngine(Engine):
             raise ConfigError(f"disk_engine='kvikio' but kvikio cannot be imported ({e}); "
                               "pip install kvikio-cu12, or set disk_engine='posix'") from e
         self._kvikio = kvikio
-        if tuning is None:
-            tuning = kvikio_tuning(os.environ)
+        if keep is None:
+            keep = kvikio_keep(os.environ)
+        tuning = {name: value for name, value in KVIKIO_TUNING.items() if name not in keep}
         SETTINGS.acquire(kvikio, {"num_threads": io_threads, **tuning})
         self._holds_settings = True
         try:
@@ -203,13 +206,13 @@ KVIKIO_ENV = {"auto_direct_io_read": "KVIKIO_AUTO_DIRECT_IO_READ", "task_size": 
 _SETTING_ERRORS = (AttributeError, KeyError, ValueError, TypeError, RuntimeError)
 
 
-def kvikio_tuning(environ: Mapping[str, str]) -> dict[str, Any]:
-    """:data:`KVIKIO_TUNING` less the settings ``environ`` gives kvikio itself.
+def kvikio_keep(environ: Mapping[str, str]) -> frozenset[str]:
+    """The settings of :data:`KVIKIO_TUNING` that ``environ`` gives kvikio itself.
 
     kvikio reads its own ``KVIKIO_*`` variables when it loads; a setting named
     there is the user's, and the engine leaves it as kvikio read it.
     """
-    return {name: value for name, value in KVIKIO_TUNING.items() if KVIKIO_ENV[name] not in environ}
+    return frozenset(name for name, var in KVIKIO_ENV.items() if var in environ)
 
 
 class KvikioSettings:
