@@ -1,4 +1,8 @@
-"""The ``hybridstore`` command line: ``demo`` (the main job for now) and ``bench``."""
+"""The ``hybridstore`` command line: ``demo``, ``replay`` and ``bench core``.
+
+The research benchmarks (``ssd``, ``index``) live outside the package, in the
+repository's ``benchmarks/``: ``python -m benchmarks ssd|index ...`` from a clone.
+"""
 
 from __future__ import annotations
 
@@ -23,13 +27,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from hybridstore.replay.data import DATA_POLICIES, DATA_SCALE
+    from hybridstore.replay.bytes_plane import DATA_POLICIES, DATA_SCALE, data_planes
     from hybridstore.replay.loaders import load
     from hybridstore.replay.report import plot, print_table, summarize, write_json
+    from hybridstore.replay.samples import weka_sample
     from hybridstore.replay.sim import ReplayConfig, replay
     from hybridstore.replay.trace import merge
-
-    from hybridstore.data import weka_sample
 
     specs = args.trace or [str(weka_sample())]
     traces = [load(spec) for spec in specs]
@@ -41,7 +44,9 @@ def _replay(args: argparse.Namespace) -> int:
                        scale=scale, data=args.data, data_dir=args.data_dir)
     policy = args.policy or (DATA_POLICIES if args.data else DEFAULT_POLICIES)
     names = [n.strip() for n in policy.split(",") if n.strip()]
-    runs = replay(trace, names, cfg, progress=not args.no_progress)
+    # the objects: real bytes (unlimited presets: sizes, as the reference) or sizes only
+    plane_for = data_planes(cfg.data_dir) if cfg.data else None
+    runs = replay(trace, names, cfg, plane_for=plane_for, progress=not args.no_progress)
     doc = summarize(trace, runs, cfg)
     print_table(doc)
     if args.json:
@@ -58,20 +63,16 @@ def _bench_core(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_ssd(args: argparse.Namespace) -> int:
-    from hybridstore.bench.ssd import parse_sizes, run_ssd_bench
-
-    run_ssd_bench(json_path=args.json, disk_dir=args.dir, plot_path=args.plot, quick=args.quick,
-                  sizes=parse_sizes(args.sizes) if args.sizes else None, reps=args.reps,
-                  use_fio=not args.no_fio)
-    return 0
+MOVED_BENCHES = ("ssd", "index")
+"""Benchmarks that moved to the repository's top-level ``benchmarks/`` (not installed)."""
 
 
-def _bench_index(args: argparse.Namespace) -> int:
-    from hybridstore.bench.index import run_index_bench
-
-    run_index_bench(json_path=args.json, plot_path=args.plot, quick=args.quick)
-    return 0
+def _bench_moved(args: argparse.Namespace) -> int:
+    """One line pointing to the new place; exit status 2 (a usage error), nothing run."""
+    print(f"hybridstore: `hybridstore bench {args.bench}` moved out of the package; from the root "
+          f"of a clone run `python -m benchmarks {args.bench} ...` (same flags; "
+          "benchmarks/README.md says what it needs)", file=sys.stderr)
+    return 2
 
 
 DEFAULT_POLICIES = "unlimited,vllm-disk,sglang-hicache,flashstates,histate"
@@ -95,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--policy", default=None,
                      help=f"comma-separated presets (default: {DEFAULT_POLICIES}; with --data: "
                           "unlimited,vllm-disk,histate)")
-    rep.add_argument("--model", default="qwen3.5-9b", help="model preset (replay/models.py)")
+    rep.add_argument("--model", default="qwen3.5-9b", help="model preset (replay/model_presets.py)")
     rep.add_argument("--live-sessions", type=int, default=24)
     rep.add_argument("--gpu-gib", type=float, default=45.0)
     rep.add_argument("--host-gib", type=float, default=96.0)
@@ -123,31 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--dir", default=None, help="directory for the disk tier (default: a temp dir)")
     core.add_argument("--quick", action="store_true", help="fewer repetitions")
     core.set_defaults(func=_bench_core)
-    ssd = bsub.add_parser("ssd", help="disk tier vs the device limit (fio), DALI, torch.load, "
-                                      "safetensors, numpy; host pool copies")
-    ssd.add_argument("--dir", default=None,
-                     help="directory on the file system to measure (default: a temp dir)")
-    ssd.add_argument("--json", default=None, help="write the results here as JSON")
-    ssd.add_argument("--plot", default=None, help="write GB/s against object size here (PNG)")
-    ssd.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (< 1 min)")
-    ssd.add_argument("--sizes", default=None,
-                     help="object sizes, e.g. 4K,4M,kv,ckpt,256M (kv: a 576-token Qwen3.5-9B KV "
-                          "block, ckpt: its 50 MB checkpoint)")
-    ssd.add_argument("--reps", type=int, default=None, help="read repetitions")
-    ssd.add_argument("--no-fio", action="store_true",
-                     help="measure the device with the built-in O_DIRECT thread pool, not fio")
-    ssd.set_defaults(func=_bench_ssd)
-    index = bsub.add_parser("index", help="put/match/evict latency vs prompt length and cached "
-                                          "blocks, hashing, memory per block; vs SGLang and vLLM")
-    index.add_argument("--json", default=None, help="write the results here as JSON")
-    index.add_argument("--plot", default=None, help="write latency/memory figures here (PNG)")
-    index.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (~1 min)")
-    index.set_defaults(func=_bench_index)
+    for name in MOVED_BENCHES:
+        moved = bsub.add_parser(name, help=f"moved: python -m benchmarks {name} (from a clone)",
+                                add_help=False)
+        moved.set_defaults(func=_bench_moved)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.func is not _bench_moved:  # a moved bench gets its message whatever its flags
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args.func(args))
 
 

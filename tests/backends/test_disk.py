@@ -200,6 +200,35 @@ else:
         engine.close_file(f)
         engine.close()
 
+    def test_kvikio_settings_are_restored_when_the_last_engine_closes(tmp_path: Path) -> None:
+        """kvikio.defaults are process-wide: open tiers set them, closing them all restores them."""
+        import kvikio.defaults as kd
+
+        from hybridstore.backends.engines.kvikio import KVIKIO_TUNING
+
+        names = ("num_threads", "task_size", "auto_direct_io_read")
+        before = {"num_threads": 2, "task_size": 1 << 20, "auto_direct_io_read": False}
+        assert all(KVIKIO_TUNING[n] != before[n] for n in names if n in KVIKIO_TUNING)
+        with kd.set(before):  # known values to come back to (restored after the test)
+            first = DiskTier(tmp_path / "a", 16 * MiB, engine="kvikio", segment_bytes=1 * MiB,
+                             io_threads=3)
+            tuned = {n: kd.get(n) for n in names}
+            assert tuned["num_threads"] == 3
+            for name, value in KVIKIO_TUNING.items():
+                if f"KVIKIO_{name.upper()}" not in os.environ:
+                    assert tuned[name] == value, name
+            second = DiskTier(tmp_path / "b", 16 * MiB, engine="kvikio", segment_bytes=1 * MiB,
+                              io_threads=5)
+            assert kd.get("num_threads") == 5  # the engine opened last wins, as kvikio's set does
+            first.close()
+            assert kd.get("num_threads") == 5  # the open tier keeps its settings
+            second.close()
+            assert {n: kd.get(n) for n in names} == before
+            third = DiskTier(tmp_path / "c", 16 * MiB, engine="kvikio", segment_bytes=1 * MiB,
+                             io_threads=4)
+            third.close()
+            assert {n: kd.get(n) for n in names} == before
+
 
 # ---------------------------------------------------------------------------------
 # the tier contract, once per engine

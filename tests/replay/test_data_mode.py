@@ -11,11 +11,12 @@ from hybridstore import HybridStore, StoreConfig
 from hybridstore.backends.base import ObjectKind, object_key
 from hybridstore.cli import main
 from hybridstore.errors import CapacityError, ConfigError, CorruptObjectError
-from hybridstore.replay.data import DataObjects, pattern, patterns
+from hybridstore.replay.bytes_plane import DataObjects, data_planes, pattern, patterns
 from hybridstore.replay.datatiers import BudgetedPool, WriteBehindDisk
 from hybridstore.replay.loaders import load
+from hybridstore.replay.planes import TierBudget
 from hybridstore.replay.report import summarize
-from hybridstore.replay.sim import ReplayConfig, TierBudget, replay
+from hybridstore.replay.sim import ReplayConfig, replay
 
 # Six agent sessions (prompts up to ~18K tokens) under budgets that hold a few
 # sessions at most: at scale 128 the GPU tier is 2 MiB, DRAM 6 MiB and SSD
@@ -35,7 +36,8 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("data")
     trace = load(TRACE)
     sized = replay(trace, PRESETS, _cfg(tmp), progress=False)
-    data = replay(trace, PRESETS, _cfg(tmp, data=True), progress=False)
+    data = replay(trace, PRESETS, _cfg(tmp, data=True), plane_for=data_planes(str(tmp)),
+                  progress=False)
     return trace, sized, data, tmp
 
 
@@ -173,7 +175,7 @@ def test_data_mode_refuses_budgets_that_do_not_fit_this_machine():
     trace = load("synthetic:rewind?sessions=1&turns=2&seed=1")
     with pytest.raises(ConfigError, match="raise --scale"):
         replay(trace, ["vllm-cpu"], ReplayConfig(data=True, gpu_gib=4096, host_gib=4096),
-               progress=False)
+               plane_for=data_planes(None), progress=False)
     with pytest.raises(ConfigError, match="scale"):
         ReplayConfig(scale=0.5)
 
@@ -190,3 +192,15 @@ def test_cli_replay_data_writes_measured_restores(tmp_path):
     d = doc["policies"]["histate"]["data"]
     assert d["restores"] > 0 and d["measured_restore_p50_s"] > 0 and d["bytes_read"]["disk"] > 0
     assert png.stat().st_size > 10_000
+
+
+def test_data_planes_move_bytes_for_presets_with_a_budget(tmp_path):
+    """The caller's choice of planes: bytes where a preset has budgets, sizes for ``unlimited``."""
+    from hybridstore.replay.planes import SizedObjects
+    from hybridstore.replay.systems import preset
+
+    plane_for = data_planes(str(tmp_path))
+    assert isinstance(plane_for(preset("unlimited")), SizedObjects)
+    plane = plane_for(preset("histate"))
+    assert isinstance(plane, DataObjects)
+    plane.close()

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from hybridstore.data import weka_sample
+from hybridstore.errors import ConfigError
 from hybridstore.replay.loaders import load
-from hybridstore.replay.presets import PRESETS
 from hybridstore.replay.report import plot, summarize
+from hybridstore.replay.samples import weka_sample
 from hybridstore.replay.sim import ReplayConfig, replay
+from hybridstore.replay.systems import PRESETS
 
 SHARED = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
 ALL = list(PRESETS)
@@ -18,6 +19,42 @@ ALL = list(PRESETS)
 
 def _hit(runs, name):
     return runs[name].summary()["token_hit_rate"]
+
+
+def test_the_bundled_weka_sample_loads():
+    """The traces shipped as package data (``replay/samples/weka``) are found and parse."""
+    root = weka_sample()
+    assert (root / "NOTICE.md").is_file()
+    files = sorted(root.glob("*.json.zst"))
+    assert len(files) == 8
+    trace = load(str(root))
+    assert len(trace.sessions) >= len(files) and trace.n_requests > 0
+
+
+def test_the_loop_imports_no_bytes_plane_and_data_mode_needs_the_callers_planes():
+    """No ``sim`` <-> ``bytes_plane`` circle: the loop gets its planes from its caller."""
+    import subprocess
+    import sys
+
+    code = ("import sys, hybridstore.replay.sim\n"
+            "assert 'hybridstore.replay.bytes_plane' not in sys.modules\n"
+            "import hybridstore.replay.bytes_plane as b\n"
+            "assert not hasattr(b, 'replay_policy')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False, env=_env())
+    assert proc.returncode == 0, proc.stderr
+    trace = load("synthetic:rewind?sessions=1&turns=2&seed=1")
+    with pytest.raises(ConfigError, match="plane_for"):
+        replay(trace, ["vllm-cpu"], ReplayConfig(data=True), progress=False)
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    import hybridstore
+
+    src = str(Path(hybridstore.__file__).resolve().parents[1])
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
 
 
 def test_unlimited_upper_bounds_every_preset_on_the_bundled_weka_sample(tmp_path):

@@ -7,16 +7,18 @@ import gc
 import math
 import os
 import platform
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
+from hybridstore.backends.engines import ALIGN
 from hybridstore.index import keys as K
 
-__all__ = ["fmt_bytes", "json_safe", "machine_info", "median", "no_gc", "percentile", "progress",
-           "stdout_console", "timed"]
+__all__ = ["aligned", "emit", "fmt_bytes", "fs_type", "json_safe", "machine_info", "median", "no_gc",
+           "o_direct_works", "percentile", "progress", "stdout_console", "timed"]
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -141,3 +143,49 @@ def progress(name: str, total: int) -> Iterator[Callable[[str], None]]:
             bar.update(task, advance=1, description=what)
 
         yield step
+
+
+# ---------------------------------------------------------------------------------
+# files and buffers (bench core and the SSD benchmark)
+# ---------------------------------------------------------------------------------
+def aligned(nbytes: int, fill: int | None = None) -> np.ndarray:
+    """A 4 KiB aligned uint8 array (O_DIRECT reads/writes land in place), touched once."""
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    out = raw[start:start + nbytes]
+    out.fill(0 if fill is None else fill)  # fault the pages in before any timing
+    return out
+
+
+def o_direct_works(directory: str) -> bool:
+    """Whether the file system of ``directory`` accepts ``O_DIRECT`` opens."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    fd, path = tempfile.mkstemp(dir=directory, prefix=".odirect-probe-")
+    os.close(fd)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    else:
+        os.close(fd)
+        return True
+    finally:
+        os.unlink(path)
+
+
+def fs_type(path: str) -> str | None:
+    """File system type of ``path`` from /proc/mounts (Linux), else None."""
+    try:
+        best, fstype = "", None
+        real = os.path.realpath(path)
+        with open("/proc/mounts") as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) >= 3:
+                    mnt = parts[1]
+                    if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                        best, fstype = mnt, parts[2]
+        return fstype
+    except OSError:
+        return None

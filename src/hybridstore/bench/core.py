@@ -43,14 +43,17 @@ from hybridstore.backends.base import ObjectKind, object_key
 from hybridstore.backends.disk import DiskTier
 from hybridstore.backends.host import HostPool
 from hybridstore.bench.common import (
+    aligned,
+    emit,
     fmt_bytes,
+    fs_type,
     json_safe,
     machine_info,
     median,
+    o_direct_works,
     percentile,
     stdout_console,
 )
-from hybridstore.bench.common import emit
 from hybridstore.bench.common import timed as _timed
 from hybridstore.bench.index_figures import (
     VOCAB,
@@ -70,53 +73,6 @@ PAGE_BYTES = 64 * KIB
 CKPT_BYTES = 50 * MIB
 STORE_BLOCK = 64                 # tokens per page of the facade's stores
 PAGES_PER_PROMPT = 64            # facade page workload: 4096-token prompts of 64 pages
-_ALIGN = 4096
-
-
-# ---------------------------------------------------------------------------------
-# small helpers
-# ---------------------------------------------------------------------------------
-def _aligned(nbytes: int, fill: int | None = None) -> np.ndarray:
-    """A 4 KiB aligned uint8 array (O_DIRECT reads/writes land in place), touched once."""
-    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
-    start = -raw.ctypes.data % _ALIGN
-    out = raw[start:start + nbytes]
-    out.fill(0 if fill is None else fill)  # fault the pages in before any timing
-    return out
-
-
-def _o_direct_works(directory: str) -> bool:
-    """Whether the file system of ``directory`` accepts ``O_DIRECT`` opens."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    fd, path = tempfile.mkstemp(dir=directory, prefix=".odirect-probe-")
-    os.close(fd)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        return False
-    else:
-        os.close(fd)
-        return True
-    finally:
-        os.unlink(path)
-
-
-def _fs_type(path: str) -> str | None:
-    """File system type of ``path`` from /proc/mounts (Linux), else None."""
-    try:
-        best, fstype = "", None
-        real = os.path.realpath(path)
-        with open("/proc/mounts") as fh:
-            for line in fh:
-                parts = line.split()
-                if len(parts) >= 3:
-                    mnt = parts[1]
-                    if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                        best, fstype = mnt, parts[2]
-        return fstype
-    except OSError:
-        return None
 
 
 # ---------------------------------------------------------------------------------
@@ -219,9 +175,9 @@ def _make_workload(name: str, size: int, n: int, rng: np.random.Generator) -> _W
     else:
         prompts, pages_per, state_bytes = n, 1, size
     data_bytes = max(n * size, prompts * (pages_per * PAGE_BYTES + state_bytes))
-    src = _aligned(data_bytes)
+    src = aligned(data_bytes)
     src[:] = np.frombuffer(rng.bytes(data_bytes), dtype=np.uint8)
-    dst = _aligned(data_bytes, fill=1)
+    dst = aligned(data_bytes, fill=1)
 
     def carve(buf: np.ndarray) -> list[tuple[list[Any], dict[str, Any]]]:
         out, off = [], 0
@@ -573,7 +529,7 @@ def run_core_bench(json_path: str | None = None, disk_dir: str | None = None,
     started = time.perf_counter()
     steps_total = 2 * (reps + 1) * 5 + 2 + 2 + 1
     tiers_rows: list[dict[str, Any]] = []
-    o_direct = _o_direct_works(root_dir)
+    o_direct = o_direct_works(root_dir)
     engine_name = None
     host_pinned = False
     direct_seen: list[bool | None] = []
@@ -620,7 +576,7 @@ def run_core_bench(json_path: str | None = None, disk_dir: str | None = None,
                                 "same rep)",
                    "elapsed_s": None},
         "disk": {
-            "dir": root_dir, "fs_type": _fs_type(os.path.dirname(root_dir) or "."),
+            "dir": root_dir, "fs_type": fs_type(os.path.dirname(root_dir) or "."),
             "engine": engine_name, "o_direct": bool(direct),
             "reads": ("cold: the POSIX engine opens segments with O_DIRECT, bypassing the OS "
                       "page cache (a hypervisor or device cache below may still serve them)"

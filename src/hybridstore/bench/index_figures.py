@@ -1,4 +1,4 @@
-"""Index figures shared by ``bench core`` and ``bench index``.
+"""Index figures shared by ``hybridstore bench core`` and ``python -m benchmarks index``.
 
 * :func:`bench_match`: ``HybridStore.match()`` latency on a 128K-token prompt at
   ``block_size=64`` (2048 pages and a checkpoint at its end, held by an

@@ -12,12 +12,14 @@ is admitted.  Each request, when the server takes it:
 4. the engine then puts the pages of the recomputed segment and the
    checkpoints the preset's placement asks for (sizes only: accounting tiers).
 
-In data mode (``ReplayConfig.data``, ``replay/data.py``) the same loop runs
-over real tiers: puts carry bytes, and every hit is also restored with
-``store.load(plan)`` and timed.  Only the *objects* differ
-(:class:`SizedObjects` here, ``DataObjects`` there); the loop, the store and
-its policies are the same, and the simulated clock advances by the modeled
-restore in both modes, so both make the same decisions.  ``ReplayConfig.scale``
+In data mode (``ReplayConfig.data``, ``replay/bytes_plane.py``) the same loop
+runs over real tiers: puts carry bytes, and every hit is also restored with
+``store.load(plan)`` and timed.  Only the *objects* differ (the
+:class:`~hybridstore.replay.planes.ObjectPlane`: ``SizedObjects`` or
+``DataObjects``, ``replay/planes.py``), and the caller chooses them
+(:func:`replay`'s ``plane_for``); the loop, the store and its policies are
+the same, and the simulated clock advances by the modeled restore in both
+modes, so both make the same decisions.  ``ReplayConfig.scale``
 divides object sizes and budgets alike (real bytes must fit the machine);
 modeled times are reported at full size.
 
@@ -33,21 +35,19 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from hybridstore.backends.accounting import AccountingTier
-from hybridstore.backends.base import Tier
 from hybridstore.config import StoreConfig
 from hybridstore.errors import ConfigError
 from hybridstore.index.prefix import PrefixKeys
-from hybridstore.index.trie import ResumePlan
-from hybridstore.replay.models import ModelPreset, model_preset
-from hybridstore.replay.presets import Preset, preset
+from hybridstore.replay.model_presets import ModelPreset, model_preset
+from hybridstore.replay.planes import ObjectPlane, SizedObjects, TierBudget
+from hybridstore.replay.systems import Preset, preset
 from hybridstore.replay.tokens import session_tokens
 from hybridstore.replay.trace import Request, Session, Trace
 from hybridstore.store import HybridStore
@@ -55,13 +55,21 @@ from hybridstore.store import HybridStore
 GIB = 1 << 30
 _UNLIMITED_BYTES = 1 << 62
 
+PlaneFactory = Callable[[Preset], ObjectPlane]
+"""The objects of one preset's run (a fresh plane per run; the loop closes it)."""
+
+
+def sized_planes(p: Preset) -> ObjectPlane:
+    """Accounting mode's planes: sizes only, for every preset."""
+    return SizedObjects()
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReplayConfig:
     """Settings of one replay (the defaults are HiState's setup).
 
     Attributes:
-        model: model preset name (``replay/models.py``).
+        model: model preset name (``replay/model_presets.py``).
         live_sessions: sessions live at once.
         gpu_gib, host_gib, disk_gib: cache budgets per tier.
         h2d_gbps, ssd_gbps: bandwidths for restore time.
@@ -75,8 +83,10 @@ class ReplayConfig:
             reported at full size).  Data mode needs it: real bytes must fit
             this machine.
         data: move real bytes through the pinned pool and the disk tier and
-            time every restore (``replay/data.py``); presets without a budget
-            (``unlimited``) stay in accounting mode.
+            time every restore (``replay/bytes_plane.py``); presets without a
+            budget (``unlimited``) stay in accounting mode.  The caller makes
+            it so: :func:`replay` runs data mode with the planes of
+            ``bytes_plane.data_planes(data_dir)`` as its ``plane_for``.
         data_dir: directory for data mode's disk tier (a temporary one inside
             it per preset, removed after its run); None: the system's temp dir.
     """
@@ -164,60 +174,6 @@ class PolicyRun:
         }
 
 
-@dataclass(frozen=True, slots=True)
-class TierBudget:
-    """One tier of a replayed system: its name, budget (scaled) and modeled read bandwidth."""
-
-    name: str
-    capacity_bytes: int
-    read_gbps: float
-
-
-class ObjectPlane(Protocol):
-    """What the replay's objects are: sizes (:class:`SizedObjects`) or bytes (``DataObjects``)."""
-
-    def open_tiers(self, budgets: Sequence[TierBudget]) -> dict[str, Tier]:
-        """The store's tiers."""
-
-    def put_pages(self, store: HybridStore, prompt: PrefixKeys, first_block: int, nbytes: int) -> None:
-        """Put the pages of blocks ``first_block..`` of ``prompt``."""
-
-    def put_state(self, store: HybridStore, prompt: PrefixKeys, position: int, nbytes: int) -> None:
-        """Put the checkpoint at ``position``."""
-
-    def restore(self, store: HybridStore, plan: ResumePlan) -> float | None:
-        """Restore a live plan; the seconds it took (None: nothing is moved)."""
-
-    def finish(self, store: HybridStore) -> dict[str, Any] | None:
-        """End-of-run counters (the store is still open)."""
-
-    def close(self) -> None:
-        """Release what ``open_tiers`` made outside the store (after the store closed)."""
-
-
-class SizedObjects:
-    """Accounting mode: tiers keep sizes and modeled times, puts carry no bytes."""
-
-    def open_tiers(self, budgets: Sequence[TierBudget]) -> dict[str, Tier]:
-        return {b.name: AccountingTier(b.name, b.capacity_bytes, read_gbps=b.read_gbps)
-                for b in budgets}
-
-    def put_pages(self, store: HybridStore, prompt: PrefixKeys, first_block: int, nbytes: int) -> None:
-        store.put_kv_sized(prompt, nbytes=nbytes, first_block=first_block)
-
-    def put_state(self, store: HybridStore, prompt: PrefixKeys, position: int, nbytes: int) -> None:
-        store.put_state_sized(prompt, nbytes=nbytes, position=position)
-
-    def restore(self, store: HybridStore, plan: ResumePlan) -> float | None:
-        return None
-
-    def finish(self, store: HybridStore) -> dict[str, Any] | None:
-        return None
-
-    def close(self) -> None:
-        pass
-
-
 def tier_budgets(p: Preset, cfg: ReplayConfig, scale: float = 1.0) -> list[TierBudget]:
     """The tiers of preset ``p``: configured budgets divided by ``scale``, HiState's bandwidths."""
     budgets = {"device": cfg.gpu_gib, "host": cfg.host_gib, "disk": cfg.disk_gib}
@@ -267,27 +223,20 @@ class _Sessions:
         return self.waiting.pop() if self.waiting else None
 
 
-def replay_policy(trace: Trace, name: str, cfg: ReplayConfig, *, progress: bool = True) -> PolicyRun:
-    """Replay ``trace`` under the preset ``name``."""
+def replay_policy(trace: Trace, name: str, cfg: ReplayConfig, *,
+                  plane_for: PlaneFactory = sized_planes, progress: bool = True) -> PolicyRun:
+    """Replay ``trace`` under the preset ``name``, with the objects ``plane_for`` gives it."""
     p = preset(name)
     full = model_preset(cfg.model)
     model = full.scaled(cfg.scale)
     scale = full.kv_bytes_per_token / model.kv_bytes_per_token  # the factor applied exactly
-    objects = _objects(p, cfg, name)
+    objects = plane_for(p)
     try:
         store = build_store(p, cfg, model, trace.block_size, objects, scale)
         run = _run(trace, p, cfg, model, scale, store, objects, progress=progress)
     finally:
         objects.close()
     return run
-
-
-def _objects(p: Preset, cfg: ReplayConfig, name: str) -> ObjectPlane:
-    if not cfg.data or p.unlimited:
-        return SizedObjects()
-    from hybridstore.replay.data import DataObjects
-
-    return DataObjects(cfg.data_dir, label=name)
 
 
 def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: float,
@@ -389,7 +338,28 @@ def _put_segment(store: HybridStore, objects: ObjectPlane, prompt: PrefixKeys, c
             objects.put_state(store, prompt, p, state_bytes)
 
 
-def replay(trace: Trace, names: Sequence[str], cfg: ReplayConfig, *, progress: bool = True
-           ) -> dict[str, PolicyRun]:
-    """Replay ``trace`` under each preset in ``names`` (same sessions, same order)."""
-    return {name: replay_policy(trace, name, cfg, progress=progress) for name in names}
+def replay(trace: Trace, names: Sequence[str], cfg: ReplayConfig, *,
+           plane_for: PlaneFactory | None = None, progress: bool = True) -> dict[str, PolicyRun]:
+    """Replay ``trace`` under each preset in ``names`` (same sessions, same order).
+
+    Args:
+        trace: the trace.
+        names: preset names (``replay/systems.py``).
+        cfg: budgets, bandwidths, model, scale.
+        plane_for: the objects of each preset's run (``replay/planes.py``);
+            default: sizes only (:func:`sized_planes`).  Data mode
+            (``cfg.data``) needs the caller's choice of planes, e.g.
+            ``bytes_plane.data_planes(cfg.data_dir)``.
+        progress: show a progress bar per preset.
+
+    Raises:
+        ConfigError: ``cfg.data`` without ``plane_for``.
+    """
+    if plane_for is None:
+        if cfg.data:
+            raise ConfigError("ReplayConfig(data=True) needs the planes that move the bytes: "
+                              "replay(..., plane_for=hybridstore.replay.bytes_plane."
+                              "data_planes(cfg.data_dir))")
+        plane_for = sized_planes
+    return {name: replay_policy(trace, name, cfg, plane_for=plane_for, progress=progress)
+            for name in names}

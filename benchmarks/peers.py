@@ -1,4 +1,4 @@
-"""The peers of ``hybridstore bench index``, run on CPU from their installed packages.
+"""The peers of ``python -m benchmarks index``, run on CPU from their installed packages.
 
 * :class:`SGLangRadix`: ``sglang.srt.mem_cache.radix_cache.RadixCache`` built
   with ``RadixCache.create_simulated`` (no memory pools: the way SGLang's own

@@ -48,7 +48,7 @@ from hybridstore.policy.base import AdmissionPolicy, EvictionPolicy, PlacementPo
 from hybridstore.policy.flashstates import FlashStatesEviction
 from hybridstore.policy.placement import Compose
 from hybridstore.policy.units import PrefillCost
-from hybridstore.replay.models import ModelPreset
+from hybridstore.replay.model_presets import ModelPreset
 
 PlacementFactory = Callable[[ModelPreset, int], PlacementPolicy]
 

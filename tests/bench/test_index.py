@@ -1,4 +1,4 @@
-"""``hybridstore bench index`` in a tiny configuration: the JSON document's shape and real
+"""``python -m benchmarks index`` in a tiny configuration: the JSON document's shape and real
 properties of its results (same matched prefixes as the peers, identical native/twin keys),
 never its timings.  Peer-specific checks skip when the peer cannot be imported here."""
 
@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from hybridstore.bench.index import BLOCK, OPS, IndexBenchConfig, run_index_bench
-from hybridstore.bench.peers import PeerUnavailable, import_sglang_radix, import_vllm_prefix
-from hybridstore.cli import build_parser
+from benchmarks.__main__ import build_parser
+from benchmarks.index import BLOCK, OPS, IndexBenchConfig, run_index_bench
+from benchmarks.peers import PeerUnavailable, import_sglang_radix, import_vllm_prefix
 from hybridstore.index import keys as K
 
 TINY = IndexBenchConfig(prompt_tokens=(1024, 4096), reps=3, cached_blocks=(256,), block_reps=3,
@@ -134,7 +134,7 @@ def test_match_128k(bench) -> None:
 
 
 def test_cli_parses() -> None:
-    argv = ["bench", "index", "--json", "j", "--plot", "p.png", "--quick"]
+    argv = ["index", "--json", "j", "--plot", "p.png", "--quick"]
     args = build_parser().parse_args(argv)
     assert (args.json, args.plot, args.quick) == ("j", "p.png", True)
 

@@ -1,4 +1,4 @@
-"""``hybridstore bench index``: put / match / evict of the prefix index, side by side with peers.
+"""``python -m benchmarks index``: put / match / evict of the prefix index, side by side with peers.
 
 Three implementations get the same token ids (uint32, block size 64):
 
@@ -8,9 +8,9 @@ Three implementations get the same token ids (uint32, block size 64):
   ``put_state_sized`` (a checkpoint at the prompt's end: a hybrid model's
   request leaves one); ``match`` = ``match(tokens)`` (hashing included, pins)
   + ``release``; ``evict`` = ``evict(bytes of one prompt)``.
-* ``sglang``: SGLang's ``RadixCache`` (:class:`~hybridstore.bench.peers.SGLangRadix`).
+* ``sglang``: SGLang's ``RadixCache`` (:class:`~benchmarks.peers.SGLangRadix`).
 * ``vllm``: vLLM's block hashing + ``BlockPool``
-  (:class:`~hybridstore.bench.peers.VllmBlockPool`).
+  (:class:`~benchmarks.peers.VllmBlockPool`).
 
 Workloads (every op is timed one call at a time, GC off, the three
 implementations in turn, their order rotated each repetition):
@@ -49,8 +49,26 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.peers import (
+    PeerUnavailable,
+    SGLangRadix,
+    VllmBlockPool,
+    import_sglang_radix,
+    import_vllm_prefix,
+    init_vllm_none_hash,
+    sglang_version,
+    vllm_hash_functions,
+)
 from hybridstore.backends.accounting import AccountingTier
-from hybridstore.bench.common import emit, json_safe, machine_info, median, no_gc, percentile, progress
+from hybridstore.bench.common import (
+    emit,
+    json_safe,
+    machine_info,
+    median,
+    no_gc,
+    percentile,
+    progress,
+)
 from hybridstore.bench.index_figures import (
     GOAL_INDEX_BYTES,
     GOAL_MATCH_MS,
@@ -60,16 +78,6 @@ from hybridstore.bench.index_figures import (
     bench_hashing,
     bench_index_memory,
     bench_match,
-)
-from hybridstore.bench.peers import (
-    PeerUnavailable,
-    SGLangRadix,
-    VllmBlockPool,
-    import_sglang_radix,
-    import_vllm_prefix,
-    init_vllm_none_hash,
-    sglang_version,
-    vllm_hash_functions,
 )
 from hybridstore.config import StoreConfig
 from hybridstore.store import HybridStore
@@ -558,7 +566,7 @@ def run_index_bench(json_path: str | None = None, plot_path: str | None = None, 
         ``{"machine", "config", "peers", "prompt_length", "cached_blocks",
         "hashing", "memory", "match_128k", "goals", "issues"}``.
     """
-    from hybridstore.bench.index_report import plot_index, print_index_report
+    from benchmarks.index_report import plot_index, print_index_report
 
     cfg = config or (IndexBenchConfig.quick() if quick else IndexBenchConfig.full())
     rng = np.random.default_rng(20240611)

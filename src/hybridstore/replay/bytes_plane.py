@@ -1,7 +1,7 @@
 """Data-mode replay: real bytes through the pinned pool and the disk tier, timed restores.
 
 The replay loop (``replay/sim.py``) is the same as in accounting mode; only its
-objects differ.  :class:`DataObjects` builds the store over real tiers
+objects differ (the caller passes :func:`data_planes` as ``replay``'s ``plane_for``).  :class:`DataObjects` builds the store over real tiers
 (``replay/datatiers.py``): the pinned pool (:class:`HostPool`) as the DRAM
 tier, the disk tier (:class:`DiskTier`, O_DIRECT or kvikio) in a fresh
 directory, and, for presets with a GPU budget, a second RAM pool standing in
@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,8 @@ from hybridstore.errors import ConfigError, CorruptObjectError
 from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import TIER_BITS, ResumePlan
 from hybridstore.replay.datatiers import BudgetedPool, WriteBehindDisk, physical_bytes
-from hybridstore.replay.sim import TierBudget
+from hybridstore.replay.planes import ObjectPlane, SizedObjects, TierBudget
+from hybridstore.replay.systems import Preset
 from hybridstore.store import HybridStore
 
 DATA_SCALE = 128.0
@@ -233,6 +234,23 @@ class DataObjects:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+
+def data_planes(data_dir: str | None) -> Callable[[Preset], ObjectPlane]:
+    """Data mode's planes: bytes for every preset with a budget, sizes for ``unlimited`` ones.
+
+    A preset without a budget (``unlimited``) has no tier sizes for real bytes
+    to fill; it runs in accounting mode, as the reference.
+
+    Args:
+        data_dir: parent of each run's disk-tier directory (:class:`DataObjects`).
+    """
+    def plane_for(p: Preset) -> ObjectPlane:
+        if p.unlimited:
+            return SizedObjects()
+        return DataObjects(data_dir, label=p.name)
+
+    return plane_for
 
 
 def _check_fits(budgets: Sequence[TierBudget], data_dir: str | None) -> None:

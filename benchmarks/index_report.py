@@ -1,4 +1,4 @@
-"""The table and the figure of ``hybridstore bench index`` (from its JSON document)."""
+"""The table and the figure of ``python -m benchmarks index`` (from its JSON document)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Data bundled with the package: a small WEKA agent-trace sample for the default replay."""
+"""Traces bundled with the package: a small WEKA agent-trace sample for the default replay."""
 
 from __future__ import annotations
 

@@ -109,3 +109,15 @@ def test_temp_dirs_are_removed(bench) -> None:
 
     _, _, disk_dir, _ = bench
     assert os.listdir(disk_dir) == []
+
+
+@pytest.mark.parametrize("name", ["ssd", "index"])
+def test_moved_benches_point_to_python_m_benchmarks(name, capsys) -> None:
+    """``hybridstore bench ssd|index`` left the package: one line says where, exit status 2."""
+    from hybridstore.cli import main
+
+    assert main(["bench", name, "--quick", "--json", "x.json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"python -m benchmarks {name}" in err[0]
+    with pytest.raises(SystemExit):
+        main(["bench", "core", "--no-such-flag"])  # the package's own commands stay strict

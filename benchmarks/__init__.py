@@ -1,0 +1,24 @@
+"""Research benchmarks of hybridstore, run from a clone: ``python -m benchmarks ssd|index ...``.
+
+They live outside the installed package (as vLLM's, LMCache's and SGLang's
+``benchmarks/`` do): they compare hybridstore with other loaders and caches
+(fio, DALI, torch.load, safetensors; SGLang's radix cache and vLLM's block
+pool, imported through a harness of their own) and need tools a library user
+does not.  The short self-check stays in the package: ``hybridstore bench core``.
+
+* :mod:`benchmarks.ssd`: the disk tier against the device limit (fio) and
+  other loaders; the host pool's copies.
+* :mod:`benchmarks.index`: ``put`` / ``match`` / ``evict`` against prompt
+  length and cached blocks, side by side with SGLang's radix cache and vLLM's
+  block hashing (:mod:`benchmarks.peers`), hashing, memory per block.
+* :mod:`benchmarks.odirect`: fio and an O_DIRECT thread pool of our own.
+
+Shared with ``bench core``: :mod:`hybridstore.bench.common` (statistics,
+timing, machine facts, aligned buffers, file-system probes) and
+:mod:`hybridstore.bench.index_figures` (the 128K match, hashing and index-memory
+figures).  See ``benchmarks/README.md`` for what each needs.
+"""
+
+from __future__ import annotations
+
+__all__ = ["index", "odirect", "peers", "ssd"]

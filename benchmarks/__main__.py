@@ -1,0 +1,58 @@
+"""``python -m benchmarks ssd|index ...`` (from the root of a clone; see README.md here)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _ssd(args: argparse.Namespace) -> int:
+    from benchmarks.ssd import parse_sizes, run_ssd_bench
+
+    run_ssd_bench(json_path=args.json, disk_dir=args.dir, plot_path=args.plot, quick=args.quick,
+                  sizes=parse_sizes(args.sizes) if args.sizes else None, reps=args.reps,
+                  use_fio=not args.no_fio)
+    return 0
+
+
+def _index(args: argparse.Namespace) -> int:
+    from benchmarks.index import run_index_bench
+
+    run_index_bench(json_path=args.json, plot_path=args.plot, quick=args.quick)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    sub = parser.add_subparsers(dest="bench", required=True)
+    ssd = sub.add_parser("ssd", help="disk tier vs the device limit (fio), DALI, torch.load, "
+                                     "safetensors, numpy; host pool copies")
+    ssd.add_argument("--dir", default=None,
+                     help="directory on the file system to measure (default: a temp dir)")
+    ssd.add_argument("--json", default=None, help="write the results here as JSON")
+    ssd.add_argument("--plot", default=None, help="write GB/s against object size here (PNG)")
+    ssd.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (< 1 min)")
+    ssd.add_argument("--sizes", default=None,
+                     help="object sizes, e.g. 4K,4M,kv,ckpt,256M (kv: a 576-token Qwen3.5-9B KV "
+                          "block, ckpt: its 50 MB checkpoint)")
+    ssd.add_argument("--reps", type=int, default=None, help="read repetitions")
+    ssd.add_argument("--no-fio", action="store_true",
+                     help="measure the device with the built-in O_DIRECT thread pool, not fio")
+    ssd.set_defaults(func=_ssd)
+    index = sub.add_parser("index", help="put/match/evict latency vs prompt length and cached "
+                                         "blocks, hashing, memory per block; vs SGLang and vLLM")
+    index.add_argument("--json", default=None, help="write the results here as JSON")
+    index.add_argument("--plot", default=None, help="write latency/memory figures here (PNG)")
+    index.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (~1 min)")
+    index.set_defaults(func=_index)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

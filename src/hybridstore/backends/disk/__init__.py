@@ -1,0 +1,52 @@
+"""The SSD tier: objects packed into segment files, a durable lmdb catalog.
+
+Directory layout (``path``)::
+
+    LOCK              fcntl.flock'ed by the one process that has the tier open
+    catalog/          lmdb environment (see backends/catalog.py)
+    seg-000000.dat    segment files: the SlabAllocator's arenas, one file each;
+    seg-000001.dat    objects sit at 4 KiB-aligned offsets (O_DIRECT / GDS)
+
+Write path (``put``): allocate an extent, write the caller's bytes straight
+from its buffer (the engine bounces only what is unaligned), ``fdatasync`` the
+segment, *then* commit the catalog entry.  An object is visible
+(``contains``/``entries``/``get``) only once its bytes are durable and its
+entry committed, so a crash never exposes a torn object.  A committer thread
+groups the completions that arrive together: one ``fdatasync`` per segment and
+one lmdb transaction per group.
+
+Read path (``get_into``): read the extent into ``out`` (host numpy buffer or a
+torch tensor, device tensors too), verify its xxh3_64 checksum; on mismatch the
+object is dropped from the catalog, a warning is logged, and
+:class:`~hybridstore.errors.CorruptObjectError` is raised.  Extents being read
+are pinned: a concurrent delete or replacement frees them after the read.
+
+Reopen: the catalog is the truth.  Every entry whose segment file exists and
+is long enough is reserved in a fresh allocator and visible again; others are
+dropped with a logged reason.  Segment files no surviving entry uses are
+removed.
+
+Modules (one path through the tier each):
+
+=================  ===============================================================
+``tier.py``        :class:`DiskTier`: construction, bookkeeping (contains, delete,
+                   entries, stats), pins, segment files, close
+``writer.py``      ``put`` / ``put_many``, write jobs, the committer thread
+``reader.py``      ``get_into`` / ``read_many_into`` / ``get``, checksums
+``recovery.py``    directory lock, segment geometry, reopen from the catalog
+``objects.py``     what they share: names, object records, key and buffer checks
+=================  ===============================================================
+"""
+
+from __future__ import annotations
+
+from hybridstore.backends.base import aligned_empty
+from hybridstore.backends.disk.objects import (
+    CATALOG_DIR,
+    COALESCE_BYTES,
+    LOCK_NAME,
+    segment_name,
+)
+from hybridstore.backends.disk.tier import DiskTier
+
+__all__ = ["CATALOG_DIR", "COALESCE_BYTES", "LOCK_NAME", "DiskTier", "aligned_empty", "segment_name"]

@@ -1,0 +1,303 @@
+"""The disk tier's read path: ``get_into``, coalesced ``read_many_into``, checksums.
+
+A read pins its extent (a concurrent delete or replacement frees it after the
+read), reads into the caller's buffer (host array or torch tensor, device
+tensors too), and verifies the xxh3_64 checksum while later pieces are still
+in flight; a corrupt object is dropped from the catalog and raises
+:class:`~hybridstore.errors.CorruptObjectError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from hybridstore.backends.base import ObjectKey, aligned_empty
+from hybridstore.backends.disk.objects import (
+    COALESCE_BYTES,
+    _check_key,
+    _host_view,
+    _Object,
+    _TierState,
+    _torch_bytes,
+    _with_key,
+    segment_name,
+)
+from hybridstore.backends.engines import Engine
+from hybridstore.errors import BackendIOError, CorruptObjectError
+
+log = logging.getLogger("hybridstore.backends.disk")
+
+
+class _ReadPath(_TierState):
+    """Part of :class:`~hybridstore.backends.disk.DiskTier`: reads and their checks."""
+
+    def get_into(self, key: ObjectKey, out: Any) -> Future:
+        """Read an object into ``out``; the future yields its ``nbytes``.
+
+        ``out``: a host uint8 numpy array (or writable buffer) of at least
+        ``nbytes``, or a torch tensor (CPU or CUDA; CUDA goes SSD -> GPU
+        directly where kvikio has GPUDirect Storage).
+
+        Raises:
+            KeyError: the object is not visible here.
+            CorruptObjectError: (from the future) its checksum failed; it is dropped.
+        """
+        self._check_open()
+        key = _check_key(key)
+        with self._lock:
+            obj = self._objects.get(key)
+            if obj is None:
+                raise KeyError(key)
+            target = _ReadTarget.of(out, obj.record.length)
+            self._pins[obj.extent] = self._pins.get(obj.extent, 0) + 1
+        try:
+            return self._jobs.submit(self._read_job, key, obj, target)
+        except BaseException:
+            self._unpin(obj.extent)
+            raise
+
+    def slot_bytes(self, nbytes: int) -> int:
+        """Bytes the slot of an ``nbytes`` object spans in its segment file (the spacing at
+        which :meth:`read_many_into` reads neighbours in one I/O)."""
+        return self._alloc.slot_size(nbytes)
+
+    def read_many_into(self, keys: Sequence[ObjectKey], dst: np.ndarray,
+                       offsets: Sequence[int]) -> Future:
+        """Read objects ``keys[i]`` into ``dst[offsets[i]:]``, neighbours in one I/O.
+
+        Objects that lie back to back in one segment file, in the same order and
+        spacing as their destinations in ``dst``, are read with one request of
+        up to :data:`COALESCE_BYTES` (a load of many small pages written
+        together reads at the device's large-I/O rate instead of paying a
+        request per page), then each object's checksum is checked on its own.
+        The slot padding between two coalesced objects lands in ``dst`` between
+        their destinations: space destinations by :meth:`slot_bytes` where they
+        should coalesce, and give each at least that much room.
+
+        Args:
+            keys: distinct keys of visible objects.
+            dst: a writable, C-contiguous host uint8 array.
+            offsets: where each object lands in ``dst``.
+
+        Returns:
+            One future for all of them, yielding their total ``nbytes`` once every
+            read has finished (``dst`` is no longer written to); it fails with the
+            first error, e.g. ``CorruptObjectError`` (every corrupt object is
+            dropped; the error names the first).
+
+        Raises:
+            KeyError: a key is not visible here (nothing is read).
+            ValueError: a destination does not fit in ``dst``.
+        """
+        self._check_open()
+        if len(keys) != len(offsets):
+            raise ValueError("keys and offsets must have one length")
+        with self._lock:
+            objs = [self._objects.get(_check_key(key)) for key in keys]
+            for key, obj in zip(keys, objs):
+                if obj is None:
+                    raise KeyError(key)
+            for obj, off in zip(objs, offsets):
+                if off < 0 or off + obj.record.length > dst.nbytes:
+                    raise ValueError(f"offset {off} + {obj.record.length} bytes is past dst "
+                                     f"({dst.nbytes} bytes)")
+            for obj in objs:
+                self._pins[obj.extent] = self._pins.get(obj.extent, 0) + 1
+        order = sorted(range(len(keys)), key=lambda i: (objs[i].record.segment, objs[i].record.offset))
+        runs: list[list[int]] = []
+        for i in order:
+            if runs:
+                j, head = runs[-1][-1], runs[-1][0]
+                a, b = objs[j].record, objs[i].record
+                if (a.segment == b.segment and b.offset - a.offset == objs[j].extent.length
+                        and offsets[i] - offsets[j] == objs[j].extent.length
+                        and b.offset + b.length - objs[head].record.offset <= COALESCE_BYTES):
+                    runs[-1].append(i)
+                    continue
+            runs.append([i])
+        group = _ReadGroup(len(runs))
+        submitted = 0
+        try:
+            for run in runs:
+                self._jobs.submit(self._read_run, [(bytes(keys[i]), objs[i]) for i in run], dst,
+                                  [offsets[i] for i in run], group)
+                submitted += 1
+        except BaseException as e:
+            for run in runs[submitted:]:
+                for i in run:
+                    self._unpin(objs[i].extent)
+                group.done(0, e)
+        return group.future
+
+    def _read_run(self, items: list[tuple[bytes, _Object]], dst: np.ndarray, offsets: list[int],
+                  group: _ReadGroup) -> None:
+        """One I/O for neighbouring objects (see :meth:`read_many_into`), then each checksum."""
+        first, last = items[0][1].record, items[-1][1].record
+        span = last.offset + last.length - first.offset
+        error: BaseException | None = None
+        got_bytes = 0
+        try:
+            self.engine.read(self._files[first.segment], dst[offsets[0]:offsets[0] + span],
+                             span, first.offset)
+            for (key, obj), off in zip(items, offsets):
+                rec = obj.record
+                if self._verify:
+                    got = xxhash.xxh3_64_intdigest(dst[off:off + rec.length])
+                    if got != rec.checksum:
+                        try:
+                            self._drop_corrupt(key, obj, got)
+                        except CorruptObjectError as e:
+                            error = error or e
+                        continue
+                got_bytes += rec.length
+            with self._lock:
+                self._counters["reads"] += len(items)
+                self._counters["bytes_read"] += got_bytes
+        except BaseException as e:
+            if isinstance(e, BackendIOError):
+                _with_key(e, items[0][0])
+            error = error or e
+        finally:
+            for _, obj in items:
+                self._unpin(obj.extent)
+            group.done(got_bytes, error)
+
+    def get(self, key: ObjectKey) -> np.ndarray:
+        n = self.nbytes(key)
+        if n is None:
+            raise KeyError(key)
+        out = aligned_empty(n)  # aligned: O_DIRECT reads land in place, no bounce
+        self.get_into(key, out).result()
+        return out
+
+    # -- read path ----------------------------------------------------------------
+    def _read_job(self, key: bytes, obj: _Object, target: _ReadTarget) -> int:
+        rec = obj.record
+        try:
+            try:
+                got = target.read(self.engine, self._files[rec.segment], rec.offset, rec.length,
+                                  self._verify)
+            except BackendIOError as e:
+                _with_key(e, key)
+                raise
+            if self._verify and got != rec.checksum:
+                self._drop_corrupt(key, obj, got)
+            with self._lock:
+                self._counters["reads"] += 1
+                self._counters["bytes_read"] += rec.length
+            return rec.length
+        finally:
+            self._unpin(obj.extent)
+
+    def _drop_corrupt(self, key: bytes, obj: _Object, got: int) -> None:
+        rec = obj.record
+        with self._catalog_lock:
+            with self._lock:
+                current = self._objects.get(key) is obj
+            if current:
+                self.catalog.delete(key)
+                with self._lock:
+                    del self._objects[key]
+                    self._release(obj.extent)
+                    self._counters["corrupt_dropped"] += 1
+        log.warning("disk tier %s: object %s (%d bytes at %s offset %d) failed its checksum "
+                    "(expected %016x, got %016x); dropped it from the catalog",
+                    self.path, key.hex(), rec.length, segment_name(rec.segment), rec.offset,
+                    rec.checksum, got)
+        raise CorruptObjectError(f"object {key.hex()} on the disk tier at {self.path} is corrupt "
+                                 f"(checksum {got:016x}, expected {rec.checksum:016x}); it was "
+                                 "dropped: recompute it and put it again",
+                                 key=key, expected=rec.checksum, got=got)
+
+
+class _ReadGroup:
+    """The runs of one :meth:`DiskTier.read_many_into`: its future completes when the
+    last run is done, with the first error any run met."""
+
+    __slots__ = ("future", "_left", "_bytes", "_error", "_lock")
+
+    def __init__(self, runs: int) -> None:
+        self.future: Future = Future()
+        self._left = runs
+        self._bytes = 0
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        if not runs:
+            self.future.set_result(0)
+
+    def done(self, nbytes: int, error: BaseException | None) -> None:
+        with self._lock:
+            self._left -= 1
+            self._bytes += nbytes
+            self._error = self._error or error
+            last = self._left == 0
+        if last:
+            if self._error is not None:
+                self.future.set_exception(self._error)
+            else:
+                self.future.set_result(self._bytes)
+
+
+class _ReadTarget:
+    """Where a read lands: a host byte view, or a torch tensor (maybe on a GPU)."""
+
+    __slots__ = ("host", "tensor")
+
+    def __init__(self, host: np.ndarray | None, tensor: Any = None) -> None:
+        self.host = host
+        self.tensor = tensor
+
+    @classmethod
+    def of(cls, out: Any, nbytes: int) -> _ReadTarget:
+        if type(out).__module__.startswith("torch"):
+            tensor = _torch_bytes(out, nbytes)
+            if tensor.device.type == "cpu":
+                return cls(tensor.numpy())
+            return cls(None, tensor)
+        return cls(_host_view(out, nbytes, writable=True))
+
+    def read(self, engine: Engine, file: Any, offset: int, nbytes: int, verify: bool) -> int:
+        """Read ``nbytes`` at ``offset``; returns the xxh3_64 of what landed (0 unverified)."""
+        if self.host is not None:
+            if not verify or nbytes <= engine.stream_piece_bytes:
+                engine.read(file, self.host, nbytes, offset)
+                return xxhash.xxh3_64_intdigest(self.host) if verify else 0
+            return _read_hashing(engine, file, self.host, nbytes, offset)
+        import torch
+
+        if engine.name.startswith("kvikio"):  # kvikio reads into device memory itself
+            engine.read(file, self.tensor, nbytes, offset)
+            return xxhash.xxh3_64_intdigest(self.tensor.cpu().numpy()) if verify else 0
+        host = aligned_empty(nbytes)
+        engine.read(file, host, nbytes, offset)
+        self.tensor.copy_(torch.from_numpy(host))
+        return xxhash.xxh3_64_intdigest(host) if verify else 0
+
+
+def _read_hashing(engine: Engine, file: Any, host: np.ndarray, nbytes: int, offset: int) -> int:
+    """Read into ``host`` while checksumming the pieces that have landed, in order.
+
+    The checksum of the landed prefix overlaps the reads of the pieces after it,
+    so a verified read costs the read plus the hash of its last wave of pieces,
+    not of the whole object.  The digest is the same xxh3_64 as a one-shot hash.
+    """
+    stream = engine.pread_stream(file, host, nbytes, offset)
+    hasher = xxhash.xxh3_64()
+    hashed = 0  # pieces checksummed so far
+    try:
+        while hashed < stream.count:
+            landed = stream.wait_prefix(hashed + 1)
+            hasher.update(host[stream.bounds(hashed)[0]:stream.bounds(landed - 1)[1]])
+            hashed = landed
+    except BaseException:
+        stream.wait_quietly()  # the buffer is the caller's again only once no piece is in flight
+        raise
+    stream.result()
+    return hasher.intdigest()

@@ -1,0 +1,125 @@
+"""Opening a disk tier: the directory lock, the segment geometry, recovery from the catalog.
+
+The catalog is the truth.  Every entry whose segment file exists and is long
+enough is reserved in a fresh allocator and visible again; others are dropped
+with a logged reason.  Segment files no surviving entry uses are removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import struct
+
+from hybridstore.backends.alloc import Extent
+from hybridstore.backends.base import KEY_BYTES
+from hybridstore.backends.catalog import CatalogRecord
+from hybridstore.backends.disk.objects import LOCK_NAME, _Object, _TierState
+from hybridstore.backends.engines import ALIGN, round_up
+from hybridstore.errors import CapacityError, DiskPathError
+
+log = logging.getLogger("hybridstore.backends.disk")
+
+_GEOMETRY = struct.Struct("<Q")  # segment_bytes, stored as catalog info "disk.geometry"
+
+
+class _Recovery(_TierState):
+    """Part of :class:`~hybridstore.backends.disk.DiskTier`: what reopening a tier does."""
+
+    # -- open / recovery ----------------------------------------------------------
+    def _geometry(self, segment_bytes: int) -> int:
+        raw = self.catalog.get_info("disk.geometry")
+        if raw is None:
+            self.catalog.put_info("disk.geometry", _GEOMETRY.pack(segment_bytes))
+            return segment_bytes
+        stored = _GEOMETRY.unpack(raw)[0]
+        if stored != segment_bytes:
+            log.warning("disk tier %s was created with segment_bytes=%d; keeping it (asked for "
+                        "%d)", self.path, stored, segment_bytes)
+        return int(stored)
+
+    def _recover(self) -> None:
+        """Make every sound catalog entry visible again; drop the rest with a reason."""
+        dropped: list[bytes] = []
+        for key, rec in self.catalog.items():
+            reason = self._check_record(key, rec)
+            if reason is None:
+                extent = Extent(rec.segment, rec.offset, rec.slot_length)
+                try:
+                    self._alloc.reserve(extent)
+                except (ValueError, CapacityError) as e:
+                    reason = f"its extent cannot be reserved ({e})"
+                else:
+                    self._objects[key] = _Object(extent, rec)
+            if reason is not None:
+                log.warning("disk tier %s: dropping object %s from the catalog: %s",
+                            self.path, key.hex(), reason)
+                dropped.append(key)
+        self.catalog.delete_many(dropped)
+        self._counters["recovered_objects"] = len(self._objects)
+        self._counters["recovery_dropped"] = len(dropped)
+        self._remove_orphan_segments()
+
+    def _check_record(self, key: bytes, rec: CatalogRecord) -> str | None:
+        if len(key) != KEY_BYTES:
+            return f"its key has {len(key)} bytes, not {KEY_BYTES}"
+        if rec.length > rec.slot_length or rec.offset % ALIGN:
+            return f"its record is malformed ({rec.length} bytes in a {rec.slot_length}-byte " \
+                   f"slot at offset {rec.offset})"
+        path = self._segment_path(rec.segment)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            return f"its segment file {path} is missing"
+        if size < rec.offset + round_up(rec.length):
+            return (f"its segment file {path} is {size} bytes, too short for "
+                    f"{rec.length} bytes at offset {rec.offset} (torn or truncated)")
+        return None
+
+    def _remove_orphan_segments(self) -> None:
+        """Delete segment files that no surviving object uses (torn writes' leftovers)."""
+        live = set(self._alloc.arena_sizes())
+        for name in os.listdir(self.path):
+            if not (name.startswith("seg-") and name.endswith(".dat")):
+                continue
+            try:
+                segment = int(name[4:-4])
+            except ValueError:
+                continue
+            if segment not in live:
+                log.info("disk tier %s: removing unused segment %s", self.path, name)
+                try:
+                    os.unlink(os.path.join(self.path, name))
+                except OSError as e:
+                    log.warning("could not remove %s: %s", name, e.strerror)
+
+
+def _lock_directory(path: str) -> int:
+    """Create ``path`` and hold an exclusive flock on its LOCK file; returns the fd."""
+    hint = "set disk_path to a writable directory (ideally on an NVMe SSD)"
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd = os.open(os.path.join(path, LOCK_NAME),
+                     os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        raise DiskPathError(f"cannot use {path!r} as the disk tier directory: "
+                            f"{e.strerror or e}; {hint}") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise DiskPathError(f"the disk tier directory {path!r} is in use by another store "
+                                f"(process {holder}); close that store, or give each process "
+                                "its own disk_path") from e
+        raise DiskPathError(f"cannot lock {path!r}: {e.strerror}; {hint}") from e
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as e:
+        os.close(fd)
+        raise DiskPathError(f"cannot write to {path!r}: {e.strerror}; {hint}") from e
+    return fd

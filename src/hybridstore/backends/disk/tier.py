@@ -1,0 +1,305 @@
+"""The disk tier: :class:`DiskTier`, its objects' bookkeeping, pins and segment files.
+
+The class is assembled from its parts: the write path (``writer.py``), the
+read path (``reader.py``) and reopening (``recovery.py``); what they share is
+in ``objects.py``.  The package docstring (``backends/disk/__init__.py``)
+states the directory layout and the durability order.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from hybridstore.backends.alloc import Extent, SlabAllocator, SlabBudget
+from hybridstore.backends.base import ObjectKey, Tier
+from hybridstore.backends.catalog import Catalog
+from hybridstore.backends.disk.objects import _STOP, CATALOG_DIR, _Object, segment_name
+from hybridstore.backends.disk.reader import _ReadPath
+from hybridstore.backends.disk.recovery import _lock_directory, _Recovery
+from hybridstore.backends.disk.writer import _WritePath
+from hybridstore.backends.engines import ALIGN, Engine, fsync_path, select_engine
+from hybridstore.errors import BackendIOError, ConfigError
+
+log = logging.getLogger("hybridstore.backends.disk")
+
+
+class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
+    """Durable SSD tier over segment files; see the module docstring.
+
+    Args:
+        path: directory of the tier (created if missing).
+        capacity_bytes: hard budget of the segment files.
+        engine: ``"auto"``, ``"kvikio"``, ``"posix"``, or an :class:`Engine`
+            (the tier then owns it and closes it).
+        segment_bytes: size of one segment file (an existing tier keeps the
+            size it was created with).
+        io_threads: threads of the I/O pool (and of the engine).
+        ssd_gbps, h2d_gbps: bandwidths of the restore-time model.
+        verify_checksums: check every object read back.
+
+    Raises:
+        ConfigError: a size or bandwidth is out of range.
+        DiskPathError: ``path`` cannot be created or written, or another
+            process has it open.
+        CatalogError: the catalog is unreadable or of another format.
+    """
+
+    name = "disk"
+    durable = True
+
+    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *,
+                 engine: str | Engine = "auto", segment_bytes: int = 256 << 20,
+                 io_threads: int = 8, ssd_gbps: float = 5.0, h2d_gbps: float = 64.0,
+                 verify_checksums: bool = True) -> None:
+        super().__init__()
+        _validate(capacity_bytes, segment_bytes, io_threads, ssd_gbps, h2d_gbps)
+        self.path = os.fspath(path)
+        self._capacity = capacity_bytes
+        self._ssd_bps = ssd_gbps * 1e9
+        self._h2d_bps = h2d_gbps * 1e9
+        self._verify = verify_checksums
+        self._lock_fd = _lock_directory(self.path)
+        self._catalog_lock = threading.Lock()  # orders catalog mutations (commit, delete, drop)
+        self._files: dict[int, Any] = {}  # segment id -> engine handle; under the allocator lock
+        self._objects: dict[bytes, _Object] = {}
+        self._latest: dict[bytes, int] = {}  # key -> seq of its newest uncommitted put
+        self._pins: dict[Extent, int] = {}
+        self._deferred: set[Extent] = set()
+        self._seq = itertools.count(1)
+        self._counters = dict.fromkeys(("bytes_read", "bytes_written", "reads", "writes",
+                                        "corrupt_dropped", "recovered_objects",
+                                        "recovery_dropped"), 0)
+        self._engine: Engine | None = None
+        self._catalog: Catalog | None = None
+        try:
+            self._catalog = Catalog(os.path.join(self.path, CATALOG_DIR))
+            self.segment_bytes = self._geometry(segment_bytes)
+            self._engine = (engine if isinstance(engine, Engine)
+                            else select_engine(engine, io_threads))
+            self._alloc = SlabAllocator(budget_bytes=capacity_bytes, arena_bytes=self.segment_bytes,
+                                        alignment=ALIGN, on_new_arena=self._create_segment,
+                                        on_release_arena=self._remove_segment)
+            self._recover()
+        except BaseException:
+            self._teardown()
+            raise
+        self._jobs = ThreadPoolExecutor(io_threads, thread_name_prefix="hs-disk")
+        self._commits: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._committer = threading.Thread(target=self._commit_loop, name="hs-disk-commit",
+                                           daemon=True)
+        self._committer.start()
+
+    # -- capacity -----------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def engine(self) -> Engine:
+        """The I/O engine in use."""
+        assert self._engine is not None
+        return self._engine
+
+    @property
+    def catalog(self) -> Catalog:
+        """The durable catalog (for the store's layout blobs)."""
+        assert self._catalog is not None
+        return self._catalog
+
+    def put_info(self, name: str, value: bytes) -> None:
+        """Store a named layout blob in the catalog (see :meth:`Catalog.put_info`)."""
+        self._check_open()
+        self.catalog.put_info(name, value)
+
+    def get_info(self, name: str) -> bytes | None:
+        """A layout blob stored with :meth:`put_info`, or ``None``."""
+        self._check_open()
+        return self.catalog.get_info(name)
+
+    # -- objects ------------------------------------------------------------------
+    def contains(self, key: ObjectKey) -> bool:
+        self._check_open()
+        with self._lock:
+            return bytes(key) in self._objects
+
+    def nbytes(self, key: ObjectKey) -> int | None:
+        self._check_open()
+        with self._lock:
+            obj = self._objects.get(bytes(key))
+        return None if obj is None else obj.record.length
+
+    def meta(self, key: ObjectKey) -> bytes | None:
+        self._check_open()
+        with self._lock:
+            obj = self._objects.get(bytes(key))
+        return None if obj is None else obj.record.meta
+
+    def delete(self, key: ObjectKey) -> int:
+        """Drop an object (catalog entry first, then its extent); returns the bytes freed.
+
+        An uncommitted ``put`` of the key is cancelled too.
+        """
+        self._check_open()
+        key = bytes(key)
+        with self._catalog_lock:
+            with self._lock:
+                self._latest.pop(key, None)
+                obj = self._objects.get(key)
+            if obj is None:
+                return 0
+            self.catalog.delete(key)
+            with self._lock:
+                del self._objects[key]
+                self._release(obj.extent)
+        return obj.extent.length
+
+    def delete_many(self, keys: Iterable[ObjectKey]) -> int:
+        """:meth:`delete` of several keys with one catalog transaction; returns the bytes freed.
+
+        Each catalog transaction is synchronous, so dropping objects in bulk
+        (evictions) costs one ``fsync`` instead of one per object.
+        """
+        self._check_open()
+        wanted = list(dict.fromkeys(bytes(k) for k in keys))
+        with self._catalog_lock:
+            with self._lock:
+                found = []
+                for key in wanted:
+                    self._latest.pop(key, None)
+                    obj = self._objects.get(key)
+                    if obj is not None:
+                        found.append((key, obj))
+            if not found:
+                return 0
+            self.catalog.delete_many(key for key, _ in found)
+            with self._lock:
+                for key, obj in found:
+                    del self._objects[key]
+                    self._release(obj.extent)
+        return sum(obj.extent.length for _, obj in found)
+
+    def entries(self) -> Iterator[tuple[ObjectKey, int, bytes]]:
+        self._check_open()
+        with self._lock:
+            snapshot = [(ObjectKey(k), o.record.length, o.record.meta)
+                        for k, o in self._objects.items()]
+        return iter(snapshot)
+
+    def read_seconds(self, nbytes: int) -> float:
+        """T_SSD of HiState eq. 2: SSD read, then host-to-device copy."""
+        return nbytes / self._ssd_bps + nbytes / self._h2d_bps
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(self._counters)
+            out["objects"] = len(self._objects)
+            out["pending_writes"] = len(self._latest)
+        out.update(engine=self.engine.name, engine_compat=float(self.engine.compat_mode),
+                   used_bytes=self.used_bytes, capacity_bytes=self._capacity,
+                   committed_bytes=self._alloc.committed_bytes,
+                   segments=self._alloc.arena_count)
+        return out
+
+    # -- lifecycle ----------------------------------------------------------------
+    def close(self) -> None:
+        """Finish in-flight reads and writes, then close files, catalog and the lock."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._jobs.shutdown(wait=True)
+        self._commits.put(_STOP)
+        self._committer.join()
+        self._teardown()
+
+    def _teardown(self) -> None:
+        for handle in list(self._files.values()):
+            try:
+                assert self._engine is not None
+                self._engine.close_file(handle)
+            except Exception as e:  # noqa: BLE001 - closing must release the rest
+                log.warning("closing a segment of %s failed: %s", self.path, e)
+        self._files.clear()
+        if self._engine is not None:
+            self._engine.close()
+        if self._catalog is not None:
+            self._catalog.close()
+        os.close(self._lock_fd)  # releases the flock
+
+    # -- extents and pins (call with self._lock held) ------------------------------
+    def _release(self, extent: Extent) -> None:
+        if self._pins.get(extent):
+            self._deferred.add(extent)
+        else:
+            self._alloc.free(extent)
+
+    def _unpin(self, extent: Extent) -> None:
+        with self._lock:
+            left = self._pins[extent] - 1
+            if left:
+                self._pins[extent] = left
+                return
+            del self._pins[extent]
+            if extent in self._deferred:
+                self._deferred.discard(extent)
+                self._alloc.free(extent)
+
+    # -- segments (allocator callbacks, under the allocator's lock) -----------------
+    def _segment_path(self, segment: int) -> str:
+        return os.path.join(self.path, segment_name(segment))
+
+    def _create_segment(self, segment: int, nbytes: int) -> None:
+        path = self._segment_path(segment)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                if os.fstat(fd).st_size < nbytes:
+                    _preallocate(fd, nbytes)
+            finally:
+                os.close(fd)
+            fsync_path(self.path)
+        except OSError as e:
+            raise BackendIOError(f"cannot create segment {path} of {nbytes} bytes: {e.strerror}; "
+                                 "free space on the device or lower disk_bytes") from e
+        self._files[segment] = self.engine.open(path)
+
+    def _remove_segment(self, segment: int) -> None:
+        handle = self._files.pop(segment, None)
+        if handle is not None:
+            self.engine.close_file(handle)
+        try:
+            os.unlink(self._segment_path(segment))
+        except OSError as e:
+            log.warning("could not remove the unused segment %s: %s",
+                        self._segment_path(segment), e.strerror)
+
+
+def _preallocate(fd: int, nbytes: int) -> None:
+    """Reserve ``nbytes`` for a segment: posix_fallocate, or ftruncate where unsupported."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, nbytes)
+
+
+def _validate(capacity_bytes: int, segment_bytes: int, io_threads: int, ssd_gbps: float,
+              h2d_gbps: float) -> None:
+    if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+        raise ConfigError(f"capacity_bytes must be a non-negative int, got {capacity_bytes!r}")
+    if not isinstance(segment_bytes, int) or segment_bytes < ALIGN or segment_bytes % ALIGN:
+        raise ConfigError(f"segment_bytes must be a positive multiple of {ALIGN}, "
+                          f"got {segment_bytes!r}")
+    if not isinstance(io_threads, int) or not 1 <= io_threads <= 256:
+        raise ConfigError(f"io_threads must be an int in [1, 256], got {io_threads!r}")
+    if ssd_gbps <= 0 or h2d_gbps <= 0:
+        raise ConfigError("ssd_gbps and h2d_gbps must be positive")

@@ -1,0 +1,255 @@
+"""The disk tier's write path: ``put``/``put_many``, the write jobs, the committer.
+
+A put allocates an extent and hands its bytes to a write job (one per object,
+or one per run of adjacent slots); the committer thread then ``fdatasync``s
+the segments of what has landed and commits their catalog entries in one
+transaction, and only then completes the futures (the durability order of
+``backends/disk/__init__.py``).
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from hybridstore.backends.base import ObjectKey, aligned_empty
+from hybridstore.backends.catalog import CatalogRecord
+from hybridstore.backends.disk.objects import (
+    _COMMIT_BATCH,
+    _EMPTY,
+    _STOP,
+    COALESCE_BYTES,
+    _check_key,
+    _host_view,
+    _Object,
+    _PendingWrite,
+    _TierState,
+    _with_key,
+)
+from hybridstore.backends.engines import buffer_address
+from hybridstore.errors import CapacityError
+
+
+class _WritePath(_TierState):
+    """Part of :class:`~hybridstore.backends.disk.DiskTier`: puts and their commits."""
+
+    def put(self, key: ObjectKey, data: np.ndarray | None, *, nbytes: int,
+            meta: bytes = b"") -> Future:
+        """Write an object; the future completes (yielding ``nbytes``) once it is durable.
+
+        The bytes are written from ``data`` without a copy: keep ``data``
+        unchanged until the future completes.  The future completes on the
+        tier's commit thread: its callbacks must not block on locks held by a
+        thread that waits for another disk write.
+
+        Raises:
+            ObjectTooLargeError: it can never fit.
+            CapacityError: the budget is short now; evict and retry.
+        """
+        self._check_open()
+        key = _check_key(key)
+        view = _host_view(data, nbytes, writable=False)
+        extent = self._alloc.alloc(nbytes)
+        if extent is None:
+            raise CapacityError(f"the disk tier at {self.path} has no room for {nbytes} bytes "
+                                f"(a {self.charge(nbytes)}-byte slot; {self.free_bytes} of "
+                                f"{self._capacity} bytes free); evict objects and retry")
+        with self._lock:
+            if self._closed:
+                self._alloc.free(extent)
+                self._check_open()
+            pending = _PendingWrite(key, next(self._seq), extent, view, nbytes, bytes(meta))
+            self._latest[key] = pending.seq
+        self._jobs.submit(self._write_job, pending)
+        return pending.future
+
+    def put_many(self, keys: Sequence[ObjectKey], datas: Sequence[Any], *, nbytes: int,
+                 metas: Sequence[bytes] | None = None) -> list[Future]:
+        """:meth:`put` of a run of objects of one size, neighbours in one write.
+
+        The slots are allocated together (adjacent where the allocator's slabs
+        allow), and the objects of each run of adjacent slots are gathered into
+        one aligned buffer and written with one request of up to
+        :data:`COALESCE_BYTES` (write-through of a request's pages costs a few
+        large writes instead of one per page).  Each object keeps its own
+        checksum, catalog record and future.
+
+        Raises:
+            ObjectTooLargeError: an object can never fit.
+            CapacityError: the budget is short for all of them (none is written).
+        """
+        self._check_open()
+        keys = [_check_key(key) for key in keys]
+        if len(set(keys)) != len(keys) or len(datas) != len(keys):
+            raise ValueError("put_many needs distinct keys and one data buffer per key")
+        metas = [b""] * len(keys) if metas is None else [bytes(m) for m in metas]
+        views = [_host_view(data, nbytes, writable=False) for data in datas]
+        extents = self._alloc.alloc_many(nbytes, len(keys))
+        if extents is None:
+            raise CapacityError(f"the disk tier at {self.path} has no room for {len(keys)} x "
+                                f"{nbytes} bytes ({self.free_bytes} of {self._capacity} bytes "
+                                "free); evict objects and retry")
+        with self._lock:
+            if self._closed:
+                for extent in extents:
+                    self._alloc.free(extent)
+                self._check_open()
+            pending = [_PendingWrite(key, next(self._seq), extent, view, nbytes, meta)
+                       for key, extent, view, meta in zip(keys, extents, views, metas)]
+            for p in pending:
+                self._latest[p.key] = p.seq
+        runs: list[list[_PendingWrite]] = []
+        for p in sorted(pending, key=lambda p: (p.extent.arena, p.extent.offset)):
+            if runs:
+                q, head = runs[-1][-1], runs[-1][0]
+                if (p.extent.arena == q.extent.arena
+                        and p.extent.offset == q.extent.offset + q.extent.length
+                        and p.extent.offset + nbytes - head.extent.offset <= COALESCE_BYTES):
+                    runs[-1].append(p)
+                    continue
+            runs.append([p])
+        for run in runs:
+            if len(run) == 1:
+                self._jobs.submit(self._write_job, run[0])
+            else:
+                self._jobs.submit(self._write_run, run)
+        return [p.future for p in pending]
+
+    # -- write path ---------------------------------------------------------------
+    def _write_job(self, p: _PendingWrite) -> None:
+        engine = self.engine
+        try:
+            file = self._files[p.extent.arena]
+            if p.nbytes <= engine.stream_piece_bytes:
+                p.checksum = xxhash.xxh3_64_intdigest(p.view)
+                engine.write(file, p.view, p.nbytes, p.extent.offset)
+            else:  # checksum while the engine's threads write (both only read p.view)
+                written = engine.pwrite(file, p.view, p.nbytes, p.extent.offset)
+                try:
+                    p.checksum = xxhash.xxh3_64_intdigest(p.view)
+                finally:
+                    written.exception()  # wait for the write whatever happened here
+                written.result()
+        except BaseException as e:  # noqa: BLE001 - reported through the future
+            self._abandon([p], _with_key(e, p.key))
+            return
+        self._commits.put(p)
+
+    def _write_run(self, run: list[_PendingWrite]) -> None:
+        """One write for objects in adjacent slots (see :meth:`put_many`): straight from
+        the sources when they lie in one buffer spaced like the slots (pool slots of a
+        run reserved together do), else gathered into a bounce buffer whose slot
+        padding is zeroed."""
+        first, last = run[0].extent, run[-1].extent
+        span = last.offset + run[-1].nbytes - first.offset
+        try:
+            buf = _spanning_view([p.view for p in run], [p.extent.offset - first.offset for p in run],
+                                 span)
+            if buf is None:
+                buf = aligned_empty(span)
+                end = 0
+                for p in run:
+                    at = p.extent.offset - first.offset
+                    buf[end:at] = 0
+                    buf[at:at + p.nbytes] = p.view
+                    end = at + p.nbytes
+            for p in run:
+                p.checksum = xxhash.xxh3_64_intdigest(p.view)
+            self.engine.write(self._files[first.arena], buf, span, first.offset)
+        except BaseException as e:  # noqa: BLE001 - reported through the futures
+            self._abandon(run, _with_key(e, run[0].key))
+            return
+        for p in run:
+            self._commits.put(p)
+
+    def _commit_loop(self) -> None:
+        stop = False
+        while not stop:
+            batch = [self._commits.get()]
+            while len(batch) < _COMMIT_BATCH:
+                try:
+                    batch.append(self._commits.get_nowait())
+                except queue.Empty:
+                    break
+            stop = _STOP in batch
+            pending = [p for p in batch if p is not _STOP]
+            if pending:
+                self._commit(pending)
+
+    def _commit(self, batch: list[_PendingWrite]) -> None:
+        """fdatasync the segments of ``batch``, then commit their entries in one txn."""
+        try:
+            for segment in {p.extent.arena for p in batch}:
+                self.engine.fsync(self._files[segment])
+        except BaseException as e:  # noqa: BLE001
+            self._abandon(batch, e)
+            return
+        with self._catalog_lock:
+            with self._lock:
+                live = [p for p in batch if self._latest.get(p.key) == p.seq]
+                stale = [p for p in batch if self._latest.get(p.key) != p.seq]
+            records = {id(p): CatalogRecord(p.extent.arena, p.extent.offset, p.nbytes,
+                                            p.extent.length, p.checksum, p.meta) for p in live}
+            try:
+                self.catalog.put_many((p.key, records[id(p)]) for p in live)
+            except BaseException as e:  # noqa: BLE001
+                failure: BaseException | None = e
+            else:
+                failure = None
+                self._publish(live, stale, records)
+        # Futures complete outside the catalog lock: their callbacks may call delete().
+        if failure is not None:
+            self._abandon(batch, failure)
+            return
+        for p in batch:
+            p.view = _EMPTY
+            p.future.set_result(p.nbytes)
+
+    def _publish(self, live: list[_PendingWrite], stale: list[_PendingWrite],
+                 records: dict[int, CatalogRecord]) -> None:
+        """Make committed writes visible; free what they replaced and stale writes."""
+        with self._lock:
+            for p in live:
+                old = self._objects.get(p.key)
+                self._objects[p.key] = _Object(p.extent, records[id(p)])
+                if self._latest.get(p.key) == p.seq:
+                    del self._latest[p.key]
+                if old is not None:
+                    self._release(old.extent)
+                self._counters["writes"] += 1
+                self._counters["bytes_written"] += p.nbytes
+            for p in stale:  # replaced or deleted while in flight
+                self._release(p.extent)
+
+    def _abandon(self, batch: list[_PendingWrite], exc: BaseException) -> None:
+        with self._lock:
+            for p in batch:
+                if self._latest.get(p.key) == p.seq:
+                    del self._latest[p.key]
+                self._release(p.extent)
+        for p in batch:
+            p.view = _EMPTY
+            p.future.set_exception(exc)
+
+
+def _spanning_view(views: list[np.ndarray], at: list[int], span: int) -> np.ndarray | None:
+    """One uint8 view of ``span`` bytes covering ``views`` when they lie in one buffer with
+    ``views[k]`` at byte ``at[k]`` of it (``at[0] == 0``); None otherwise."""
+    root = views[0]
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if root.dtype != np.uint8 or root.ndim != 1 or not root.flags.c_contiguous:
+        return None
+    base = buffer_address(root)
+    start = buffer_address(views[0]) - base
+    if start < 0 or start + span > root.nbytes:
+        return None
+    for view, offset in zip(views, at):
+        if buffer_address(view) - base != start + offset:
+            return None
+    return root[start:start + span]

@@ -1,0 +1,242 @@
+"""The engine interface and what every engine shares: alignment, futures, piece streams.
+
+:class:`Engine` is the interface (see the package docstring); :class:`PieceStream`
+a read whose pieces can be awaited in order; the helpers below are the small
+shared pieces of both engines (``posix.py``, ``kvikio.py``) and of the disk tier.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from hybridstore.errors import BackendIOError
+
+ALIGN = 4096
+"""Alignment of file offsets, lengths and buffers for O_DIRECT and GDS."""
+
+DEFAULT_CHUNK_BYTES = 512 << 10
+"""Largest piece a large I/O is split into (the request size the device sees).
+
+Measured with ``python -m benchmarks ssd`` (docs/bench.md): the virtio SSD of
+the development VM reads fastest with 2-4 MiB in flight in 256-512 KiB
+requests and slowest with 4-8 MiB requests (what the former 8 MiB split made
+of every large object); NVMe drives saturate with 128 KiB-1 MiB requests at
+a queue depth of 8 or more.  With the default 8 I/O threads, 512 KiB pieces
+keep 4 MiB in flight."""
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
+    return -(-n // align) * align
+
+
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """fsync a file or directory by path (a new directory entry, a closed file) to make it durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def buffer_address(buf: np.ndarray) -> int:
+    """Address of the first byte of a numpy array."""
+    return int(buf.__array_interface__["data"][0])
+
+
+def gather(futures: Sequence[Future], total: int) -> Future:
+    """A future that yields ``total`` once every future in ``futures`` succeeded.
+
+    The first exception among them becomes the exception of the result.
+    """
+    out: Future = Future()
+    if not futures:
+        out.set_result(total)
+        return out
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def on_done(fut: Future) -> None:
+        exc = fut.exception()
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+            if out.done():
+                return
+            if exc is not None:
+                out.set_exception(exc)
+            elif last:
+                out.set_result(total)
+
+    for fut in futures:
+        fut.add_done_callback(on_done)
+    return out
+
+
+class PieceStream:
+    """A read in flight, split into ``count`` pieces of ``piece_bytes`` (the last may be shorter).
+
+    :meth:`wait_piece` returns once piece ``i`` (bytes ``bounds(i)`` of the
+    buffer) has landed, while later pieces may still be in flight;
+    :meth:`result` waits for every piece and returns ``nbytes``.  Either raises
+    :class:`~hybridstore.errors.BackendIOError` when the I/O failed, and only
+    once no piece is in flight any more.  Call :meth:`result` (or
+    :meth:`wait_quietly`) before the buffer is reused, even after an error.
+    """
+
+    def __init__(self, nbytes: int, piece_bytes: int) -> None:
+        self.nbytes = nbytes
+        self.piece_bytes = piece_bytes
+        self.count = -(-nbytes // piece_bytes) if nbytes else 0
+
+    def bounds(self, i: int) -> tuple[int, int]:
+        """Byte range ``[start, end)`` of piece ``i`` in the buffer."""
+        start = i * self.piece_bytes
+        return start, min(start + self.piece_bytes, self.nbytes)
+
+    def wait_piece(self, i: int) -> None:
+        """Block until piece ``i`` has landed."""
+        raise NotImplementedError
+
+    def wait_prefix(self, pieces: int) -> int:
+        """Block until at least the first ``pieces`` pieces have landed; returns how many have.
+
+        The count returned may exceed ``pieces`` (every piece of a contiguous
+        landed prefix is reported at once), so a consumer wakes up less often.
+        """
+        self.wait_piece(pieces - 1)
+        return pieces
+
+    def result(self) -> int:
+        """Block until every piece has landed; returns ``nbytes``."""
+        raise NotImplementedError
+
+    def wait_quietly(self) -> None:
+        """Block until no piece is in flight, ignoring errors (cleanup after a failure)."""
+        try:
+            self.result()
+        except BaseException:  # noqa: BLE001 - the caller is already handling an error
+            pass
+
+
+class FuturePieces(PieceStream):
+    """A :class:`PieceStream` over one waitable (``.result()``) per piece."""
+
+    def __init__(self, nbytes: int, piece_bytes: int, waits: list[Any]) -> None:
+        super().__init__(nbytes, piece_bytes)
+        self._waits = waits
+
+    def wait_piece(self, i: int) -> None:
+        try:
+            self._waits[i].result()
+        except BaseException:
+            self.wait_quietly()
+            raise
+
+    def result(self) -> int:
+        first: BaseException | None = None
+        for w in self._waits:
+            try:
+                w.result()
+            except BaseException as e:  # noqa: BLE001 - re-raised once all are done
+                first = first or e
+        if first is not None:
+            raise first
+        return self.nbytes
+
+
+class Engine(ABC):
+    """Positional file I/O returning futures; see the module docstring."""
+
+    name: str = "engine"
+    #: Piece size of :meth:`pread_stream` unless one is given; callers (the disk
+    #: tier) read and write objects up to this size whole, with a one-shot
+    #: checksum, and stream larger ones.
+    stream_piece_bytes: int = 4 << 20
+
+    @property
+    def compat_mode(self) -> bool:
+        """True when device buffers go through host memory (no GPUDirect Storage)."""
+        return True
+
+    @abstractmethod
+    def open(self, path: str | os.PathLike[str]) -> Any:
+        """Open an existing file for reading and writing; returns the engine's handle."""
+
+    @abstractmethod
+    def pread(self, file: Any, buf: Any, nbytes: int, offset: int) -> Future:
+        """Read ``nbytes`` at ``offset`` into ``buf``; the future yields ``nbytes``."""
+
+    @abstractmethod
+    def pwrite(self, file: Any, buf: Any, nbytes: int, offset: int) -> Future:
+        """Write ``buf[:nbytes]`` at ``offset``; the future yields ``nbytes``."""
+
+    def read(self, file: Any, buf: Any, nbytes: int, offset: int) -> int:
+        """Blocking :meth:`pread` (may use the calling thread for part of the I/O)."""
+        return int(self.pread(file, buf, nbytes, offset).result())
+
+    def write(self, file: Any, buf: Any, nbytes: int, offset: int) -> int:
+        """Blocking :meth:`pwrite` (may use the calling thread for part of the I/O)."""
+        return int(self.pwrite(file, buf, nbytes, offset).result())
+
+    def pread_stream(self, file: Any, buf: Any, nbytes: int, offset: int,
+                     piece_bytes: int | None = None) -> PieceStream:
+        """Start a read of ``nbytes`` at ``offset`` whose pieces can be awaited in order.
+
+        ``piece_bytes`` (a multiple of 4 KiB; default :attr:`stream_piece_bytes`)
+        is the granularity of :meth:`PieceStream.wait_piece`.
+        """
+        piece = piece_size(piece_bytes or self.stream_piece_bytes)
+        view = byte_view(buf, nbytes)
+        waits: list[Any] = []
+        stream = FuturePieces(nbytes, piece, waits)
+        try:
+            for i in range(stream.count):
+                start, end = stream.bounds(i)
+                waits.append(self.pread(file, view[start:end], end - start, offset + start))
+        except BaseException:
+            stream.wait_quietly()
+            raise
+        return stream
+
+    @abstractmethod
+    def fileno(self, file: Any) -> int:
+        """The OS file descriptor behind a handle."""
+
+    def fsync(self, file: Any) -> None:
+        """Make the file's written data durable (``fdatasync``)."""
+        try:
+            os.fdatasync(self.fileno(file))
+        except OSError as e:
+            raise BackendIOError(f"fdatasync failed: {e}; check the disk and its free space") from e
+
+    @abstractmethod
+    def close_file(self, file: Any) -> None:
+        """Close a handle returned by :meth:`open`."""
+
+    def close(self) -> None:
+        """Release the engine's threads and buffers."""
+
+
+def byte_view(buf: Any, nbytes: int) -> np.ndarray:
+    """``buf[:nbytes]`` as a contiguous 1-D uint8 numpy view (no copy)."""
+    arr = buf if isinstance(buf, np.ndarray) else np.asarray(memoryview(buf))
+    if not arr.flags.c_contiguous:
+        raise ValueError("I/O buffers must be C-contiguous")
+    arr = arr.reshape(-1).view(np.uint8)
+    if arr.nbytes < nbytes:
+        raise ValueError(f"buffer holds {arr.nbytes} bytes, the I/O needs {nbytes}")
+    return arr[:nbytes]
+
+
+def piece_size(piece_bytes: int) -> int:
+    if piece_bytes < ALIGN or piece_bytes % ALIGN:
+        raise ValueError(f"piece_bytes must be a positive multiple of {ALIGN}, got {piece_bytes}")
+    return piece_bytes

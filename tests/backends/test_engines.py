@@ -1,0 +1,236 @@
+"""The disk tier's data path as the SSD benchmark tuned it: the POSIX engine's striped
+I/O (:class:`~hybridstore.backends.engines.PieceStream`), the checksum that overlaps
+the reads, and the kvikio engine's tuning (under the stand-in driver)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hybridstore.backends.disk import DiskTier, aligned_empty
+from hybridstore.backends.engines import ALIGN, PosixEngine
+from hybridstore.errors import BackendIOError
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+# ---------------------------------------------------------------------------------
+# the data path the bench tuned: striped pieces, checksum overlapping the reads
+# ---------------------------------------------------------------------------------
+def _file(tmp_path: Path, nbytes: int) -> tuple[str, np.ndarray]:
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    path = tmp_path / "data.bin"
+    path.write_bytes(data.tobytes())
+    return str(path), data
+
+
+def test_piece_sizes() -> None:
+    engine = PosixEngine(8, chunk_bytes=512 * KIB)
+    try:
+        assert engine.piece_bytes(4 * MIB) == 256 * KIB  # two waves of 8 pieces
+        assert engine.piece_bytes(50_000_000) == 512 * KIB
+        assert engine.piece_bytes(100) == ALIGN  # small I/Os go whole
+        assert engine.piece_bytes(1 * MIB) == 1 * MIB
+        assert engine.piece_bytes(1 * MIB, in_place=False) == 256 * KIB  # bounce-sized
+        assert engine.piece_bytes(2 * MIB) == 256 * KIB
+    finally:
+        engine.close()
+    small = PosixEngine(3, chunk_bytes=2 * ALIGN)
+    try:
+        assert small.piece_bytes(10 * MIB) == 2 * ALIGN
+        assert small.piece_bytes(100_000, in_place=False) == 2 * ALIGN
+    finally:
+        small.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_pread_stream_pieces_land_in_order(tmp_path: Path, direct: bool) -> None:
+    nbytes = 3 * MIB + 4097
+    path, data = _file(tmp_path, nbytes + 2 * ALIGN)  # O_DIRECT reads whole 4 KiB blocks
+    engine = PosixEngine(4, chunk_bytes=64 * KIB, direct=direct)
+    f = engine.open(path)
+    try:
+        for out in (aligned_empty(nbytes), np.zeros(nbytes + 3, np.uint8)[3:]):  # in place, bounced
+            stream = engine.pread_stream(f, out, nbytes, ALIGN)
+            seen = 0
+            while seen < stream.count:
+                landed = stream.wait_prefix(seen + 1)
+                assert seen < landed <= stream.count
+                end = stream.bounds(landed - 1)[1]
+                assert np.array_equal(out[:end], data[ALIGN:ALIGN + end])
+                seen = landed
+            assert stream.result() == nbytes
+            stream.wait_piece(stream.count - 1)
+            assert np.array_equal(out, data[ALIGN:ALIGN + nbytes])
+    finally:
+        engine.close_file(f)
+        engine.close()
+
+
+def test_a_failed_piece_fails_the_stream_after_the_rest_stopped(tmp_path: Path) -> None:
+    path, _ = _file(tmp_path, 2 * MIB)  # the read below runs past the end of the file
+    engine = PosixEngine(4, chunk_bytes=64 * KIB)
+    f = engine.open(path)
+    try:
+        out = aligned_empty(4 * MIB)
+        stream = engine.pread_stream(f, out, 4 * MIB, 0)
+        with pytest.raises(BackendIOError):
+            for i in range(stream.count):
+                stream.wait_piece(i)
+        with pytest.raises(BackendIOError):
+            stream.result()
+        with pytest.raises(BackendIOError):
+            engine.read(f, out, 4 * MIB, 0)
+        assert engine.read(f, out, 2 * MIB, 0) == 2 * MIB  # the engine is still fine
+    finally:
+        engine.close_file(f)
+        engine.close()
+
+
+def test_concurrent_striped_io_shares_the_pool(tmp_path: Path) -> None:
+    path, data = _file(tmp_path, 8 * MIB)
+    engine = PosixEngine(3, chunk_bytes=32 * KIB)
+    f = engine.open(path)
+    errors: list[BaseException] = []
+
+    def reader(k: int) -> None:
+        try:
+            for j in range(6):
+                off = ((k * 7 + j) % 8) * 512 * KIB
+                out = aligned_empty(1 * MIB + 100)
+                fut = engine.pread(f, out, 1 * MIB + 100, off)
+                assert fut.result(timeout=60) == 1 * MIB + 100
+                assert np.array_equal(out, data[off:off + 1 * MIB + 100])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(6)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    try:
+        assert not errors, errors
+        assert time.monotonic() - t0 < 120
+    finally:
+        engine.close_file(f)
+        engine.close()
+
+
+def test_verified_reads_of_large_objects_and_corruption(tmp_path: Path) -> None:
+    """The streamed checksum equals the one-shot one; a flipped byte is still caught."""
+    from hybridstore.backends.base import ObjectKind, object_key
+    from hybridstore.backends.disk import segment_name
+    from hybridstore.errors import CorruptObjectError
+
+    with DiskTier(tmp_path / "d", 64 * MIB, engine=PosixEngine(4, chunk_bytes=64 * KIB),
+                  segment_bytes=8 * MIB) as tier:
+        objs = {i: np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8)
+                for i, n in enumerate([3 * MIB + 1, 10 * MIB + 4097, 700 * KIB])}
+        keys = {i: object_key(ObjectKind.STATE, i.to_bytes(16, "little")) for i in objs}
+        for i, a in objs.items():
+            tier.put(keys[i], a, nbytes=a.size).result()
+        for i, a in objs.items():
+            assert np.array_equal(tier.get(keys[i]), a)
+        rec = tier.catalog.get(keys[1])
+        assert rec is not None
+        fd = os.open(tmp_path / "d" / segment_name(rec.segment), os.O_RDWR)
+        pos = rec.offset + rec.length - 3  # in the last piece
+        os.pwrite(fd, bytes([os.pread(fd, 1, pos)[0] ^ 1]), pos)
+        os.close(fd)
+        with pytest.raises(CorruptObjectError):
+            tier.get(keys[1])
+        assert not tier.contains(keys[1])
+        assert np.array_equal(tier.get(keys[0]), objs[0])
+
+
+def test_kvikio_engine_tuning_under_the_stand_in_driver(tmp_path: Path) -> None:
+    """O_DIRECT compat reads and 512 KiB tasks, unless the environment says otherwise.
+
+    Runs in a subprocess with the TEST FIXTURE stand-in ``libcuda.so.1`` (as
+    tests/backends/test_disk.py does); this process never loads it.
+    """
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("kvikio") is None:
+        pytest.skip("kvikio is not installed")
+    from tests.backends.fake_libcuda import build_fake_libcuda, gcc
+
+    if gcc() is None:
+        pytest.skip("gcc is missing: cannot build the stand-in libcuda.so.1")
+    lib = build_fake_libcuda(tmp_path / "cuda")
+    src = Path(__file__).resolve().parents[2] / "src"
+    code = ("import kvikio.defaults as d\n"
+            "from hybridstore.backends.engines import KvikioEngine\n"
+            "e = KvikioEngine(4)\n"
+            "print(e.name, d.get('auto_direct_io_read'), d.get('task_size'),\n"
+            "      d.get('num_threads'))\n"
+            "e.close()\n")
+    base = dict(os.environ,
+                PYTHONPATH=os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]),
+                LD_LIBRARY_PATH=os.pathsep.join([str(lib), os.environ.get("LD_LIBRARY_PATH", "")]))
+    base.pop("KVIKIO_AUTO_DIRECT_IO_READ", None)
+    base.pop("KVIKIO_TASK_SIZE", None)
+    for extra, want in (({}, "kvikio-compat True 524288 4"),
+                        ({"KVIKIO_TASK_SIZE": "1048576"}, "kvikio-compat True 1048576 4")):
+        proc = subprocess.run([sys.executable, "-c", code], env={**base, **extra}, text=True,
+                              capture_output=True, timeout=120, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == want, proc.stdout
+
+
+def test_kvikio_keep_names_the_settings_the_environment_gives_kvikio() -> None:
+    from hybridstore.backends.engines import KVIKIO_TUNING, kvikio_keep
+
+    assert kvikio_keep({}) == frozenset()
+    assert kvikio_keep({"KVIKIO_TASK_SIZE": "1048576", "PATH": "/bin"}) == {"task_size"}
+    both = {"KVIKIO_TASK_SIZE": "1", "KVIKIO_AUTO_DIRECT_IO_READ": "ON"}
+    assert kvikio_keep(both) == set(KVIKIO_TUNING)
+
+
+class _FakeDefaults:
+    """kvikio.defaults' get/set on a dict (no kvikio, no driver)."""
+
+    def __init__(self, **values: object) -> None:
+        self.values = dict(values)
+        self.sets = 0
+
+    def get(self, name: str) -> object:
+        if name not in self.values:
+            raise KeyError(name)
+        return self.values[name]
+
+    def set(self, name: str, value: object) -> None:
+        self.values[name] = value
+        self.sets += 1
+
+
+def test_kvikio_settings_hold_while_any_holder_is_open() -> None:
+    """Overlapping holders: the last one opened wins, the last one closed restores."""
+    import types
+
+    from hybridstore.backends.engines import KvikioSettings
+
+    defaults = _FakeDefaults(num_threads=1, task_size=4 << 20)
+    kvikio = types.SimpleNamespace(defaults=defaults)
+    settings = KvikioSettings()
+    settings.acquire(kvikio, {"num_threads": 8, "task_size": 512 << 10, "no_such": 1})
+    assert defaults.values == {"num_threads": 8, "task_size": 512 << 10}  # unknown: skipped
+    settings.acquire(kvikio, {"num_threads": 4})
+    assert defaults.values["num_threads"] == 4
+    settings.release(kvikio)
+    assert defaults.values == {"num_threads": 4, "task_size": 512 << 10}
+    settings.release(kvikio)
+    assert defaults.values == {"num_threads": 1, "task_size": 4 << 20}
+    sets = defaults.sets
+    settings.acquire(kvikio, {"num_threads": 1})  # already so: nothing is set (no pool reset)
+    settings.release(kvikio)
+    assert defaults.sets == sets and defaults.values["num_threads"] == 1
