@@ -11,6 +11,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from hybridstore.errors import MissingExtraError
+
 
 def _demo(args: argparse.Namespace) -> int:
     from hybridstore.demo import run_demo
@@ -136,7 +138,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and args.func is not _bench_moved:  # a moved bench gets its message whatever its flags
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ModuleNotFoundError as exc:
+        missing = MissingExtraError.of(exc)
+        if missing is None:
+            raise
+        print(f"hybridstore {args.command}: {missing}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -111,6 +111,33 @@ class UnsupportedModelError(HybridStoreError, TypeError):
     """
 
 
+class MissingExtraError(HybridStoreError, ImportError):
+    """A command or adapter needs a package that only one of the install extras brings.
+
+    The store itself needs numpy, torch, lmdb and xxhash; ``hybridstore replay``,
+    ``demo`` and ``bench core`` need ``[replay]``, the transformers adapter ``[hf]``.
+    """
+
+    extra: str = ""
+    """The extra that brings the missing module."""
+
+    EXTRAS = {"zstandard": "replay", "tqdm": "replay", "rich": "replay",
+              "matplotlib": "replay", "transformers": "hf"}
+    """The top-level module each extra brings, by module name."""
+
+    @classmethod
+    def of(cls, exc: ModuleNotFoundError) -> MissingExtraError | None:
+        """The typed error for ``exc`` when an extra brings its module, else None."""
+        module = (exc.name or "").partition(".")[0]
+        extra = cls.EXTRAS.get(module)
+        if extra is None:
+            return None
+        err = cls(f"{module} is not installed: pip install 'hybridstore[{extra}]' "
+                  f"(from a clone: pip install -e '.[{extra}]')", name=module)
+        err.extra = extra
+        return err
+
+
 __all__ = [
     "BackendIOError",
     "CapacityError",
@@ -122,6 +149,7 @@ __all__ = [
     "InvalidTokensError",
     "LayoutMismatchError",
     "MisalignedPageError",
+    "MissingExtraError",
     "ObjectTooLargeError",
     "PlanReleasedError",
     "StoreClosedError",

@@ -1,0 +1,41 @@
+"""The command line without an install extra: a typed error that names the extra, exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hybridstore.errors import HybridStoreError, MissingExtraError
+
+
+def _run_without(module: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    # A None entry in sys.modules makes `import module` raise ModuleNotFoundError, as on a
+    # machine where the extra was not installed.
+    code = (f"import sys; sys.modules[{module!r}] = None\n"
+            "from hybridstore.cli import main\n"
+            f"sys.exit(main({list(argv)!r}))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("module, argv, extra", [
+    ("zstandard", ("replay", "--policy", "lru"), "replay"),
+    ("rich", ("bench", "core", "--quick"), "replay"),
+    ("transformers", ("demo",), "hf"),
+])
+def test_a_missing_extra_names_itself(module, argv, extra, tmp_path):
+    done = _run_without(module, *argv)
+    assert done.returncode == 2, done.stderr
+    assert f"hybridstore[{extra}]" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_missing_extra_error_is_typed():
+    exc = MissingExtraError.of(ModuleNotFoundError("No module named 'matplotlib.pyplot'",
+                                                   name="matplotlib.pyplot"))
+    assert isinstance(exc, HybridStoreError) and isinstance(exc, ImportError)
+    assert exc.extra == "replay" and exc.name == "matplotlib"
+    # A module no extra brings is not ours to explain.
+    assert MissingExtraError.of(ModuleNotFoundError("x", name="numpy")) is None
