@@ -40,7 +40,7 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 
@@ -69,9 +69,9 @@ trie: ModuleType | None = None
 gather: ModuleType | None = None
 
 
-def _select(twins: bool) -> None:
+def _select(twins: bool, names: Iterable[str] = NAMES) -> None:
     g = globals()
-    for name in NAMES:
+    for name in names:
         g[name] = None if twins else _BUILT[name]
 
 
@@ -96,8 +96,8 @@ def in_use() -> dict[str, bool]:
 
 
 @contextmanager
-def use_twins(enabled: bool = True) -> Iterator[None]:
-    """Run the pure-Python twins (or, with ``enabled=False``, every built extension).
+def use_twins(enabled: bool = True, *, only: Iterable[str] | None = None) -> Iterator[None]:
+    """Run the pure-Python twins (or, with ``enabled=False``, the built extensions).
 
     The previous choice comes back when the block exits, also on an error.
     Nested blocks restore their own previous choice.  Not thread-safe: a
@@ -107,13 +107,21 @@ def use_twins(enabled: bool = True) -> Iterator[None]:
             keys = chain_hash_tokens(tokens, 16, root)     # the numpy twin
 
     Args:
-        enabled: ``True`` selects all twins; ``False`` selects every built
-            extension (also under ``HYBRIDSTORE_FORCE_TWINS=1``), the twin
+        enabled: ``True`` selects the twins; ``False`` selects the built
+            extensions (also under ``HYBRIDSTORE_FORCE_TWINS=1``), the twin
             where one is not built.
+        only: the names (of :data:`NAMES`) to switch; all by default.
+
+    Raises:
+        ValueError: ``only`` names an unknown extension.
     """
+    names = NAMES if only is None else tuple(only)
+    unknown = sorted(set(names) - set(NAMES))
+    if unknown:
+        raise ValueError(f"unknown native extension(s) {unknown}; expected names of {NAMES}")
     g = globals()
     previous = {name: g[name] for name in NAMES}
-    _select(enabled)
+    _select(enabled, names)
     try:
         yield
     finally:
