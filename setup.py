@@ -17,7 +17,6 @@ instead (CI does, so that a green run means the C was built and tested)::
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 
 from setuptools import Extension, setup
@@ -51,13 +50,12 @@ class NativeBuildExt(build_ext):
 
 
 def _skipped(what: str, exc: BaseException) -> None:
-    # pip shows a build's stderr only with -v, but a warning also lands in the
-    # build log; both name the extension so a missing one can be traced.
-    message = (f"hybridstore: {what} not built ({exc}); hybridstore will use the "
-               f"pure-Python twin instead (same results, slower). Set "
-               f"HYBRIDSTORE_REQUIRE_NATIVE=1 to make this an error.")
-    warnings.warn(message, RuntimeWarning, stacklevel=2)
-    print(f"WARNING: {message}", file=sys.stderr)
+    # pip shows a build's output only with -v; hybridstore._native warns again
+    # at the first import, which every user sees.
+    warnings.warn(f"hybridstore: {what} not built ({exc}); hybridstore will use the "
+                  f"pure-Python twin instead (same results, slower). Set "
+                  f"HYBRIDSTORE_REQUIRE_NATIVE=1 to make this an error.",
+                  RuntimeWarning, stacklevel=2)
 
 
 def _extension(name: str, depends: list[str]) -> Extension:
