@@ -201,27 +201,27 @@ def test_native_matches_twin_large_input() -> None:
 
 @needs_hashing
 def test_native_accepts_integer_buffers_of_the_right_itemsize() -> None:
-    _hashing = extension("hashing")
+    hashing = extension("hashing")
     plo, phi = K.bytes_to_key(K.namespace_root("buf"))
     u32 = np.arange(50, dtype=np.uint32)
-    want = _hashing.chain_tokens(u32, 8, plo, phi)
+    want = hashing.chain_tokens(u32, 8, plo, phi)
     assert isinstance(want, bytearray) and len(want) == 7 * 16
-    assert _hashing.chain_tokens(u32.view(np.int32), 8, plo, phi) == want
-    assert _hashing.chain_tokens(array.array("I", range(50)), 8, plo, phi) == want
-    assert _hashing.chain_tokens(memoryview(u32), 8, plo, phi) == want
+    assert hashing.chain_tokens(u32.view(np.int32), 8, plo, phi) == want
+    assert hashing.chain_tokens(array.array("I", range(50)), 8, plo, phi) == want
+    assert hashing.chain_tokens(memoryview(u32), 8, plo, phi) == want
     with pytest.raises(TypeError):
-        _hashing.chain_tokens(u32.astype(np.float32), 8, plo, phi)
+        hashing.chain_tokens(u32.astype(np.float32), 8, plo, phi)
     with pytest.raises(TypeError):
-        _hashing.chain_tokens(u32.astype(np.uint64), 8, plo, phi)
+        hashing.chain_tokens(u32.astype(np.uint64), 8, plo, phi)
     with pytest.raises(TypeError):
-        _hashing.chain_tokens(u32.astype(">u4"), 8, plo, phi)
+        hashing.chain_tokens(u32.astype(">u4"), 8, plo, phi)
     with pytest.raises((ValueError, BufferError, TypeError)):
-        _hashing.chain_tokens(np.arange(100, dtype=np.uint32)[::2], 8, plo, phi)
+        hashing.chain_tokens(np.arange(100, dtype=np.uint32)[::2], 8, plo, phi)
     with pytest.raises(ValueError):
-        _hashing.chain_tokens(u32, 0, plo, phi)
+        hashing.chain_tokens(u32, 0, plo, phi)
     ids = np.arange(5, dtype=np.uint64)
-    assert _hashing.chain_ids(ids.view(np.int64), 16, -1, plo, phi) == \
-        _hashing.chain_ids(ids, 16, 16, plo, phi)
+    assert hashing.chain_ids(ids.view(np.int64), 16, -1, plo, phi) == \
+        hashing.chain_ids(ids, 16, 16, plo, phi)
 
 
 @needs_hashing
