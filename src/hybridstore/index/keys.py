@@ -106,8 +106,8 @@ def native_available() -> bool:
 
 
 def force_python(enabled: bool = True) -> AbstractContextManager[None]:
-    """``_native.use_twins(enabled)``, as a context manager only."""
-    return _native.use_twins(enabled)
+    """``_native.use_twins(enabled, only=["hashing"])``, as a context manager only."""
+    return _native.use_twins(enabled, only=["hashing"])
 
 
 def __getattr__(name: str) -> Any:
