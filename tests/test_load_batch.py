@@ -9,6 +9,9 @@ import torch
 from hybridstore import HybridStore, LayoutMismatchError, StoreConfig
 from hybridstore.backends import gather as G
 from hybridstore.backends.host import HostPool
+from tests.twins import native_or_twin, needs_native, running
+
+native = native_or_twin("gather")
 
 B = 16
 RNG = np.random.default_rng(77)
@@ -165,28 +168,23 @@ def _random_case(rng):
     return sources, which, offsets, rows, entry, nbytes
 
 
-@pytest.mark.skipif(not G.NATIVE, reason="the _gather extension is not built")
-def test_native_gather_equals_its_numpy_twin(monkeypatch):
+@needs_native("gather")
+def test_native_gather_equals_its_numpy_twin():
     rng = np.random.default_rng(5)
     for _ in range(100):
         sources, which, offsets, rows, entry, nbytes = _random_case(rng)
         a = np.zeros((len(rows) + 5, nbytes + 3), np.uint8)
         b = a.copy()
-        G.gather_rows(sources, which, offsets, rows, entry, nbytes, a)
-        with monkeypatch.context() as m:
-            m.setattr(G, "_native", None)
+        with running("gather", native=True):
+            G.gather_rows(sources, which, offsets, rows, entry, nbytes, a)
+        with running("gather", native=False):
             G.gather_rows(sources, which, offsets, rows, entry, nbytes, b)
         assert np.array_equal(a, b)
         for i, (w, o, r) in enumerate(zip(which, offsets, rows)):
             assert np.array_equal(a[r, :nbytes], sources[w][o + entry:o + entry + nbytes])
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_gather_checks_bounds_before_copying(monkeypatch, native):
-    if native and not G.NATIVE:
-        pytest.skip("the _gather extension is not built")
-    if not native:
-        monkeypatch.setattr(G, "_native", None)
+def test_gather_checks_bounds_before_copying(native):
     src = [np.arange(100, dtype=np.uint8)]
     dst = np.zeros((4, 8), np.uint8)
     one = np.zeros(1, np.int64)

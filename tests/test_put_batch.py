@@ -12,6 +12,9 @@ from hybridstore.backends import gather as G
 from hybridstore.backends.alloc import SlabAllocator
 from hybridstore.backends.host import HostPool
 from hybridstore.errors import CapacityError
+from tests.twins import native_or_twin, needs_native, running
+
+native = native_or_twin("gather")
 
 B = 16
 RNG = np.random.default_rng(91)
@@ -203,8 +206,8 @@ def test_alloc_many_takes_all_or_nothing():
 
 
 # -- the scatter primitive -------------------------------------------------------------
-@pytest.mark.skipif(not G.NATIVE, reason="the _gather extension is not built")
-def test_native_scatter_equals_its_numpy_twin(monkeypatch):
+@needs_native("gather")
+def test_native_scatter_equals_its_numpy_twin():
     rng = np.random.default_rng(6)
     for _ in range(100):
         n, nbytes, entry = int(rng.integers(1, 30)), int(rng.integers(1, 48)), int(rng.integers(0, 16))
@@ -219,21 +222,16 @@ def test_native_scatter_equals_its_numpy_twin(monkeypatch):
             offsets[mine] = rng.permutation(n + 4)[: len(mine)] * size
         rows = rng.integers(0, n + 3, n).astype(np.int64)
         dests_b = [d.copy() for d in dests_a]
-        G.scatter_rows(dests_a, which, offsets, rows, entry, nbytes, src)
-        with monkeypatch.context() as m:
-            m.setattr(G, "_native", None)
+        with running("gather", native=True):
+            G.scatter_rows(dests_a, which, offsets, rows, entry, nbytes, src)
+        with running("gather", native=False):
             G.scatter_rows(dests_b, which, offsets, rows, entry, nbytes, src)
         assert all(np.array_equal(x, y) for x, y in zip(dests_a, dests_b))
         for w, o, r in zip(which, offsets, rows):
             assert np.array_equal(dests_a[w][o + entry:o + entry + nbytes], src[r, :nbytes])
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_scatter_checks_bounds_before_copying(monkeypatch, native):
-    if native and not G.NATIVE:
-        pytest.skip("the _gather extension is not built")
-    if not native:
-        monkeypatch.setattr(G, "_native", None)
+def test_scatter_checks_bounds_before_copying(native):
     dst = [np.zeros(100, np.uint8)]
     src = np.full((4, 8), 9, np.uint8)
     one = np.zeros(1, np.int64)

@@ -16,12 +16,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from hybridstore import _native
 from hybridstore.backends import keytable
 from hybridstore.backends.keytable import PyKeyTable
-from tests.twins import native_and_twin
+from tests.twins import Impl, native_and_twin, running
 
-NativeKeyTable = keytable._NativeKeyTable
-needs_native, IMPLS = native_and_twin(NativeKeyTable, PyKeyTable, "_keytable")
+impl = native_and_twin("keytable", keytable.KeyTable)
 
 W = 17  # the store's object keys: a kind byte and a 16-byte hash
 M64 = (1 << 64) - 1
@@ -31,7 +31,7 @@ Model = dict[bytes, tuple[int, int, bytes]]
 
 
 def mix64(x: int) -> int:
-    """splitmix64's finalizer, as _keytable.c uses it."""
+    """splitmix64's finalizer, as native/src/keytable.c uses it."""
     x ^= x >> 30
     x = (x * 0xBF58476D1CE4E5B9) & M64
     x ^= x >> 27
@@ -127,7 +127,7 @@ def check_same(t, model: Model) -> None:
 class KeyTableMachine(RuleBasedStateMachine):
     """Every operation on the table and on a dict model must agree."""
 
-    def __init__(self, impl: type) -> None:
+    def __init__(self, impl: Impl) -> None:
         super().__init__()
         self.t = impl(W)
         self.model: Model = {}
@@ -194,17 +194,15 @@ class KeyTableMachine(RuleBasedStateMachine):
         check_same(self.t, self.model)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_operation_sequences_match_a_dict(impl: type) -> None:
+def test_operation_sequences_match_a_dict(impl: Impl) -> None:
     run_state_machine_as_test(
         lambda: KeyTableMachine(impl),
         settings=settings(max_examples=150, stateful_step_count=50, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow]))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("width", [8, 13, 16, 17, 24, 40])
-def test_big_batches_grow_roll_back_and_match_a_dict(impl: type, width: int) -> None:
+def test_big_batches_grow_roll_back_and_match_a_dict(impl: Impl, width: int) -> None:
     """Batches of up to 3000 rows (fresh, present, repeated) through many resizes."""
     rng = np.random.default_rng(width)
     t = impl(width)
@@ -259,8 +257,7 @@ def test_big_batches_grow_roll_back_and_match_a_dict(impl: type, width: int) -> 
 # deterministic cases
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_single_key_methods(impl: type) -> None:
+def test_single_key_methods(impl: Impl) -> None:
     t = impl(W)
     assert t.width == W and len(t) == 0 and not t
     k = bytes(range(W))
@@ -279,8 +276,7 @@ def test_single_key_methods(impl: type) -> None:
         assert t.pop(like) == (1, 1, b"")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_put_many_counts_repeats_once_and_replacements_by_difference(impl: type) -> None:
+def test_put_many_counts_repeats_once_and_replacements_by_difference(impl: Impl) -> None:
     t = impl(W)
     a, b, c = RANDOM_KEYS[:3]
     assert t.put_many(pack([a, b, a, a], "uint8"), 5, 8, b"x", 16) == (2, 16)
@@ -294,8 +290,7 @@ def test_put_many_counts_repeats_once_and_replacements_by_difference(impl: type)
     assert t.put_many(pack([a], "uint8"), 1, 8, b"", 0) == (0, 0)  # same charge: delta 0
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_rejected_batches_restore_everything(impl: type) -> None:
+def test_rejected_batches_restore_everything(impl: Impl) -> None:
     t = impl(W, capacity_hint=4)
     keys = RANDOM_KEYS[:6]
     for i, k in enumerate(keys[:3]):
@@ -315,8 +310,7 @@ def test_rejected_batches_restore_everything(impl: type) -> None:
     assert all(t.get(k) == (7, 100, b"z") for k in keys) and len(t) == 6
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_delta_overflow_raises_and_changes_nothing(impl: type) -> None:
+def test_delta_overflow_raises_and_changes_nothing(impl: Impl) -> None:
     t = impl(W)
     a, b, c, d = RANDOM_KEYS[:4]
     with pytest.raises(OverflowError):
@@ -343,9 +337,8 @@ def test_delta_overflow_raises_and_changes_nothing(impl: type) -> None:
     assert t.delete_many(pack([a, b, c, d, a], "uint8")) == (3, 2 * INT64_MAX + (1 << 62))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("width", [17, 24])
-def test_keys_sharing_hashed_bytes_form_one_reachable_chain(impl: type, width: int) -> None:
+def test_keys_sharing_hashed_bytes_form_one_reachable_chain(impl: Impl, width: int) -> None:
     """Up to 200 keys with one hash: insert and delete them in every order."""
     rng = np.random.default_rng(width)
     base = bytes(rng.integers(0, 256, width, dtype=np.uint8))
@@ -362,10 +355,9 @@ def test_keys_sharing_hashed_bytes_form_one_reachable_chain(impl: type, width: i
         assert t.delete_many(pack(same, "bytes", width)) == (50, 100) and len(t) == 0
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("capacity", [8, 16, 64])
 @pytest.mark.parametrize("where", ["first", "last"])
-def test_backward_shift_keeps_wrapping_clusters_reachable(impl: type, capacity: int,
+def test_backward_shift_keeps_wrapping_clusters_reachable(impl: Impl, capacity: int,
                                                           where: str) -> None:
     rng = np.random.default_rng(capacity)
     h = 0 if where == "first" else capacity - 1
@@ -384,8 +376,7 @@ def test_backward_shift_keeps_wrapping_clusters_reachable(impl: type, capacity: 
         assert len(t) == 0
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_rows_forms(impl: type) -> None:
+def test_rows_forms(impl: Impl) -> None:
     keys = RANDOM_KEYS[:5]
     for form in ("uint8", "void", "bytes", "bytearray", "memoryview"):
         t = impl(W)
@@ -397,8 +388,7 @@ def test_rows_forms(impl: type) -> None:
     assert sorted(k for k, *_ in t.items()) == sorted(RANDOM_KEYS[:8])
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_meta_is_plain_bytes(impl: type) -> None:
+def test_meta_is_plain_bytes(impl: Impl) -> None:
     class Sub(bytes):
         pass
 
@@ -412,8 +402,7 @@ def test_meta_is_plain_bytes(impl: type) -> None:
     assert type(t.items()[0][3]) is bytes
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_clear_memory_and_reuse(impl: type) -> None:
+def test_clear_memory_and_reuse(impl: Impl) -> None:
     t = impl(W, capacity_hint=10)
     empty = t.memory_bytes()
     assert empty > 0 and sys.getsizeof(t) >= empty
@@ -428,9 +417,8 @@ def test_clear_memory_and_reuse(impl: type) -> None:
 
 
 def test_native_memory_is_compact() -> None:
-    if NativeKeyTable is None:
-        pytest.skip("native KeyTable not built")
-    t = NativeKeyTable(W, capacity_hint=2048)
+    with running("keytable", native=True):
+        t = keytable.KeyTable(W, capacity_hint=2048)
     base = t.memory_bytes()
     assert base < 4096 * 48 + 1024  # 48-byte slots for 17-byte keys
     keys = np.random.default_rng(0).integers(0, 256, (2048, W), np.uint8)
@@ -438,17 +426,22 @@ def test_native_memory_is_compact() -> None:
     assert t.memory_bytes() == base  # the hint was enough
 
 
-def test_exports() -> None:
-    assert keytable.NATIVE == (NativeKeyTable is not None)
-    assert keytable.KeyTable is (NativeKeyTable if keytable.NATIVE else PyKeyTable)
+def test_the_switch_picks_the_type() -> None:
+    """KeyTable() makes the C type when it is in use and the twin inside use_twins()."""
+    with running("keytable", native=True):
+        assert type(keytable.KeyTable(W)).__module__ == "hybridstore._cext.keytable"
+        with _native.use_twins():
+            t = keytable.KeyTable(W)
+            assert type(t) is PyKeyTable
+        assert type(keytable.KeyTable(W)).__module__ == "hybridstore._cext.keytable"
+    assert type(t) is PyKeyTable                     # a made table keeps its type
 
 
 # --------------------------------------------------------------------------
 # references held on metas
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_meta_references_are_released(impl: type) -> None:
+def test_meta_references_are_released(impl: Impl) -> None:
     a = bytes(range(40)) + b"a"  # made at run time: not shared with constants
     b = bytes(range(40)) + b"b"
     ra, rb = sys.getrefcount(a), sys.getrefcount(b)
@@ -456,7 +449,7 @@ def test_meta_references_are_released(impl: type) -> None:
     keys = RANDOM_KEYS[:10]
     t.set(keys[0], 1, 1, a)
     t.put_many(pack(keys[1:6], "uint8"), 1, 1, a, 100)
-    if impl is NativeKeyTable:
+    if not isinstance(t, PyKeyTable):  # the C type counts its references
         assert sys.getrefcount(a) == ra + 6
     # rejected batch: nothing kept, nothing lost
     assert t.put_many(pack(keys, "uint8"), 1, 5, b, 0) is None
@@ -472,7 +465,7 @@ def test_meta_references_are_released(impl: type) -> None:
     t.put_many(pack(keys[4:8], "uint8"), 1, 1, b, 100)  # replaces two metas a
     assert t.delete_many(pack(keys[1:3], "uint8")) == (2, 2)
     t.set(keys[3], 1, 1)
-    if impl is NativeKeyTable:
+    if not isinstance(t, PyKeyTable):  # the C type counts its references
         assert sys.getrefcount(a) == ra and sys.getrefcount(b) == rb + 4
     items = t.items()
     del items
@@ -489,8 +482,7 @@ def test_meta_references_are_released(impl: type) -> None:
 # errors
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_bad_construction(impl: type) -> None:
+def test_bad_construction(impl: Impl) -> None:
     for width in (7, 0, -1, 65537, 1 << 70):
         with pytest.raises(ValueError, match="width"):
             impl(width)
@@ -505,8 +497,7 @@ def test_bad_construction(impl: type) -> None:
     assert impl(8).width == 8 and impl(np.int64(20), capacity_hint=100).width == 20
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_bad_keys(impl: type) -> None:
+def test_bad_keys(impl: Impl) -> None:
     t = impl(W)
     k = RANDOM_KEYS[0]
     t.set(k, 1, 2, b"m")
@@ -531,7 +522,6 @@ def test_bad_keys(impl: type) -> None:
     assert t.items() == before
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("nbytes, charged, meta, error", [
     (-1, 1, b"", ValueError),
     (1, -1, b"", ValueError),
@@ -544,7 +534,7 @@ def test_bad_keys(impl: type) -> None:
     (1, 1, bytearray(b"m"), TypeError),
     (1, 1, None, TypeError),
 ])
-def test_bad_values_change_nothing(impl: type, nbytes, charged, meta, error: type) -> None:
+def test_bad_values_change_nothing(impl: Impl, nbytes, charged, meta, error: type) -> None:
     t = impl(W)
     k0, k1 = RANDOM_KEYS[:2]
     t.set(k0, 1, 2, b"m")
@@ -558,8 +548,7 @@ def test_bad_values_change_nothing(impl: type, nbytes, charged, meta, error: typ
     assert t.items() == before
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_bad_rows_and_budget(impl: type) -> None:
+def test_bad_rows_and_budget(impl: Impl) -> None:
     t = impl(W)
     k = RANDOM_KEYS[0]
     t.set(k, 1, 2)

@@ -16,15 +16,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridstore import _native
 from hybridstore.errors import ConfigError, InvalidTokensError
 from hybridstore.index import keys as K
+from tests.twins import REQUIRE_NATIVE, extension, needs_native, running
 
 REPO_SRC = Path(__file__).resolve().parents[2] / "src"
 
-needs_native = pytest.mark.skipif(
-    not K.native_available(),
-    reason="hybridstore.native._hashing is not built; run "
-           "`python setup.py build_ext --inplace` to compare it with the twin")
+needs_hashing = needs_native("hashing")
 
 
 # --------------------------------------------------------------------------
@@ -103,26 +102,26 @@ def rows(arr: np.ndarray) -> list[tuple[int, int]]:
 def backend(name: str) -> Iterator[None]:
     """Run under the twin ("python") or one native kernel ("native:<kernel>")."""
     if name == "python":
-        with K.force_python(True):
+        with running("hashing", native=False):
             yield
         return
-    from hybridstore.native import _hashing
-
-    previous = _hashing.set_kernel(name.split(":", 1)[1])
+    hashing = extension("hashing")
+    previous = hashing.set_kernel(name.split(":", 1)[1])
     try:
-        with K.force_python(False):
-            assert K.BACKEND == "native"
+        with running("hashing", native=True):
+            assert _native.hashing is hashing
             yield
     finally:
-        _hashing.set_kernel(previous)
+        hashing.set_kernel(previous)
 
 
 def backend_names() -> list[str]:
     names = ["python"]
-    if K.native_available():
-        from hybridstore.native import _hashing
-
-        names += [f"native:{k}" for k in _hashing.available_kernels()]
+    if _native.available()["hashing"]:
+        hashing = extension("hashing")
+        names += [f"native:{k}" for k in hashing.available_kernels()]
+    elif REQUIRE_NATIVE:
+        names.append("native:missing")   # fails in backend(): the extension is required
     return names
 
 
@@ -156,14 +155,14 @@ block_sizes = st.integers(1, 300)
 # native vs twin
 
 
-@needs_native
+@needs_hashing
 def test_native_module_is_selected_by_default() -> None:
-    assert K.native_available()
-    with K.force_python(False):
-        assert K.BACKEND == "native"
+    assert _native.available()["hashing"]
+    with _native.use_twins(False):
+        assert _native.hashing is extension("hashing")
 
 
-@needs_native
+@needs_hashing
 @settings(max_examples=150, deadline=None)
 @given(toks=token_lists, bs=block_sizes, parent=parents)
 def test_native_matches_twin_chain_tokens(toks: list[int], bs: int, parent: bytes) -> None:
@@ -171,7 +170,7 @@ def test_native_matches_twin_chain_tokens(toks: list[int], bs: int, parent: byte
     assert_all_equal(results_per_backend(lambda: K.chain_hash_tokens(t, bs, parent)))
 
 
-@needs_native
+@needs_hashing
 @settings(max_examples=150, deadline=None)
 @given(toks=token_lists, parent=parents)
 def test_native_matches_twin_prefix_keys(toks: list[int], parent: bytes) -> None:
@@ -179,7 +178,7 @@ def test_native_matches_twin_prefix_keys(toks: list[int], parent: bytes) -> None
     assert_all_equal(results_per_backend(lambda: K.block_prefix_keys(t, parent)))
 
 
-@needs_native
+@needs_hashing
 @settings(max_examples=150, deadline=None)
 @given(ids=st.lists(st.integers(0, 2**64 - 1), max_size=300), bs=block_sizes,
        last=st.one_of(st.none(), st.integers(1, 300)), parent=parents)
@@ -190,7 +189,7 @@ def test_native_matches_twin_chain_ids(ids: list[int], bs: int, last: int | None
         lambda: K.chain_hash_ids(ids, parent, last, block_size=bs)))
 
 
-@needs_native
+@needs_hashing
 def test_native_matches_twin_large_input() -> None:
     rng = np.random.default_rng(7)
     t = rng.integers(0, 2**32, 70_001, dtype=np.uint64).astype(np.uint32)
@@ -200,39 +199,38 @@ def test_native_matches_twin_large_input() -> None:
     assert_all_equal(results_per_backend(lambda: K.block_prefix_keys(t[:5000], root)))
 
 
-@needs_native
+@needs_hashing
 def test_native_accepts_integer_buffers_of_the_right_itemsize() -> None:
-    from hybridstore.native import _hashing
-
+    hashing = extension("hashing")
     plo, phi = K.bytes_to_key(K.namespace_root("buf"))
     u32 = np.arange(50, dtype=np.uint32)
-    want = _hashing.chain_tokens(u32, 8, plo, phi)
+    want = hashing.chain_tokens(u32, 8, plo, phi)
     assert isinstance(want, bytearray) and len(want) == 7 * 16
-    assert _hashing.chain_tokens(u32.view(np.int32), 8, plo, phi) == want
-    assert _hashing.chain_tokens(array.array("I", range(50)), 8, plo, phi) == want
-    assert _hashing.chain_tokens(memoryview(u32), 8, plo, phi) == want
+    assert hashing.chain_tokens(u32.view(np.int32), 8, plo, phi) == want
+    assert hashing.chain_tokens(array.array("I", range(50)), 8, plo, phi) == want
+    assert hashing.chain_tokens(memoryview(u32), 8, plo, phi) == want
     with pytest.raises(TypeError):
-        _hashing.chain_tokens(u32.astype(np.float32), 8, plo, phi)
+        hashing.chain_tokens(u32.astype(np.float32), 8, plo, phi)
     with pytest.raises(TypeError):
-        _hashing.chain_tokens(u32.astype(np.uint64), 8, plo, phi)
+        hashing.chain_tokens(u32.astype(np.uint64), 8, plo, phi)
     with pytest.raises(TypeError):
-        _hashing.chain_tokens(u32.astype(">u4"), 8, plo, phi)
+        hashing.chain_tokens(u32.astype(">u4"), 8, plo, phi)
     with pytest.raises((ValueError, BufferError, TypeError)):
-        _hashing.chain_tokens(np.arange(100, dtype=np.uint32)[::2], 8, plo, phi)
+        hashing.chain_tokens(np.arange(100, dtype=np.uint32)[::2], 8, plo, phi)
     with pytest.raises(ValueError):
-        _hashing.chain_tokens(u32, 0, plo, phi)
+        hashing.chain_tokens(u32, 0, plo, phi)
     ids = np.arange(5, dtype=np.uint64)
-    assert _hashing.chain_ids(ids.view(np.int64), 16, -1, plo, phi) == \
-        _hashing.chain_ids(ids, 16, 16, plo, phi)
+    assert hashing.chain_ids(ids.view(np.int64), 16, -1, plo, phi) == \
+        hashing.chain_ids(ids, 16, 16, plo, phi)
 
 
-@needs_native
+@needs_hashing
 def test_native_hashing_from_threads_gives_sequential_results() -> None:
     rng = np.random.default_rng(3)
     arrays = [rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
               for _ in range(4)]
     root = K.namespace_root("threads")
-    with K.force_python(False):
+    with running("hashing", native=True):
         want = [K.chain_hash_tokens(a, 16, root) for a in arrays]
         with ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda a: K.chain_hash_tokens(a, 16, root), arrays))
@@ -566,21 +564,30 @@ def test_key_byte_forms_round_trip() -> None:
         K.keys_to_bytes(np.zeros((3, 3), dtype=np.uint64))
 
 
-def test_force_python_switches_and_restores() -> None:
-    start = K.BACKEND
-    assert start == ("native" if K.native_available() else "python")
-    with K.force_python(True):
-        assert K.BACKEND == "python"
-        with K.force_python(False):
-            assert K.BACKEND == ("native" if K.native_available() else "python")
-        assert K.BACKEND == "python"
-    assert K.BACKEND == start
-    K.force_python(True)
-    try:
-        assert K.BACKEND == "python"
-    finally:
-        K.force_python(False)
-    assert K.BACKEND == start
+def test_use_twins_switches_the_hashing_and_restores_it() -> None:
+    """The twin really runs inside use_twins(): the keys come from a numpy chain, not C."""
+    calls: list[str] = []
+    twin = K._py_chain_tokens
+
+    def spy(*args: object) -> np.ndarray:
+        calls.append("twin")
+        return twin(*args)
+
+    start = _native.hashing
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(K, "_py_chain_tokens", spy)
+        with _native.use_twins():
+            assert _native.hashing is None
+            K.chain_hash_tokens([1, 2, 3], 2, K.namespace_root(""))
+            assert calls == ["twin"]
+            with _native.use_twins(False):
+                assert _native.hashing is (extension("hashing") if _native.available()["hashing"]
+                                           else None)
+            assert _native.hashing is None
+        assert _native.hashing is start
+        calls.clear()
+        K.chain_hash_tokens([1, 2, 3], 2, K.namespace_root(""))
+        assert calls == ([] if start is not None else ["twin"])
 
 
 def test_results_are_writable_native_and_twin() -> None:
@@ -591,7 +598,7 @@ def test_results_are_writable_native_and_twin() -> None:
 
 
 def test_keys_module_needs_no_torch() -> None:
-    # Load only keys.py (+ errors, native) with torch made unimportable; the
+    # Load only keys.py (+ errors, _native) with torch made unimportable; the
     # package __init__ files are bypassed so the check is about this module.
     code = f"""
 import sys, types

@@ -10,11 +10,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from hybridstore import _native
 from hybridstore.errors import InvalidTokensError, PlanReleasedError
 from hybridstore.index import keys as K
 from hybridstore.index.prefix import PrefixKeys
-from hybridstore.index import trie as trie_mod
 from hybridstore.index.trie import HybridIndex
+from tests.twins import extension, needs_native
 
 B = 4
 ROOT = K.namespace_root("test")
@@ -308,15 +309,15 @@ class IndexMachine(RuleBasedStateMachine):
 
 
 class PythonTwinIndexMachine(IndexMachine):
-    """The same machine with the index's compiled walks replaced by their Python twins."""
+    """The same machine on the Python twins of the index's walks and its key map."""
 
     def __init__(self) -> None:
-        self._saved = trie_mod._native_trie
-        trie_mod._native_trie = None
+        self._twins = _native.use_twins(only=("trie", "u64map"))
+        self._twins.__enter__()
         super().__init__()
 
     def teardown(self) -> None:
-        trie_mod._native_trie = self._saved
+        self._twins.__exit__(None, None, None)
 
 
 _MACHINE_SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None,
@@ -327,7 +328,7 @@ TestPythonTwinIndexMachine = PythonTwinIndexMachine.TestCase
 TestPythonTwinIndexMachine.settings = _MACHINE_SETTINGS
 
 
-@pytest.mark.skipif(trie_mod._native_trie is None, reason="the _trie extension is not built")
+@needs_native("trie")
 def test_native_walks_equal_their_python_twins():
     """collect / path in C against the Python loops, on random forests with random states."""
     rng = np.random.default_rng(7)
@@ -346,7 +347,7 @@ def test_native_walks_equal_their_python_twins():
         cols = ("_parent", "_tiers", "_deps", "_pins", "_nchild", "_block")
         for name in cols:
             setattr(twin, name, copy.copy(getattr(ix, name)))
-        freed_native = np.frombuffer(trie_mod._native_trie.collect(
+        freed_native = np.frombuffer(extension("trie").collect(
             starts, ix._parent, ix._tiers, ix._deps, ix._pins, ix._nchild, ix._block), np.int64)
         freed_py = twin._collect_py(starts)
         assert sorted(freed_native.tolist()) == sorted(freed_py.tolist())

@@ -15,18 +15,18 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from hybridstore import _native
 from hybridstore.index import u64map
 from hybridstore.index.u64map import PyU64Map
-from tests.twins import native_and_twin
+from tests.twins import Impl, native_and_twin, running
 
-NativeU64Map = u64map._NativeU64Map
-needs_native, IMPLS = native_and_twin(NativeU64Map, PyU64Map, "_u64map")
+impl = native_and_twin("u64map", u64map.U64Map)
 
 M64 = (1 << 64) - 1
 
 
 def mix64(x: int) -> int:
-    """splitmix64's finalizer, as _u64map.c uses it for the home slot."""
+    """splitmix64's finalizer, as native/src/u64map.c uses it for the home slot."""
     x ^= x >> 30
     x = (x * 0xBF58476D1CE4E5B9) & M64
     x ^= x >> 27
@@ -71,7 +71,7 @@ def check_same(m, model: dict[int, int]) -> None:
 class U64MapMachine(RuleBasedStateMachine):
     """Every operation on the map and on a dict model must agree."""
 
-    def __init__(self, impl: type) -> None:
+    def __init__(self, impl: Impl) -> None:
         super().__init__()
         self.m = impl()
         self.model: dict[int, int] = {}
@@ -155,8 +155,7 @@ class U64MapMachine(RuleBasedStateMachine):
         check_same(self.m, self.model)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_operation_sequences_match_a_dict(impl: type) -> None:
+def test_operation_sequences_match_a_dict(impl: Impl) -> None:
     run_state_machine_as_test(
         lambda: U64MapMachine(impl),
         settings=settings(max_examples=150, stateful_step_count=60, deadline=None,
@@ -167,8 +166,7 @@ def test_operation_sequences_match_a_dict(impl: type) -> None:
 # deterministic cases
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_extreme_keys_and_values(impl: type) -> None:
+def test_extreme_keys_and_values(impl: Impl) -> None:
     m = impl()
     m[0] = 0
     m[M64] = 2**31 - 1
@@ -179,10 +177,9 @@ def test_extreme_keys_and_values(impl: type) -> None:
     assert m[M64] == 5 and len(m) == 2
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("capacity", [8, 16, 256])
 @pytest.mark.parametrize("home", ["first", "last"])
-def test_backward_shift_keeps_clusters_reachable(impl: type, capacity: int, home: str) -> None:
+def test_backward_shift_keeps_clusters_reachable(impl: Impl, capacity: int, home: str) -> None:
     """Delete from long probe chains (wrapping past the table's end) in every order."""
     rng = np.random.default_rng(capacity)
     h = 0 if home == "first" else capacity - 1
@@ -203,8 +200,7 @@ def test_backward_shift_keeps_clusters_reachable(impl: type, capacity: int, home
         assert len(m) == 0
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_many_deletes_then_lookups(impl: type) -> None:
+def test_many_deletes_then_lookups(impl: Impl) -> None:
     rng = np.random.default_rng(1)
     keys = np.unique(rng.integers(0, 2**64, size=20_000, dtype=np.uint64, endpoint=False))
     keys = np.concatenate([keys, u64([j << 40 for j in range(1, 1000)] + [0, M64])])
@@ -225,8 +221,7 @@ def test_many_deletes_then_lookups(impl: type) -> None:
         check_same(m, model)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_set_many_resizes_and_keeps_the_last_duplicate(impl: type) -> None:
+def test_set_many_resizes_and_keeps_the_last_duplicate(impl: Impl) -> None:
     m = impl()
     keys = np.arange(50_000, dtype=np.uint64) << np.uint64(40)  # equal low 40 bits
     keys[-1] = keys[0]
@@ -239,8 +234,7 @@ def test_set_many_resizes_and_keeps_the_last_duplicate(impl: type) -> None:
     assert out[1:-1].tolist() == values[1:-1].tolist()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_prefix_many_stops_at_the_first_missing_key(impl: type) -> None:
+def test_prefix_many_stops_at_the_first_missing_key(impl: Impl) -> None:
     m = impl()
     m.set_many(u64([5, 6, 7, 9]), np.array([50, 60, 70, 90], np.int64))
     out = np.full(5, -5, np.int64)
@@ -252,8 +246,7 @@ def test_prefix_many_stops_at_the_first_missing_key(impl: type) -> None:
     assert out[:2].tolist() == [-1, 90]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_int64_keys_are_read_bit_for_bit(impl: type) -> None:
+def test_int64_keys_are_read_bit_for_bit(impl: Impl) -> None:
     m = impl()
     m.set_many(np.array([-1, 3], np.int64), np.array([1, 2], np.int32))
     assert m[M64] == 1 and m[3] == 2
@@ -263,8 +256,7 @@ def test_int64_keys_are_read_bit_for_bit(impl: type) -> None:
     assert m.delete_many(np.array([-1], np.int64)) == 1 and M64 not in m
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_iteration_and_items(impl: type) -> None:
+def test_iteration_and_items(impl: Impl) -> None:
     m = impl()
     model = {k: i for i, k in enumerate([0, M64, 7, 1 << 40])}
     for k, v in model.items():
@@ -283,8 +275,7 @@ def test_iteration_and_items(impl: type) -> None:
     assert set(dict(m.items()).values()) == {3}
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_clear_and_len(impl: type) -> None:
+def test_clear_and_len(impl: Impl) -> None:
     m = impl(capacity_hint=100)
     m.set_many(np.arange(1000, dtype=np.uint64), np.arange(1000, dtype=np.int64))
     assert len(m) == 1000 and bool(m)
@@ -298,10 +289,9 @@ def test_clear_and_len(impl: type) -> None:
 # errors
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("key, error", [(2**64, OverflowError), (-1, OverflowError),
                                         (1.0, TypeError), ("1", TypeError), (None, TypeError)])
-def test_bad_keys(impl: type, key, error: type) -> None:
+def test_bad_keys(impl: Impl, key, error: type) -> None:
     m = impl()
     m[1] = 1
     with pytest.raises(error):
@@ -319,19 +309,17 @@ def test_bad_keys(impl: type, key, error: type) -> None:
     assert m.items() == [(1, 1)]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("value, error", [(-1, ValueError), (-(2**70), ValueError),
                                           (2**31, OverflowError), (2**70, OverflowError),
                                           (1.5, TypeError), ("3", TypeError)])
-def test_bad_values(impl: type, value, error: type) -> None:
+def test_bad_values(impl: Impl, value, error: type) -> None:
     m = impl()
     with pytest.raises(error):
         m[1] = value
     assert len(m) == 0
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_missing_keys(impl: type) -> None:
+def test_missing_keys(impl: Impl) -> None:
     m = impl()
     m[1] = 10
     with pytest.raises(KeyError):
@@ -347,7 +335,6 @@ def test_missing_keys(impl: type) -> None:
         m.get()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("values, error", [
     (np.array([1, -1], np.int32), ValueError),
     (np.array([1, -1], np.int64), ValueError),
@@ -355,7 +342,7 @@ def test_missing_keys(impl: type) -> None:
     (np.array([1, 2**31], np.int64), OverflowError),
     (np.array([1, M64], np.uint64), OverflowError),
 ])
-def test_set_many_bad_values_store_nothing(impl: type, values: np.ndarray, error: type) -> None:
+def test_set_many_bad_values_store_nothing(impl: Impl, values: np.ndarray, error: type) -> None:
     m = impl()
     m[7] = 7
     with pytest.raises(error):
@@ -366,7 +353,6 @@ def test_set_many_bad_values_store_nothing(impl: type, values: np.ndarray, error
 KEYS_2 = u64([1, 2])
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("keys, error", [
     (np.array([1.0, 2.0]), TypeError),
     (np.array([1, 2], np.int32), TypeError),
@@ -379,7 +365,7 @@ KEYS_2 = u64([1, 2])
     (np.array(5, np.uint64), ValueError),
     (np.zeros(4, np.uint64)[::2], ValueError),
 ])
-def test_bad_key_buffers(impl: type, keys, error: type) -> None:
+def test_bad_key_buffers(impl: Impl, keys, error: type) -> None:
     m = impl()
     out = np.empty(2, np.int64)
     with pytest.raises(error):
@@ -393,7 +379,6 @@ def test_bad_key_buffers(impl: type, keys, error: type) -> None:
     assert len(m) == 0
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("out, error", [
     (np.empty(2, np.uint64), TypeError),
     (np.empty(2, np.int32), TypeError),
@@ -404,7 +389,7 @@ def test_bad_key_buffers(impl: type, keys, error: type) -> None:
     (np.empty(4, np.int64)[::2], ValueError),
     (np.frombuffer(bytes(16), np.int64), ValueError),  # read-only
 ])
-def test_bad_out_buffers(impl: type, out, error: type) -> None:
+def test_bad_out_buffers(impl: Impl, out, error: type) -> None:
     m = impl()
     with pytest.raises(error):
         m.get_many(KEYS_2, out)
@@ -412,7 +397,6 @@ def test_bad_out_buffers(impl: type, out, error: type) -> None:
         m.prefix_many(KEYS_2, out)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("values, error", [
     (np.zeros(2, np.float64), TypeError),
     (np.zeros(2, np.int16), TypeError),
@@ -420,16 +404,15 @@ def test_bad_out_buffers(impl: type, out, error: type) -> None:
     (np.zeros(1, np.int64), ValueError),
     (np.zeros((2, 1), np.int32), ValueError),
 ])
-def test_bad_value_buffers(impl: type, values, error: type) -> None:
+def test_bad_value_buffers(impl: Impl, values, error: type) -> None:
     m = impl()
     with pytest.raises(error):
         m.set_many(KEYS_2, values)
     assert len(m) == 0
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("hint, error", [(-1, ValueError), (1.5, TypeError)])
-def test_bad_capacity_hint(impl: type, hint, error: type) -> None:
+def test_bad_capacity_hint(impl: Impl, hint, error: type) -> None:
     with pytest.raises(error):
         impl(hint)
 
@@ -438,16 +421,15 @@ def test_bad_capacity_hint(impl: type, hint, error: type) -> None:
 # memory
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_sizeof_reports_memory_bytes(impl: type) -> None:
+def test_sizeof_reports_memory_bytes(impl: Impl) -> None:
     m = impl()
     m.set_many(np.arange(1000, dtype=np.uint64), np.arange(1000, dtype=np.int32))
     assert sys.getsizeof(m) >= m.memory_bytes() > 1000 * 12
 
 
-@needs_native
 def test_native_table_is_compact() -> None:
-    m = NativeU64Map()
+    with running("u64map", native=True):
+        m = u64map.U64Map()
     empty = m.memory_bytes()
     assert sys.getsizeof(m) == empty < 256
     rng = np.random.default_rng(0)
@@ -459,15 +441,21 @@ def test_native_table_is_compact() -> None:
     assert m.memory_bytes() == empty
 
 
-@needs_native
 def test_native_capacity_hint_presizes() -> None:
-    m = NativeU64Map(capacity_hint=10_000)
-    size = m.memory_bytes()
-    assert size > NativeU64Map().memory_bytes()
+    with running("u64map", native=True):
+        m = u64map.U64Map(capacity_hint=10_000)
+        size = m.memory_bytes()
+        assert size > u64map.U64Map().memory_bytes()
     m.set_many(np.arange(10_000, dtype=np.uint64), np.zeros(10_000, np.int32))
     assert m.memory_bytes() == size
 
 
-def test_module_picks_the_native_type_when_built() -> None:
-    assert u64map.NATIVE == (NativeU64Map is not None)
-    assert u64map.U64Map is (NativeU64Map if u64map.NATIVE else PyU64Map)
+def test_the_switch_picks_the_type() -> None:
+    """U64Map() makes the C type when it is in use and the twin inside use_twins()."""
+    with running("u64map", native=True):
+        assert type(u64map.U64Map()).__module__ == "hybridstore._cext.u64map"
+        with _native.use_twins():
+            m = u64map.U64Map(4)
+            assert type(m) is PyU64Map
+        assert type(u64map.U64Map()).__module__ == "hybridstore._cext.u64map"
+    assert type(m) is PyU64Map                       # a made map keeps its type

@@ -4,10 +4,12 @@
 into page-major buffers (row ``i`` = page ``i``).  Each entry of the page
 layout is one call here: the bytes of every page sit in host-pool slots (or in
 the load's own read buffer for pages read from disk), and the compiled
-``native._gather.gather`` copies them row by row without the GIL.
+``_cext.gather.gather`` (``native/src/gather.c``) copies them row by row
+without the GIL.
 ``store.put_kv_batch`` goes the other way (``scatter``): the rows of a
 page-major batch into the pool slots of a run of new pages.  The numpy loops
-below are their twins, used when the extension is not built.
+below are their twins, used when the extension is not built or the twins are
+selected (:mod:`hybridstore._native`).
 """
 
 from __future__ import annotations
@@ -16,14 +18,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-try:
-    from hybridstore.native import _gather as _native
-except ImportError:  # pragma: no cover - the extension is optional
-    _native = None
+from hybridstore import _native
 
-__all__ = ["gather_rows", "scatter_rows", "NATIVE"]
-
-NATIVE = _native is not None
+__all__ = ["gather_rows", "scatter_rows"]
 
 
 def gather_rows(sources: Sequence[np.ndarray], which: np.ndarray, offsets: np.ndarray,
@@ -70,8 +67,9 @@ def _copy_rows(objects: Sequence[np.ndarray], which: np.ndarray, offsets: np.nda
     if buf.ndim != 2 or not buf.flags.c_contiguous or buf.dtype != np.uint8:
         raise ValueError(f"{'src' if scatter else 'dst'} must be a C-contiguous 2-D uint8 array")
     stride = buf.shape[1]
-    if _native is not None:
-        (_native.scatter if scatter else _native.gather)(
+    ext = _native.gather
+    if ext is not None:
+        (ext.scatter if scatter else ext.gather)(
             objects, which, offsets, rows, entry_offset, nbytes, buf, stride)
         return
     if not len(which) == len(offsets) == len(rows):

@@ -40,12 +40,14 @@ Semantics
 
 Backends
 --------
-:data:`KeyTable` is the C extension ``hybridstore.native._keytable.KeyTable``
-when it is built (:data:`NATIVE` is ``True``) and otherwise
-:class:`PyKeyTable`, a dict-backed twin with the same API and errors.  The C
-type is an open-addressing table with linear probing, a splitmix64-mixed
-home slot, a load factor of at most 0.7, backward-shift deletion and a
-journal that undoes a rejected batch (see the header of ``_keytable.c``).
+:func:`KeyTable` makes the C extension type
+``hybridstore._cext.keytable.KeyTable`` when it is in use
+(``hybridstore._native.keytable``; built and not switched to the twins) and
+otherwise a :class:`PyKeyTable`, a dict-backed twin with the same API and
+errors.  The C type is an open-addressing table with linear probing, a
+splitmix64-mixed home slot, a load factor of at most 0.7, backward-shift
+deletion and a journal that undoes a rejected batch (see the header of
+``native/src/keytable.c``).
 Only its capacity can differ after a rejected :meth:`~PyKeyTable.put_many`
 (it may have grown for the batch), which :meth:`~PyKeyTable.memory_bytes`
 shows.
@@ -59,7 +61,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-__all__ = ["NATIVE", "KeyTable", "PyKeyTable"]
+from hybridstore import _native
+
+__all__ = ["KeyTable", "PyKeyTable"]
 
 _MIN_WIDTH = 8
 _MAX_WIDTH = 65536
@@ -92,7 +96,8 @@ def _meta(meta: Any) -> bytes:
 class PyKeyTable:
     """Dict-backed twin of the C ``KeyTable``: same API, same errors.
 
-    Used when the native extension is not built, and by the tests to check
+    Used when the native extension is not built or the twins are selected
+    (:mod:`hybridstore._native`), and by the tests to check
     the C type against it.
 
     Args:
@@ -304,15 +309,11 @@ class PyKeyTable:
         return self.memory_bytes()
 
 
-try:  # the optional C type; absent when no compiler was available at build time
-    from hybridstore.native._keytable import KeyTable as _NativeKeyTable
-except ImportError:  # pragma: no cover - depends on the build
-    _NativeKeyTable = None
-
-NATIVE: bool = _NativeKeyTable is not None
-"""Whether :data:`KeyTable` is the C extension type."""
-
 if TYPE_CHECKING:
     KeyTable = PyKeyTable
 else:
-    KeyTable = _NativeKeyTable if NATIVE else PyKeyTable
+    def KeyTable(*args: Any, **kwargs: Any) -> PyKeyTable:
+        """A new table (arguments as :class:`PyKeyTable`): the C type when
+        ``_native.keytable`` is in use, else the twin."""
+        ext = _native.keytable
+        return (PyKeyTable if ext is None else ext.KeyTable)(*args, **kwargs)

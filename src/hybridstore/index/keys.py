@@ -41,48 +41,39 @@ inner offset of a block are prefix sums (:func:`block_prefix_keys`).
 
 Backends
 --------
-The public functions run the C extension ``hybridstore.native._hashing``
-when it is built and otherwise its numpy twin in this module; both give the
-same keys bit for bit.  :data:`BACKEND` names the one in use and
-:func:`force_python` selects the twin (for tests and benchmarks).
+The public functions run the C extension ``hybridstore._cext.hashing``
+(``native/src/hashing.c``) when it is built and otherwise its numpy twin in
+this module; both give the same keys bit for bit.  :mod:`hybridstore._native`
+makes the choice (``_native.hashing`` is the module in use, ``None`` for the
+twin) and ``_native.use_twins()`` selects the twin for tests and benchmarks.
 """
 
 from __future__ import annotations
 
 import hashlib
 import sys
-from types import TracebackType
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 
+from hybridstore import _native
 from hybridstore.errors import ConfigError, InvalidTokensError
 
-try:  # the optional C twin; absent when no compiler was available at build time
-    from hybridstore.native import _hashing as _native
-except ImportError:  # pragma: no cover - depends on the build
-    _native = None
-
 __all__ = [
-    "BACKEND",
     "KEY_BYTES",
     "as_token_array",
     "block_prefix_keys",
     "bytes_to_key",
     "chain_hash_ids",
     "chain_hash_tokens",
-    "force_python",
     "key_to_bytes",
     "keys_to_bytes",
     "namespace_root",
-    "native_available",
 ]
 
 KEY_BYTES = 16
 """Length of a key's byte form."""
-
-BACKEND: str = "native" if _native is not None else "python"
-"""The implementation the public functions use now: ``"native"`` or ``"python"``."""
 
 _M64 = (1 << 64) - 1
 _P1 = 0x9E3779B185EBCA87
@@ -105,63 +96,24 @@ _TWIN_CHUNK_TOKENS = 1 << 18
 
 
 # --------------------------------------------------------------------------
-# backend selection
+# the former backend switch, kept for hybridstore.bench until it reads
+# hybridstore._native (remove with its last caller)
 
 
 def native_available() -> bool:
-    """Whether the C extension ``hybridstore.native._hashing`` is importable.
-
-    Returns:
-        ``True`` when the native module was built (``python setup.py
-        build_ext --inplace`` or an installed wheel), else ``False``.
-    """
-    return _native is not None
+    """Whether ``hybridstore._cext.hashing`` is built: ``_native.available()["hashing"]``."""
+    return _native.available()["hashing"]
 
 
-def _use_native() -> bool:
-    return BACKEND == "native"
+def force_python(enabled: bool = True) -> AbstractContextManager[None]:
+    """``_native.use_twins(enabled, only=["hashing"])``, as a context manager only."""
+    return _native.use_twins(enabled, only=["hashing"])
 
 
-class _BackendOverride:
-    """Restores the previous backend when used as a context manager."""
-
-    def __init__(self, previous: str) -> None:
-        self._previous = previous
-
-    def __enter__(self) -> _BackendOverride:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        global BACKEND
-        BACKEND = self._previous
-
-
-def force_python(enabled: bool = True) -> _BackendOverride:
-    """Select the numpy twin (``enabled=True``) or the native backend.
-
-    The switch takes effect at once and is process-wide.  The return value is
-    a context manager that restores the previous backend on exit, so both
-    styles work::
-
-        force_python(True)            # from now on
-        with force_python(True):      # only inside the block
-            ...
-
-    ``force_python(False)`` selects the native module when it is available
-    and stays on the twin otherwise.
-
-    Args:
-        enabled: ``True`` for the pure-Python/numpy twin, ``False`` for the
-            native module (when built).
-
-    Returns:
-        A context manager restoring the backend that was in use before.
-    """
-    global BACKEND
-    previous = BACKEND
-    BACKEND = "native" if (not enabled and _native is not None) else "python"
-    return _BackendOverride(previous)
+def __getattr__(name: str) -> Any:
+    if name == "BACKEND":  # "native" or "python": the hashing in use now
+        return "native" if _native.hashing is not None else "python"
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------
@@ -533,8 +485,9 @@ def chain_hash_tokens(tokens: Any, block_size: int, parent: bytes) -> np.ndarray
     t = as_token_array(tokens)
     bs = _check_block_size(block_size)
     plo, phi = _parent_pair(parent)
-    if _use_native():
-        return _from_native(_native.chain_tokens(t, bs, plo, phi))
+    ext = _native.hashing
+    if ext is not None:
+        return _from_native(ext.chain_tokens(t, bs, plo, phi))
     return _py_chain_tokens(t, bs, plo, phi)
 
 
@@ -557,8 +510,9 @@ def block_prefix_keys(tokens: Any, parent: bytes) -> np.ndarray:
     """
     t = as_token_array(tokens)
     plo, phi = _parent_pair(parent)
-    if _use_native():
-        return _from_native(_native.prefix_keys(t, plo, phi))
+    ext = _native.hashing
+    if ext is not None:
+        return _from_native(ext.prefix_keys(t, plo, phi))
     return _py_prefix_keys(t, plo, phi)
 
 
@@ -598,6 +552,7 @@ def chain_hash_ids(ids: Any, parent: bytes, last_tokens: int | None = None, *,
                 f"full last block), got {last_tokens!r}")
         last = int(last_tokens)
     plo, phi = _parent_pair(parent)
-    if _use_native():
-        return _from_native(_native.chain_ids(arr, bs, last, plo, phi))
+    ext = _native.hashing
+    if ext is not None:
+        return _from_native(ext.chain_ids(arr, bs, last, plo, phi))
     return _py_chain_ids(arr, bs, last, plo, phi)

@@ -34,14 +34,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hybridstore import _native
 from hybridstore.errors import InvalidTokensError, PlanReleasedError
 from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.u64map import U64Map
-
-try:
-    from hybridstore.native import _trie as _native_trie
-except ImportError:  # pragma: no cover - the extension is optional
-    _native_trie = None
 
 ROOT = 0
 _NO_PARENT = -1
@@ -318,13 +314,14 @@ class HybridIndex:
 
     # -- paths ------------------------------------------------------------------------
     def _path(self, nid: int) -> np.ndarray:
-        """Node ids from ``nid`` up to (excluding) the root (compiled: ``native._trie.path``)."""
-        if _native_trie is not None:
-            return np.frombuffer(_native_trie.path(self._parent, nid), dtype=np.int64)
+        """Node ids from ``nid`` up to (excluding) the root (compiled: ``_cext.trie.path``)."""
+        ext = _native.trie
+        if ext is not None:
+            return np.frombuffer(ext.path(self._parent, nid), dtype=np.int64)
         return self._path_py(nid)
 
     def _path_py(self, nid: int) -> np.ndarray:
-        """The Python twin of ``native._trie.path``."""
+        """The Python twin of ``_cext.trie.path``."""
         out = []
         parent = self._parent
         while nid > ROOT:
@@ -492,9 +489,10 @@ class HybridIndex:
         self._collect_many(np.array([nid], np.int64))
 
     def _collect_many(self, starts: np.ndarray) -> None:
-        """:meth:`_collect` from each of ``starts`` (compiled: ``native._trie.collect``)."""
-        if _native_trie is not None:
-            freed = np.frombuffer(_native_trie.collect(
+        """:meth:`_collect` from each of ``starts`` (compiled: ``_cext.trie.collect``)."""
+        ext = _native.trie
+        if ext is not None:
+            freed = np.frombuffer(ext.collect(
                 starts.astype(np.int64, copy=False), self._parent, self._tiers, self._deps,
                 self._pins, self._nchild, self._block), dtype=np.int64)
         else:
@@ -506,7 +504,7 @@ class HybridIndex:
             self._frees += 1
 
     def _collect_py(self, starts: np.ndarray) -> np.ndarray:
-        """The Python twin of ``native._trie.collect`` (the same walk, one node at a time)."""
+        """The Python twin of ``_cext.trie.collect`` (the same walk, one node at a time)."""
         parent, block = self._parent, self._block
         tiers, deps, pins, nchild = self._tiers, self._deps, self._pins, self._nchild
         out: list[int] = []

@@ -27,12 +27,12 @@ Semantics
 
 Backends
 --------
-:data:`U64Map` is the C extension ``hybridstore.native._u64map.U64Map`` when it
-is built (:data:`NATIVE` is ``True``) and otherwise :class:`PyU64Map`, a
-dict-backed twin with the same API and errors.  The C type is an
-open-addressing table with linear probing, a splitmix64-mixed home slot, a
-load factor of at most 0.7 and backward-shift deletion (see the header of
-``_u64map.c``).
+:func:`U64Map` makes the C extension type ``hybridstore._cext.u64map.U64Map``
+when it is in use (``hybridstore._native.u64map``; built and not switched to
+the twins) and otherwise a :class:`PyU64Map`, a dict-backed twin with the same
+API and errors.  The C type is an open-addressing table with linear probing, a
+splitmix64-mixed home slot, a load factor of at most 0.7 and backward-shift
+deletion (see the header of ``native/src/u64map.c``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-__all__ = ["NATIVE", "PyU64Map", "U64Map"]
+from hybridstore import _native
+
+__all__ = ["PyU64Map", "U64Map"]
 
 _KEY_LIMIT = 1 << 64
 _VALUE_LIMIT = 1 << 31
@@ -140,7 +142,8 @@ def _out(obj: Any, keys: np.ndarray) -> np.ndarray:
 class PyU64Map:
     """Dict-backed twin of the C ``U64Map``: same API, same errors.
 
-    Used when the native extension is not built, and by the tests to check
+    Used when the native extension is not built or the twins are selected
+    (:mod:`hybridstore._native`), and by the tests to check
     the C type against it.
 
     Args:
@@ -284,15 +287,11 @@ class PyU64Map:
         return self.memory_bytes()
 
 
-try:  # the optional C type; absent when no compiler was available at build time
-    from hybridstore.native._u64map import U64Map as _NativeU64Map
-except ImportError:  # pragma: no cover - depends on the build
-    _NativeU64Map = None
-
-NATIVE: bool = _NativeU64Map is not None
-"""Whether :data:`U64Map` is the C extension type."""
-
 if TYPE_CHECKING:
     U64Map = PyU64Map
 else:
-    U64Map = _NativeU64Map if NATIVE else PyU64Map
+    def U64Map(*args: Any, **kwargs: Any) -> PyU64Map:
+        """A new map (arguments as :class:`PyU64Map`): the C type when
+        ``_native.u64map`` is in use, else the twin."""
+        ext = _native.u64map
+        return (PyU64Map if ext is None else ext.U64Map)(*args, **kwargs)

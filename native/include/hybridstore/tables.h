@@ -1,4 +1,4 @@
-/* Helpers shared by hybridstore's C hash tables (_u64map, _keytable) and hashing.
+/* Helpers shared by hybridstore's C hash tables (u64map, keytable) and hashing.
  *
  * Header-only: each extension is its own shared object, so the helpers are
  * static inline functions compiled into each of them.  Include after Python.h.
@@ -11,7 +11,7 @@
 #define TABLE_MIN_CAPACITY 8
 
 /* splitmix64's finalizer: a bijection on uint64 whose low bits depend on all bits.
- * Part of the prefix-key specification in _hashing.c: do not change it. */
+ * Part of the prefix-key specification in hashing.c: do not change it. */
 static inline uint64_t mix64(uint64_t x) {
     x ^= x >> 30;
     x *= UINT64_C(0xBF58476D1CE4E5B9);

@@ -1,5 +1,5 @@
 /*
- * hybridstore.native._u64map -- a compact hash map from uint64 keys to int32
+ * hybridstore._cext.u64map -- a compact hash map from uint64 keys to int32
  * values, the C twin of hybridstore.index.u64map.PyU64Map.
  *
  * It stands in for a dict[int, int] that maps the low 64 bits of a 128-bit
@@ -46,8 +46,8 @@
 
 #include <stdint.h>
 #include <string.h>
-#include "_buffers.h"
-#include "_tables.h"
+#include "hybridstore/buffers.h"
+#include "hybridstore/tables.h"
 
 #define SLOT_BYTES 12    /* uint64 key + int32 value, packed */
 #define VALUE_OFFSET 8
@@ -757,7 +757,7 @@ PyDoc_STRVAR(U64Map_doc,
 
 static PyTypeObject U64Map_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "hybridstore.native._u64map.U64Map",
+    .tp_name = "hybridstore._cext.u64map.U64Map",
     .tp_basicsize = sizeof(U64MapObject),
     .tp_dealloc = (destructor)U64Map_dealloc,
     .tp_as_sequence = &U64Map_as_sequence,
@@ -819,7 +819,7 @@ static PyObject *U64MapIter_next(U64MapIterObject *it) {
 
 static PyTypeObject U64MapIter_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "hybridstore.native._u64map.U64MapIterator",
+    .tp_name = "hybridstore._cext.u64map.U64MapIterator",
     .tp_basicsize = sizeof(U64MapIterObject),
     .tp_dealloc = (destructor)U64MapIter_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -831,7 +831,7 @@ static PyTypeObject U64MapIter_Type = {
 
 static struct PyModuleDef u64map_module = {
     PyModuleDef_HEAD_INIT,
-    "hybridstore.native._u64map",
+    "hybridstore._cext.u64map",
     "C twin of hybridstore.index.u64map: a compact uint64 -> int32 hash map.\n\n"
     "Import U64Map from hybridstore.index.u64map; it falls back to a dict-based\n"
     "twin with the same API when this module is not built.",
@@ -843,7 +843,7 @@ static struct PyModuleDef u64map_module = {
     NULL,
 };
 
-PyMODINIT_FUNC PyInit__u64map(void) {
+PyMODINIT_FUNC PyInit_u64map(void) {
     if (PyType_Ready(&U64Map_Type) < 0 || PyType_Ready(&U64MapIter_Type) < 0) {
         return NULL;
     }

@@ -1,4 +1,4 @@
-/* Buffer helpers shared by hybridstore's C extensions (_hashing, _trie, _gather, _u64map).
+/* Buffer helpers shared by hybridstore's C extensions (hashing, trie, gather, u64map).
  *
  * Header-only: each extension is its own shared object, so the helpers are
  * static functions compiled into each of them.  Include after Python.h.

@@ -1,4 +1,4 @@
-/* hybridstore.native._trie: compiled hot paths of hybridstore.index.trie.
+/* hybridstore._cext.trie: compiled hot paths of hybridstore.index.trie.
  *
  * The index keeps its page nodes as columns (numpy arrays, and an
  * array('i') of parent links).  This module walks those columns in C where
@@ -27,7 +27,7 @@
 
 #include <stdint.h>
 #include <string.h>
-#include "_buffers.h"
+#include "hybridstore/buffers.h"
 
 PyDoc_STRVAR(collect_doc,
 "collect(starts, parent, tiers, deps, pins, nchild, block) -> bytearray\n\n"
@@ -169,7 +169,7 @@ static PyMethodDef trie_methods[] = {
 
 static struct PyModuleDef trie_module = {
     PyModuleDef_HEAD_INIT,
-    "hybridstore.native._trie",
+    "hybridstore._cext.trie",
     "C hot paths of hybridstore.index.trie (see HybridIndex._collect_many).",
     -1,
     trie_methods,
@@ -179,4 +179,4 @@ static struct PyModuleDef trie_module = {
     NULL,
 };
 
-PyMODINIT_FUNC PyInit__trie(void) { return PyModule_Create(&trie_module); }
+PyMODINIT_FUNC PyInit_trie(void) { return PyModule_Create(&trie_module); }

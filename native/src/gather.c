@@ -1,4 +1,4 @@
-/* hybridstore.native._gather: one call copies an entry of many objects to or from rows.
+/* hybridstore._cext.gather: one call copies an entry of many objects to or from rows.
  *
  *   gather(sources, which, offsets, rows, entry_offset, nbytes, dst, dst_stride)
  *       For every i: copy nbytes from sources[which[i]] at offsets[i] +
@@ -23,7 +23,7 @@
 
 #include <stdint.h>
 #include <string.h>
-#include "_buffers.h"
+#include "hybridstore/buffers.h"
 
 PyDoc_STRVAR(gather_doc,
 "gather(sources, which, offsets, rows, entry_offset, nbytes, dst, dst_stride) -> None\n\n"
@@ -158,7 +158,7 @@ static PyMethodDef gather_methods[] = {
 
 static struct PyModuleDef gather_module = {
     PyModuleDef_HEAD_INIT,
-    "hybridstore.native._gather",
+    "hybridstore._cext.gather",
     "Batched row gather / scatter for store.load / put_kv_batch (see hybridstore.backends.gather).",
     -1,
     gather_methods,
@@ -168,4 +168,4 @@ static struct PyModuleDef gather_module = {
     NULL,
 };
 
-PyMODINIT_FUNC PyInit__gather(void) { return PyModule_Create(&gather_module); }
+PyMODINIT_FUNC PyInit_gather(void) { return PyModule_Create(&gather_module); }

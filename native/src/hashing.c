@@ -1,5 +1,5 @@
 /*
- * hybridstore.native._hashing -- the C twin of hybridstore.index.keys.
+ * hybridstore._cext.hashing -- the C twin of hybridstore.index.keys.
  *
  * Computes the 128-bit chained prefix keys of hybridstore.  The algorithm is
  * specified in hybridstore/index/keys.py; this file and the numpy twin there
@@ -27,8 +27,8 @@
 
 #include <stdint.h>
 #include <string.h>
-#include "_buffers.h"
-#include "_tables.h"
+#include "hybridstore/buffers.h"
+#include "hybridstore/tables.h"
 
 #define P1 UINT64_C(0x9E3779B185EBCA87)
 #define P2 UINT64_C(0xC2B2AE3D27D4EB4F)
@@ -247,7 +247,7 @@ static void select_kernels(void) {
 /* ------------------------------------------------------------------------ */
 /* buffer helpers                                                            */
 
-/* is_native_int_format, get_int_buffer: _buffers.h */
+/* is_native_int_format, get_int_buffer: hybridstore/buffers.h */
 
 static PyObject *new_key_bytes(size_t nkeys, unsigned char **out) {
     if (nkeys > (size_t)PY_SSIZE_T_MAX / 16) {
@@ -473,7 +473,7 @@ static PyMethodDef hashing_methods[] = {
 
 static struct PyModuleDef hashing_module = {
     PyModuleDef_HEAD_INIT,
-    "hybridstore.native._hashing",
+    "hybridstore._cext.hashing",
     "C twin of hybridstore.index.keys: chained 128-bit prefix keys.\n\n"
     "Use hybridstore.index.keys; it validates input and falls back to an\n"
     "identical numpy implementation when this module is not built.",
@@ -485,7 +485,7 @@ static struct PyModuleDef hashing_module = {
     NULL,
 };
 
-PyMODINIT_FUNC PyInit__hashing(void) {
+PyMODINIT_FUNC PyInit_hashing(void) {
     PyObject *m = PyModule_Create(&hashing_module);
     if (m == NULL) {
         return NULL;

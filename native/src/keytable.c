@@ -1,5 +1,5 @@
 /*
- * hybridstore.native._keytable -- an exact-key object table, the C twin of
+ * hybridstore._cext.keytable -- an exact-key object table, the C twin of
  * hybridstore.backends.keytable.PyKeyTable.
  *
  * It stands in for the accounting tier's dict[bytes, (nbytes, charged, meta)],
@@ -35,7 +35,7 @@
  * - The load factor stays <= 0.7: an insert that would pass it doubles the
  *   table first (put_many sizes it once, up front, for len + n entries).
  *   Since 0.7 < 1 there is always an empty slot, which ends every probe.
- * - Deletion is backward-shift deletion, as in _u64map.c: later entries of the
+ * - Deletion is backward-shift deletion, as in u64map.c: later entries of the
  *   cluster that may legally move into the hole do so, and the last hole is
  *   emptied.  No tombstones.  The table never shrinks on delete; clear()
  *   returns to the capacity the table was created with.
@@ -63,7 +63,7 @@
 
 #include <stdint.h>
 #include <string.h>
-#include "_tables.h"
+#include "hybridstore/tables.h"
 
 #define MIN_WIDTH 8
 #define MAX_WIDTH 65536   /* keep slot arithmetic far from overflow */
@@ -1029,7 +1029,7 @@ PyDoc_STRVAR(KeyTable_doc,
 
 static PyTypeObject KeyTable_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "hybridstore.native._keytable.KeyTable",
+    .tp_name = "hybridstore._cext.keytable.KeyTable",
     .tp_basicsize = sizeof(KeyTableObject),
     .tp_dealloc = (destructor)KeyTable_dealloc,
     .tp_as_sequence = &KeyTable_as_sequence,
@@ -1045,7 +1045,7 @@ static PyTypeObject KeyTable_Type = {
 
 static struct PyModuleDef keytable_module = {
     PyModuleDef_HEAD_INIT,
-    "hybridstore.native._keytable",
+    "hybridstore._cext.keytable",
     "C twin of hybridstore.backends.keytable: an exact-key object table.\n\n"
     "Import KeyTable from hybridstore.backends.keytable; it falls back to a\n"
     "dict-based twin with the same API when this module is not built.",
@@ -1057,7 +1057,7 @@ static struct PyModuleDef keytable_module = {
     NULL,
 };
 
-PyMODINIT_FUNC PyInit__keytable(void) {
+PyMODINIT_FUNC PyInit_keytable(void) {
     if (PyType_Ready(&KeyTable_Type) < 0) {
         return NULL;
     }
