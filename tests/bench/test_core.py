@@ -7,8 +7,8 @@ import math
 
 import pytest
 
+from hybridstore import _native
 from hybridstore.bench.core import CKPT_BYTES, PAGE_BYTES, run_core_bench
-from hybridstore.index import keys as K
 
 
 def _positive(x: object) -> bool:
@@ -87,7 +87,7 @@ def test_hashing(bench) -> None:
     h = bench[0]["hashing"]
     assert h["goal_gbps"] == 1.0
     assert _positive(h["python_gbps"])
-    if K.native_available():
+    if _native.available()["hashing"]:
         assert _positive(h["native_gbps"]) and _positive(h["ratio"])
         assert h["keys_identical"] is True
     else:

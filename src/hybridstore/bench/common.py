@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from hybridstore import _native
 from hybridstore.backends.engines import ALIGN
-from hybridstore.index import keys as K
 
 __all__ = ["aligned", "emit", "fmt_bytes", "fs_type", "json_safe", "machine_info", "median", "no_gc",
            "o_direct_works", "percentile", "progress", "stdout_console", "timed"]
@@ -117,7 +117,8 @@ def machine_info() -> dict[str, Any]:
             "numpy": np.__version__, "hybridstore": hybridstore.__version__,
             "cuda_available": bool(torch.cuda.is_available()),
             "torch_threads": torch.get_num_threads(),
-            "hash_backend": K.BACKEND, "native_hashing": K.native_available()}
+            "hash_backend": "native" if _native.hashing is not None else "python",
+            "native_hashing": _native.available()["hashing"], "native": _native.in_use()}
 
 
 def stdout_console() -> Any:

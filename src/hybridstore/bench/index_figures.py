@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridstore import _native
 from hybridstore.backends.accounting import AccountingTier
 from hybridstore.bench.common import median, no_gc, percentile
 from hybridstore.config import StoreConfig
@@ -132,14 +133,14 @@ def bench_hashing(reps: int, rng: np.random.Generator, step: Callable[[str], Non
 
     native = None
     same = None
-    if K.native_available():
+    if _native.available()["hashing"]:
         step("hashing: native")
-        with K.force_python(False):
+        with _native.use_twins(False, only=["hashing"]):
             K.chain_hash_tokens(tokens, MATCH_BLOCK, root)
             native = gbps_of(10)
             keys_native = K.chain_hash_tokens(tokens, MATCH_BLOCK, root)
     step("hashing: python twin")
-    with K.force_python(True):
+    with _native.use_twins(only=["hashing"]):
         K.chain_hash_tokens(tokens, MATCH_BLOCK, root)
         python = gbps_of(1)
         keys_python = K.chain_hash_tokens(tokens, MATCH_BLOCK, root)

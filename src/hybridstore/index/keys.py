@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -93,27 +92,6 @@ _NP_C1, _NP_C2 = _U64(_C1), _U64(_C2)
 
 # Tokens hashed per numpy pass of the twin (bounds its temporaries).
 _TWIN_CHUNK_TOKENS = 1 << 18
-
-
-# --------------------------------------------------------------------------
-# the former backend switch, kept for hybridstore.bench until it reads
-# hybridstore._native (remove with its last caller)
-
-
-def native_available() -> bool:
-    """Whether ``hybridstore._cext.hashing`` is built: ``_native.available()["hashing"]``."""
-    return _native.available()["hashing"]
-
-
-def force_python(enabled: bool = True) -> AbstractContextManager[None]:
-    """``_native.use_twins(enabled, only=["hashing"])``, as a context manager only."""
-    return _native.use_twins(enabled, only=["hashing"])
-
-
-def __getattr__(name: str) -> Any:
-    if name == "BACKEND":  # "native" or "python": the hashing in use now
-        return "native" if _native.hashing is not None else "python"
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------
