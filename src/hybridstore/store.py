@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridstore.backends.base import KeyBatch, ObjectKind, Tier, aligned_empty, done_future, object_key
+from hybridstore.backends.base import Tier, done_future
 from hybridstore.backends.gather import gather_rows, scatter_rows
 from hybridstore.backends.disk import DiskTier
 from hybridstore.backends.host import HostPool
@@ -50,8 +50,9 @@ from hybridstore.errors import (
 from hybridstore.index import keys as K
 from hybridstore.index import meta as M
 from hybridstore.index.prefix import PrefixKeys
-from hybridstore.index.trie import TIER_BITS, Checkpoint, HybridIndex, ResumePlan
+from hybridstore.index.trie import Checkpoint, HybridIndex, ResumePlan
 from hybridstore.layout import Layout, Target, batch_row, batch_rows, copy_out
+from hybridstore.objects import TIER_BITS, TIER_ORDER, KeyBatch, ObjectKind, aligned_empty, object_key
 from hybridstore.policy import admission_policy, eviction_policy
 from hybridstore.policy.base import (
     AdmissionPolicy,
@@ -67,11 +68,8 @@ log = logging.getLogger(__name__)
 
 _DONE: Future = done_future()
 
-TIER_ORDER = ("device", "host", "disk")
-
 REUSE_RANKING_OBJECTS = 512
 """Tiers holding at least this many objects reuse an eviction ranking (see ``_evict``)."""
-"""Fastest first: a load reads each object from the first tier that holds it."""
 
 _LAYOUT_INFO = {ObjectKind.PAGE: "layout.page", ObjectKind.STATE: "layout.state"}
 

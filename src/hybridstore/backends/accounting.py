@@ -4,7 +4,7 @@ The simulator runs the real index and policies over these tiers, so simulated
 results describe the library that ships.  The object table is a
 :class:`~hybridstore.backends.keytable.KeyTable` (compiled when built): a run of
 pages is recorded or dropped in one call over its key rows
-(:class:`~hybridstore.backends.base.KeyBatch`), with no Python work per key.
+(:class:`~hybridstore.objects.KeyBatch`), with no Python work per key.
 Futures are shared, already-completed objects, so millions of operations
 allocate nothing per call beyond the table slot of a stored object.
 """
@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from hybridstore.backends.base import KEY_BYTES, KeyBatch, ObjectKey, ObjectTable, done_future
+from hybridstore.backends.base import ObjectTable, done_future
 from hybridstore.backends.keytable import KeyTable
 from hybridstore.errors import CapacityError, ConfigError, ObjectTooLargeError
+from hybridstore.objects import OBJECT_KEY_BYTES, KeyBatch, ObjectKey
 
 
 class AccountingTier(ObjectTable):
@@ -55,7 +56,7 @@ class AccountingTier(ObjectTable):
         self._write_bps = write_gbps * 1e9
         self._align = alignment
         self._used = 0
-        self._objects = KeyTable(KEY_BYTES)     # key -> (nbytes, charged, meta)
+        self._objects = KeyTable(OBJECT_KEY_BYTES)     # key -> (nbytes, charged, meta)
         self._done: dict[int | None, Future] = {None: done_future()}  # shared results
         self._counts = dict.fromkeys(("puts", "gets", "bytes_in", "bytes_out"), 0)
 
@@ -156,7 +157,7 @@ class AccountingTier(ObjectTable):
             return freed
 
     def _entry(self, key: ObjectKey) -> tuple[int, bytes] | None:
-        entry = self._objects.get(key) if len(key) == KEY_BYTES else None
+        entry = self._objects.get(key) if len(key) == OBJECT_KEY_BYTES else None
         return None if entry is None else (entry[0], entry[2])
 
     def _listing(self) -> list[tuple[ObjectKey, int, bytes]]:

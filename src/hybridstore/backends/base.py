@@ -44,106 +44,23 @@ All methods are thread-safe.
 
 from __future__ import annotations
 
-import enum
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
-from typing import Any, ClassVar, NewType
+from typing import Any, ClassVar
 
 import numpy as np
 
 from hybridstore.errors import StoreClosedError
-
-ObjectKey = NewType("ObjectKey", bytes)
-"""17 bytes: an :class:`ObjectKind` byte, then the 16-byte prefix hash."""
-
-KEY_BYTES = 17
-
-
-class ObjectKind(enum.IntEnum):
-    """What an object is; the first byte of its :data:`ObjectKey`."""
-
-    PAGE = 1
-    STATE = 2
-
-
-def object_key(kind: ObjectKind, prefix_hash: bytes) -> ObjectKey:
-    """Build the :data:`ObjectKey` of a page or checkpoint from its 16-byte hash."""
-    if len(prefix_hash) != 16:
-        raise ValueError(f"prefix hash must be 16 bytes, got {len(prefix_hash)}")
-    return ObjectKey(bytes((int(kind),)) + bytes(prefix_hash))
-
-
-def key_kind(key: ObjectKey) -> ObjectKind:
-    """The :class:`ObjectKind` of a key."""
-    return ObjectKind(key[0])
-
-
-class KeyBatch(Sequence[ObjectKey]):
-    """Object keys of a run of objects, as the rows of one ``(n, 17)`` uint8 array.
-
-    The store builds the keys of a run of pages at once from the index's
-    16-byte keys.  A tier that keeps its object table natively (the
-    accounting tier's :class:`~hybridstore.backends.keytable.KeyTable`) takes
-    :attr:`rows` whole; every other tier sees an ordinary sequence of
-    :data:`ObjectKey` bytes, built on first use.  Slicing gives a batch that
-    shares the rows.
-    """
-
-    __slots__ = ("rows", "_keys")
-
-    def __init__(self, rows: np.ndarray) -> None:
-        if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[1] != KEY_BYTES:
-            raise ValueError(f"key rows must be a (n, {KEY_BYTES}) uint8 array, got "
-                             f"{rows.dtype} {rows.shape}")
-        self.rows = np.ascontiguousarray(rows)     # a stepped slice is copied
-        self._keys: list[ObjectKey] | None = None
-
-    @classmethod
-    def of(cls, kind: ObjectKind, hashes: bytes) -> KeyBatch:
-        """Keys of ``kind`` from 16-byte prefix hashes, concatenated (``object_key`` in bulk)."""
-        if len(hashes) % 16:
-            raise ValueError(f"prefix hashes must be 16 bytes each, got {len(hashes)} bytes")
-        rows = np.empty((len(hashes) // 16, KEY_BYTES), np.uint8)
-        rows[:, 0] = int(kind)
-        rows[:, 1:] = np.frombuffer(hashes, np.uint8).reshape(-1, 16)
-        return cls(rows)
-
-    @classmethod
-    def from_keys(cls, keys: Iterable[ObjectKey]) -> KeyBatch:
-        """A batch of any keys (a :class:`KeyBatch` is returned as it is)."""
-        if isinstance(keys, KeyBatch):
-            return keys
-        keys = list(keys)
-        if any(len(k) != KEY_BYTES for k in keys):
-            raise ValueError(f"object keys are {KEY_BYTES} bytes")
-        return cls(np.frombuffer(b"".join(keys), np.uint8).reshape(-1, KEY_BYTES))
-
-    def keys(self) -> list[ObjectKey]:
-        """The keys as ``bytes``: the rows read back through a 17-byte *void* dtype, whose
-        ``tolist()`` gives whole ``bytes`` (an ``S17`` view would strip trailing NULs)."""
-        if self._keys is None:
-            self._keys = self.rows.view(f"V{KEY_BYTES}").ravel().tolist()
-        return self._keys
-
-    def __len__(self) -> int:
-        return self.rows.shape[0]
-
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return KeyBatch(self.rows[i])
-        return self.keys()[i]
-
-    def __iter__(self) -> Iterator[ObjectKey]:
-        return iter(self.keys())
-
-
-def aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:
-    """An uninitialised uint8 array whose first byte is ``align``-aligned (O_DIRECT / GDS in place)."""
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    start = -raw.__array_interface__["data"][0] % align
-    return raw[start:start + nbytes]
+from hybridstore.objects import (  # noqa: F401 - the vocabulary, importable from here too
+    KeyBatch,
+    ObjectKey,
+    ObjectKind,
+    aligned_empty,
+    key_kind,
+    object_key,
+)
 
 
 def done_future(result: Any = None) -> Future:

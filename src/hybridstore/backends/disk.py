@@ -46,7 +46,7 @@ import numpy as np
 import xxhash
 
 from hybridstore.backends.alloc import Extent, SlabAllocator, SlabBudget
-from hybridstore.backends.base import KEY_BYTES, ObjectKey, Tier, aligned_empty
+from hybridstore.backends.base import ObjectKey, Tier
 from hybridstore.backends.catalog import Catalog, CatalogRecord
 from hybridstore.backends.engines import (ALIGN, Engine, buffer_address, fsync_path, round_up,
                                           select_engine)
@@ -57,6 +57,7 @@ from hybridstore.errors import (
     CorruptObjectError,
     DiskPathError,
 )
+from hybridstore.objects import OBJECT_KEY_BYTES, aligned_empty, byte_view
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ class DiskTier(SlabBudget, Tier):
         """
         self._check_open()
         key = _check_key(key)
-        view = _host_view(data, nbytes, writable=False)
+        view = byte_view(data, nbytes, what="data")
         extent = self._alloc.alloc(nbytes)
         if extent is None:
             raise CapacityError(f"the disk tier at {self.path} has no room for {nbytes} bytes "
@@ -240,7 +241,7 @@ class DiskTier(SlabBudget, Tier):
         if len(set(keys)) != len(keys) or len(datas) != len(keys):
             raise ValueError("put_many needs distinct keys and one data buffer per key")
         metas = [b""] * len(keys) if metas is None else [bytes(m) for m in metas]
-        views = [_host_view(data, nbytes, writable=False) for data in datas]
+        views = [byte_view(data, nbytes, what="data") for data in datas]
         extents = self._alloc.alloc_many(nbytes, len(keys))
         if extents is None:
             raise CapacityError(f"the disk tier at {self.path} has no room for {len(keys)} x "
@@ -757,8 +758,8 @@ class DiskTier(SlabBudget, Tier):
         self._remove_orphan_segments()
 
     def _check_record(self, key: bytes, rec: CatalogRecord) -> str | None:
-        if len(key) != KEY_BYTES:
-            return f"its key has {len(key)} bytes, not {KEY_BYTES}"
+        if len(key) != OBJECT_KEY_BYTES:
+            return f"its key has {len(key)} bytes, not {OBJECT_KEY_BYTES}"
         if rec.length > rec.slot_length or rec.offset % ALIGN:
             return f"its record is malformed ({rec.length} bytes in a {rec.slot_length}-byte " \
                    f"slot at offset {rec.offset})"
@@ -840,7 +841,7 @@ class _ReadTarget:
             if tensor.device.type == "cpu":
                 return cls(tensor.numpy())
             return cls(None, tensor)
-        return cls(_host_view(out, nbytes, writable=True))
+        return cls(byte_view(out, nbytes, writable=True, what="out"))
 
     def read(self, engine: Engine, file: Any, offset: int, nbytes: int, verify: bool) -> int:
         """Read ``nbytes`` at ``offset``; returns the xxh3_64 of what landed (0 unverified)."""
@@ -893,25 +894,6 @@ def _torch_bytes(tensor: Any, nbytes: int) -> Any:
     return flat[:nbytes]
 
 
-def _host_view(data: Any, nbytes: int, *, writable: bool) -> np.ndarray:
-    """``data[:nbytes]`` as a contiguous uint8 numpy view, without copying."""
-    if data is None:
-        raise TypeError("the disk tier stores bytes: pass a uint8 array, not None")
-    if type(data).__module__.startswith("torch"):
-        if data.device.type != "cpu":
-            raise TypeError("put() takes host memory; copy device tensors to the host pool first")
-        data = _torch_bytes(data, nbytes).numpy()
-    arr = data if isinstance(data, np.ndarray) else np.asarray(memoryview(data))
-    if not arr.flags.c_contiguous:
-        raise ValueError("the buffer must be C-contiguous")
-    if writable and not arr.flags.writeable:
-        raise ValueError("get_into needs a writable buffer")
-    arr = arr.reshape(-1).view(np.uint8)
-    if nbytes < 0 or arr.nbytes < nbytes:
-        raise ValueError(f"the buffer holds {arr.nbytes} bytes, {nbytes} are needed")
-    return arr[:nbytes]
-
-
 def _spanning_view(views: list[np.ndarray], at: list[int], span: int) -> np.ndarray | None:
     """One uint8 view of ``span`` bytes covering ``views`` when they lie in one buffer with
     ``views[k]`` at byte ``at[k]`` of it (``at[0] == 0``); None otherwise."""
@@ -931,8 +913,8 @@ def _spanning_view(views: list[np.ndarray], at: list[int], span: int) -> np.ndar
 
 
 def _check_key(key: bytes) -> bytes:
-    if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
-        raise ValueError(f"keys are {KEY_BYTES} bytes (kind + 16-byte hash), got {key!r}")
+    if not isinstance(key, (bytes, bytearray)) or len(key) != OBJECT_KEY_BYTES:
+        raise ValueError(f"keys are {OBJECT_KEY_BYTES} bytes (kind + 16-byte hash), got {key!r}")
     return bytes(key)
 
 

@@ -37,29 +37,12 @@ import numpy as np
 from hybridstore.backends.alloc import Extent, SlabAllocator, SlabBudget
 from hybridstore.backends.base import ObjectKey, ObjectTable, done_future
 from hybridstore.errors import CapacityError, ConfigError
+from hybridstore.objects import ALIGN, byte_view
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096
 _DONE = done_future()  # completed futures are immutable: one serves every put
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
-
-
-def as_bytes(buf: Any, what: str) -> np.ndarray:
-    """A flat uint8 view (no copy) of a numpy array, CPU torch tensor or bytes-like."""
-    if not isinstance(buf, np.ndarray) and hasattr(buf, "numpy"):  # a torch tensor
-        if buf.device.type != "cpu":
-            raise TypeError(f"{what} is a {buf.device.type} tensor; the host pool takes host "
-                            "memory (use the device tier, or .cpu() it first)")
-        if not buf.is_contiguous():
-            raise ValueError(f"{what} must be contiguous; pass .contiguous() of it")
-        import torch
-
-        return buf.detach().view(-1).view(torch.uint8).numpy()
-    arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
-    if not arr.flags.c_contiguous:
-        raise ValueError(f"{what} must be contiguous; pass np.ascontiguousarray(...) of it")
-    return arr.reshape(-1).view(np.uint8)
 
 
 class _Arena:
@@ -336,7 +319,7 @@ class HostPool(SlabBudget, ObjectTable):
         if data is None:
             raise TypeError("the host pool stores bytes; pass data (only the accounting tier "
                             "takes None)")
-        src = as_bytes(data, "data")
+        src = byte_view(data, what="data")
         if src.size < nbytes:
             raise ValueError(f"data has {src.size} bytes, fewer than nbytes={nbytes}")
         with self._lock:
@@ -354,7 +337,7 @@ class HostPool(SlabBudget, ObjectTable):
         return _DONE
 
     def get_into(self, key: ObjectKey, out: Any) -> Future:
-        dst = as_bytes(out, "out")
+        dst = byte_view(out, what="out")
         with self._lock:
             self._check_open()
             obj = self._objects[key]

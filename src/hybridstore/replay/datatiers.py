@@ -37,10 +37,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from hybridstore.backends.base import ObjectKey, aligned_empty, done_future
+from hybridstore.backends.base import done_future
 from hybridstore.backends.disk import DiskTier
-from hybridstore.backends.host import HostPool, as_bytes
+from hybridstore.backends.host import HostPool
 from hybridstore.errors import CapacityError, ConfigError, ObjectTooLargeError
+from hybridstore.objects import ObjectKey, aligned_empty, byte_view
 
 T = TypeVar("T")
 
@@ -258,7 +259,7 @@ class WriteBehindDisk(_Budget, DiskTier):
         with self._wb_lock:
             spare = self._spare.get(nbytes)
             staged = spare.pop() if spare else aligned_empty(nbytes)   # reused: no page faults
-        staged[:] = as_bytes(data, "data")[:nbytes]
+        staged[:] = byte_view(data, what="data")[:nbytes]
         fut = self._physical(lambda: DiskTier.put(self, key, staged, nbytes=nbytes, meta=meta),
                              recover=self._reclaim)
         with self._wb_lock:
