@@ -32,7 +32,6 @@ import numpy as np
 
 from hybridstore.backends.base import Tier, done_future
 from hybridstore.backends.gather import gather_rows, scatter_rows
-from hybridstore.backends.disk import DiskTier
 from hybridstore.backends.host import HostPool
 from hybridstore.config import StoreConfig
 from hybridstore.errors import (
@@ -52,7 +51,7 @@ from hybridstore.index import meta as M
 from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import Checkpoint, HybridIndex, ResumePlan
 from hybridstore.layout import Layout, Target, batch_row, batch_rows, copy_out
-from hybridstore.objects import TIER_BITS, TIER_ORDER, KeyBatch, ObjectKind, aligned_empty, object_key
+from hybridstore.objects import ALIGN, TIER_BITS, TIER_ORDER, KeyBatch, ObjectKey, ObjectKind, aligned_empty, object_key
 from hybridstore.policy import admission_policy, eviction_policy
 from hybridstore.policy.base import (
     AdmissionPolicy,
@@ -197,7 +196,7 @@ class HybridStore:
         """Make every object the disk tier kept matchable again (pages first)."""
         disk = self.tiers["disk"]
         for kind in (ObjectKind.PAGE, ObjectKind.STATE):
-            raw = disk.get_info(_LAYOUT_INFO[kind])  # type: ignore[attr-defined]
+            raw = disk.get_info(_LAYOUT_INFO[kind])
             if raw is not None:
                 self._layouts[kind] = Layout.from_json(raw)
         states = []
@@ -256,7 +255,7 @@ class HybridStore:
         page-major batch (the layout ``load(plan, into=(batch, state))`` fills).
 
         New pages land in the pinned pool a run at a time: slots for the run are
-        reserved together (:meth:`HostPool.reserve_many`) and each layout entry
+        reserved together (the tier's ``stage_many``) and each layout entry
         of the whole run is one scatter of batch rows into them
         (``native/_gather.c``), instead of a Python copy per page.  A GPU batch
         is copied to host one run at a time first.
@@ -341,7 +340,7 @@ class HybridStore:
 
         ``pack(i, slot)`` writes page ``i`` (block ``first + i``) into one slot;
         ``scatter(i0, i1, slots)``, when given, writes pages ``i0..i1-1`` into the
-        pool slots ``slots`` (:meth:`HostPool.reserve_many`) at once."""
+        pool slots ``slots`` (the tier's ``stage_many``) at once."""
         stop = prompt.nblocks
         pos, stored = first, 0
         held = self.index.held_tiers(prompt, first, stop) != 0
@@ -394,16 +393,16 @@ class HybridStore:
                 continue
             landed = 0
             try:
-                if scatter is not None and isinstance(tier, HostPool):
+                if scatter is not None and tier.stores_bytes:
                     keys = okeys[c - a:d - a].keys()
                     slots = self._retry(name, nbytes * len(keys),
-                                        lambda: tier.reserve_many(keys, nbytes))
+                                        lambda: tier.stage_many(keys, nbytes))
                     try:
                         scatter(c - first, d - first, slots)
                     except BaseException:
                         tier.abort_many(keys)
                         raise
-                    tier.commit_many(keys)
+                    self._commit(name, keys, nbytes)
                     landed = d - c
                     self._kind_bytes[name][ObjectKind.PAGE] += charge * landed
                     self._objects[name] += landed
@@ -414,7 +413,7 @@ class HybridStore:
                         landed += 1
                 else:
                     keys = okeys[c - a:d - a]
-                    self._retry(name, nbytes * len(keys), lambda: tier.put_many(keys, nbytes=nbytes))
+                    self._retry(name, nbytes * len(keys), lambda: tier.put_many(keys, None, nbytes=nbytes))
                     landed = d - c
                     self._kind_bytes[name][ObjectKind.PAGE] += charge * landed
                     self._objects[name] += landed
@@ -547,7 +546,7 @@ class HybridStore:
                         f"({tier.capacity_bytes} bytes); raise its budget")
             disk = self.tiers.get("disk")
             if disk is not None and disk.durable:
-                disk.put_info(_LAYOUT_INFO[kind], layout.to_json())  # type: ignore[attr-defined]
+                disk.put_info(_LAYOUT_INFO[kind], layout.to_json())
             self._layouts[kind] = layout
         else:
             layout.check(value, what)
@@ -561,22 +560,30 @@ class HybridStore:
         if pack is None and tier.stores_bytes:
             raise HybridStoreError("sized puts (no bytes) need accounting tiers; pass the tensors")
         self._make_room(name, tier.charge(nbytes), kind)
-        if isinstance(tier, HostPool):
-            slot = self._retry(name, nbytes, lambda: tier.reserve_slot(okey, nbytes))
+        if pack is not None and tier.stores_bytes:
+            buffers, which, offsets = self._retry(name, nbytes, lambda: tier.stage_many([okey], nbytes))
+            at = int(offsets[0])
             try:
-                pack(slot)  # type: ignore[misc]
+                pack(buffers[int(which[0])][at:at + nbytes])
             except BaseException:
-                tier.abort(okey)
+                tier.abort_many([okey])
                 raise
-            tier.commit(okey)
+            self._commit(name, [okey], nbytes)
         else:
-            buf = None
-            if tier.stores_bytes:
-                buf = np.empty(nbytes, np.uint8)
-                pack(buf)  # type: ignore[misc]
-            self._retry(name, nbytes, lambda: tier.put(okey, buf, nbytes=nbytes)).result()
+            self._retry(name, nbytes, lambda: tier.put(okey, None, nbytes=nbytes)).result()
         self._kind_bytes[name][kind] += tier.charge(nbytes)
         self._objects[name] += 1
+
+    def _commit(self, name: str, keys: Sequence[ObjectKey], nbytes: int) -> None:
+        """Commit objects staged in tier ``name``, evicting more while it reports no room
+        (a tier whose staging defers the allocation to the commit); they are given back
+        if it never finds room."""
+        tier = self.tiers[name]
+        try:
+            self._retry(name, nbytes * len(keys), lambda: tier.commit_many(keys))
+        except BaseException:
+            tier.abort_many(keys)
+            raise
 
     def _writes_through(self, kind: ObjectKind) -> bool:
         """Whether a new object of ``kind`` is copied to slower tiers as it lands."""
@@ -599,16 +606,16 @@ class HybridStore:
             if not self._mark(okey, dst):
                 target.delete(okey)
             return _DONE
-        if isinstance(source, HostPool):
-            source.acquire(okey)
+        if source.zero_copy:
+            source.pin_many([okey])
             data = source.view(okey)
         else:
             data = source.get(okey) if source.stores_bytes else None
         try:
             fut = self._retry(dst, nbytes, lambda: target.put(okey, data, nbytes=nbytes, meta=meta))
         except BaseException:
-            if isinstance(source, HostPool):
-                source.release_ref(okey)
+            if source.zero_copy:
+                source.unpin_many([okey])
             raise
         self._track_copy(okey, src, dst, fut)
         if fut.done():
@@ -623,11 +630,12 @@ class HybridStore:
 
     def _copy_many(self, okeys: list[bytes], kind: ObjectKind, nbytes: int, metas: list[bytes],
                    src: str, dst: str) -> None:
-        """:meth:`_copy` of a run of objects of one size: from the pinned pool to a disk
-        tier they go as one :meth:`DiskTier.put_many` per chunk of at most an eighth
-        of the target (neighbours in one write); otherwise one by one."""
+        """:meth:`_copy` of a run of objects of one size: from a ``zero_copy`` tier (the
+        pinned pool) to one that ``coalesces_writes`` (the disk tier) they go as one
+        ``put_many`` per chunk of at most an eighth of the target (neighbours in one
+        write); otherwise one by one."""
         source, target = self.tiers[src], self.tiers[dst]
-        if not (isinstance(source, HostPool) and isinstance(target, DiskTier)):
+        if not (source.zero_copy and target.coalesces_writes):
             for okey, meta in zip(okeys, metas):
                 self._copy(okey, kind, nbytes, meta, src, dst)
             return
@@ -636,13 +644,13 @@ class HybridStore:
         for i in range(0, len(okeys), step):
             keys, chunk_metas = okeys[i:i + step], metas[i:i + step]
             self._make_room(dst, charge * len(keys), kind)
-            source.acquire_many(keys)
+            source.pin_many(keys)
             try:
                 datas = [source.view(okey) for okey in keys]
                 futs = self._retry(dst, nbytes * len(keys), lambda: target.put_many(
                     keys, datas, nbytes=nbytes, metas=chunk_metas))
             except BaseException:
-                source.release_many(keys)
+                source.unpin_many(keys)
                 raise
             for okey, fut in zip(keys, futs):
                 self._track_copy(okey, src, dst, fut)
@@ -653,8 +661,8 @@ class HybridStore:
         """Runs on the target tier's thread: only queue the completion (no store lock here,
         so that a caller holding the lock may wait on copies)."""
         source = self.tiers[src]
-        if isinstance(source, HostPool):
-            source.release_ref(okey)
+        if source.zero_copy:
+            source.unpin_many([okey])
         self._completed.append((okey, dst, fut))
 
     def _drain(self) -> None:
@@ -854,16 +862,16 @@ class HybridStore:
                 if name in skip:
                     continue
                 here = np.flatnonzero(rank == r).tolist()
-                if isinstance(tier, HostPool):
+                if tier.zero_copy:
                     try:
-                        tier.acquire_many([okeys[i] for i in here])
+                        tier.pin_many([okeys[i] for i in here])
                         for i in here:
                             held[i] = name
                         continue
                     except KeyError:  # index and pool disagree: _source finds what is there
                         pass
                 for i in here:        # a byte tier: checked one by one (its reads cost more)
-                    if not isinstance(tier, HostPool) and tier.contains(okeys[i]):
+                    if not tier.zero_copy and tier.contains(okeys[i]):
                         continue
                     sources[i] = held[i] = self._source(okeys[i], skip)
         except BaseException:
@@ -878,8 +886,8 @@ class HybridStore:
             if tier is not None and tier.contains(okey):
                 if name in skip:
                     return None
-                if isinstance(tier, HostPool):
-                    tier.acquire(okey)
+                if tier.zero_copy:
+                    tier.pin_many([okey])
                 return name
         raise CorruptObjectError(f"object {okey.hex()} of a live plan is in no tier", key=okey)
 
@@ -888,7 +896,7 @@ class HybridStore:
         if src is None:
             return False
         tier = self.tiers[src]
-        if isinstance(tier, HostPool):
+        if tier.zero_copy:
             return not has_into          # copied out of the slot, never handed out
         return tier.stores_bytes         # read from a byte tier into it
 
@@ -910,9 +918,9 @@ class HybridStore:
             own = [self._needs_buffer(src, into is not None) for src in sources]
             # Spaced like the disk tier's slots, so that pages written together are read
             # back with one I/O per run of neighbours (DiskTier.read_many_into).
-            sizes = [max(-(-self._layouts[kind].nbytes // 4096) * 4096,
-                         self.tiers[src].slot_bytes(self._layouts[kind].nbytes)  # type: ignore[attr-defined]
-                         if isinstance(self.tiers[src], DiskTier) else 0) if mine else 0
+            sizes = [max(-(-self._layouts[kind].nbytes // ALIGN) * ALIGN,
+                         self.tiers[src].slot_bytes(self._layouts[kind].nbytes))
+                     if mine and src is not None else 0
                      for (_, kind), mine, src in zip(jobs, own, sources)]
             arena = aligned_empty(sum(sizes)) if any(own) else None
             offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
@@ -931,7 +939,7 @@ class HybridStore:
                     if own_buf is not None:
                         self._read_own(tier, src, i, okey, own_buf, reads, waits)
                     bufs.append(None)
-                elif isinstance(tier, HostPool):
+                elif tier.zero_copy:
                     view = tier.view(okey)
                     if own_buf is not None:       # never hand out a pool slot
                         own_buf[:] = view[: layout.nbytes]
@@ -944,7 +952,7 @@ class HybridStore:
                     bufs.append(None)
                 self._loaded_bytes[src] += layout.nbytes
             for src, idx in reads.items():
-                waits.append((idx[0], self.tiers[src].read_many_into(   # type: ignore[attr-defined]
+                waits.append((idx[0], self.tiers[src].read_many_into(
                     [jobs[i][0] for i in idx], arena, [offsets[i] for i in idx])))
             for i, fut in waits:
                 try:
@@ -988,22 +996,19 @@ class HybridStore:
     @staticmethod
     def _read_own(tier: Tier, src: str, i: int, okey: bytes, own_buf: np.ndarray,
                   reads: dict[str, list[int]], waits: list[tuple[int, Future]]) -> None:
-        """Read job ``i`` into its own buffer: a disk tier's reads are collected for
-        :meth:`DiskTier.read_many_into` (runs of neighbours), any other tier's start now."""
-        if isinstance(tier, DiskTier):
-            reads.setdefault(src, []).append(i)
-        else:
-            waits.append((i, tier.get_into(okey, own_buf)))
+        """Read job ``i`` into its own buffer: the reads of a tier are collected for one
+        ``read_many_into`` (the disk tier reads runs of neighbours in one I/O)."""
+        reads.setdefault(src, []).append(i)
 
     def _release_sources(self, jobs: list[tuple[bytes, ObjectKind]],
                          sources: Sequence[str | None]) -> None:
         """Drop the pool-slot holds :meth:`_source` / :meth:`_page_sources` took for a load."""
         held: dict[str, list[bytes]] = {}
         for (okey, _), src in zip(jobs, sources):
-            if src is not None and isinstance(self.tiers[src], HostPool):
+            if src is not None and self.tiers[src].zero_copy:
                 held.setdefault(src, []).append(okey)
         for name, keys in held.items():
-            self.tiers[name].release_many(keys)    # type: ignore[attr-defined]
+            self.tiers[name].unpin_many(keys)
 
     def _gather_batch(self, rows: dict[str | None, tuple[list[bytes], list[int]]],
                       arena: np.ndarray | None, offsets: list[int], targets: list[Target],
@@ -1019,7 +1024,7 @@ class HybridStore:
                 part = [arena], np.zeros(len(idx), np.int64), np.asarray(
                     [offsets[i] for i in idx], np.int64)
             else:
-                part = self.tiers[name].locate(keys)            # type: ignore[attr-defined]
+                part = self.tiers[name].locate(keys)
             which.append(part[1] + len(sources))
             sources += part[0]
             where.append(part[2])

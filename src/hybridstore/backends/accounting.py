@@ -11,7 +11,7 @@ allocate nothing per call beyond the table slot of a stored object.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -50,7 +50,7 @@ class AccountingTier(ObjectTable):
                               f"write_gbps={write_gbps!r}")
         if not isinstance(alignment, int) or alignment < 1:
             raise ConfigError(f"alignment must be a positive int, got {alignment!r}")
-        self.name = name  # type: ignore[misc]  # per instance: it stands for any tier
+        self.name = name  # per instance: it stands for any tier
         self._capacity = capacity_bytes
         self._read_bps = read_gbps * 1e9
         self._write_bps = write_gbps * 1e9
@@ -94,16 +94,44 @@ class AccountingTier(ObjectTable):
             self._counts["bytes_in"] += nbytes
         return self._done[None]
 
-    def put_many(self, keys: Iterable[ObjectKey], *, nbytes: int, meta: bytes = b"") -> None:
+    def put_many(self, keys: Sequence[ObjectKey], datas: Sequence[Any] | None = None, *,
+                 nbytes: int, metas: Sequence[bytes] | None = None) -> list[Future]:
         """Record many objects of one size at once (a run of pages; see :meth:`put`).
 
         ``keys`` is best a :class:`KeyBatch` (its rows go to the table whole); the
         bytes of a key repeated in it count once (the ``puts`` counter counts rows).
+        ``datas`` is ignored.  Objects with differing ``metas`` are recorded one by
+        one, after one room check for all of them.
 
         Raises:
             CapacityError: they do not all fit (none is recorded).
         """
-        self._record(KeyBatch.from_keys(keys), nbytes, bytes(meta))
+        if metas is not None and len(metas) != len(keys):
+            raise ValueError("put_many needs one meta per key")
+        meta = bytes(metas[0]) if metas else b""
+        if metas is None or all(m == meta for m in metas):
+            self._record(KeyBatch.from_keys(keys), nbytes, meta)
+        else:
+            self._record_each(list(keys), nbytes, [bytes(m) for m in metas])
+        return [self._done[None]] * len(keys)
+
+    def _record_each(self, keys: list[ObjectKey], nbytes: int, metas: list[bytes]) -> None:
+        charged = self.charge(nbytes)
+        with self._lock:
+            self._check_open()
+            last = dict(zip(keys, metas))          # a repeated key counts once, its last meta
+            replaced = 0
+            for key in last:
+                old = self._objects.get(key)
+                replaced += old[1] if old is not None else 0
+            if self._used - replaced + charged * len(last) > self._capacity:
+                raise CapacityError(
+                    f"the {self.name} tier has no room for {len(keys)} objects of {nbytes} bytes "
+                    f"({self._used} of {self._capacity} bytes in use); evict objects and retry")
+            for key, meta in last.items():
+                self.put(key, None, nbytes=nbytes, meta=meta)
+            self._counts["puts"] += len(keys) - len(last)
+            self._counts["bytes_in"] += nbytes * (len(keys) - len(last))
 
     def _record(self, keys: KeyBatch, nbytes: int, meta: bytes) -> None:
         charged = self.charge(nbytes)

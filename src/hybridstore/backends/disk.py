@@ -120,6 +120,7 @@ class DiskTier(SlabBudget, Tier):
 
     name = "disk"
     durable = True
+    coalesces_writes = True
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *,
                  engine: str | Engine = "auto", segment_bytes: int = 256 << 20,
@@ -221,7 +222,7 @@ class DiskTier(SlabBudget, Tier):
         self._jobs.submit(self._write_job, pending)
         return pending.future
 
-    def put_many(self, keys: Sequence[ObjectKey], datas: Sequence[Any], *, nbytes: int,
+    def put_many(self, keys: Sequence[ObjectKey], datas: Sequence[Any] | None, *, nbytes: int,
                  metas: Sequence[bytes] | None = None) -> list[Future]:
         """:meth:`put` of a run of objects of one size, neighbours in one write.
 
@@ -238,7 +239,7 @@ class DiskTier(SlabBudget, Tier):
         """
         self._check_open()
         keys = [_check_key(key) for key in keys]
-        if len(set(keys)) != len(keys) or len(datas) != len(keys):
+        if datas is None or len(set(keys)) != len(keys) or len(datas) != len(keys):
             raise ValueError("put_many needs distinct keys and one data buffer per key")
         metas = [b""] * len(keys) if metas is None else [bytes(m) for m in metas]
         views = [byte_view(data, nbytes, what="data") for data in datas]

@@ -167,11 +167,11 @@ class BudgetedPool(_Budget, HostPool):
             self._reserved[bytes(key)] = (nbytes, bytes(meta))
             return slot
 
-    def reserve_many(self, keys: Sequence[ObjectKey],
+    def stage_many(self, keys: Sequence[ObjectKey],
                      nbytes: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
         with self._lock:
             self._room_for_many(keys, nbytes)
-            slots = self._physical(lambda: HostPool.reserve_many(self, keys, nbytes))
+            slots = self._physical(lambda: HostPool.stage_many(self, keys, nbytes))
             self._reserved.update((bytes(key), (nbytes, b"")) for key in keys)
             return slots
 
