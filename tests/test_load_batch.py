@@ -233,7 +233,7 @@ def test_device_batch_path_copies_only_filled_rows(tmp_path):
             targets = [Target(t.spec, t.buffer, None)      # "device": no host view
                        for t in store._layouts[1].batch_targets(batch, 8)]
             rows = {"host": ([okeys[i] for i in keep], keep)}
-            store._gather_batch(rows, None, [], targets, 8)
+            store._loader.gather_batch(rows, None, [], targets, 8)
         finally:
             pool.unpin_many([okeys[i] for i in keep])
         assert_rows(batch, pages, keep)

@@ -108,7 +108,7 @@ def test_bad_batches_store_nothing(tmp_path):
 
 
 def test_a_failed_copy_gives_every_reserved_slot_back(tmp_path, monkeypatch):
-    import hybridstore.store as S
+    import hybridstore.store.landing as S
 
     tokens = RNG.integers(0, 150_000, 12 * B)
     with HybridStore(cfg(tmp_path)) as store:

@@ -311,7 +311,7 @@ def test_static_partition_caps_states_at_half_of_dram(tmp_path):
         store.put_kv(prompt, [page_of(k) for k in range(100)])
         for p in range(16, 16 * 100 + 1, 16):
             store.put_state(prompt, {"s": torch.full((16 << 10,), p % 256, dtype=torch.uint8)}, position=p)
-            assert store._kind_bytes["host"][2] <= config.host_bytes // 2
+            assert store._res.kind_bytes["host"][2] <= config.host_bytes // 2
         assert store.stats()["checkpoints"] < 100
         plan = store.match(tokens)
         _, state = store.load(plan).result()
@@ -376,7 +376,7 @@ class StoreMachine(RuleBasedStateMachine):
         for name, tier in self.store.tiers.items():
             assert tier.used_bytes <= tier.capacity_bytes
             held = sum(tier.nbytes(k) for k, _, _ in tier.entries())
-            assert held == sum(self.store._kind_bytes[name].values())
+            assert held == sum(self.store._res.kind_bytes[name].values())
 
     def teardown(self):
         self.store.close()

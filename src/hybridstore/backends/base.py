@@ -86,7 +86,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
