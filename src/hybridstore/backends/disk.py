@@ -40,7 +40,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import xxhash
@@ -336,10 +336,11 @@ class DiskTier(SlabBudget, Tier):
         if len(keys) != len(offsets):
             raise ValueError("keys and offsets must have one length")
         with self._lock:
-            objs = [self._objects.get(_check_key(key)) for key in keys]
-            for key, obj in zip(keys, objs):
+            found = [self._objects.get(_check_key(key)) for key in keys]
+            for key, obj in zip(keys, found):
                 if obj is None:
                     raise KeyError(key)
+            objs = cast("list[_Object]", found)
             for obj, off in zip(objs, offsets):
                 if off < 0 or off + obj.record.length > dst.nbytes:
                     raise ValueError(f"offset {off} + {obj.record.length} bytes is past dst "
@@ -436,7 +437,7 @@ class DiskTier(SlabBudget, Tier):
         An uncommitted ``put`` of the key is cancelled too.
         """
         self._check_open()
-        key = bytes(key)
+        key = ObjectKey(bytes(key))
         with self._catalog_lock:
             with self._lock:
                 self._latest.pop(key, None)
@@ -913,10 +914,10 @@ def _spanning_view(views: list[np.ndarray], at: list[int], span: int) -> np.ndar
     return root[start:start + span]
 
 
-def _check_key(key: bytes) -> bytes:
+def _check_key(key: bytes) -> ObjectKey:
     if not isinstance(key, (bytes, bytearray)) or len(key) != OBJECT_KEY_BYTES:
         raise ValueError(f"keys are {OBJECT_KEY_BYTES} bytes (kind + 16-byte hash), got {key!r}")
-    return bytes(key)
+    return ObjectKey(bytes(key))
 
 
 def _with_key(exc: BaseException, key: bytes) -> BaseException:

@@ -16,6 +16,9 @@ from __future__ import annotations
 import logging
 from collections import Counter, deque
 from concurrent.futures import Future
+from functools import partial
+
+import numpy as np
 
 from hybridstore.backends.base import done_future
 from hybridstore.index.trie import Checkpoint
@@ -63,6 +66,7 @@ class TierCopies:
             if not self.res.mark(okey, dst):
                 target.delete(okey)
             return _DONE
+        data: np.ndarray | None
         if source.zero_copy:
             source.pin_many([okey])
             data = source.view(okey)
@@ -112,7 +116,7 @@ class TierCopies:
         """Count a copy in flight until its future completes (then :meth:`drain` applies it)."""
         self.pending[(okey, dst)] = fut
         self.inflight[okey] += 1
-        fut.add_done_callback(lambda f, k=okey, s=src, d=dst: self._done(k, s, d, f))
+        fut.add_done_callback(partial(self._done, okey, src, dst))
 
     def _done(self, okey: ObjectKey, src: str, dst: str, fut: Future) -> None:
         """Runs on the target tier's thread: only queue the completion (no store lock here,

@@ -100,7 +100,7 @@ class Evictor:
         # eviction pass serves many puts: a pass ranks every object of the tier.
         self.copies.drain()
         partition = kind if res.tiering.state_share is not None else None
-        share = res.tiering.share(kind) if partition is not None else None
+        share = res.tiering.share(partition) if partition is not None else None
         slack = int((share or 1.0) * t.capacity_bytes) // 32
         self.evict(tier, need - res.room(tier, kind) + slack, partition)
         if res.room(tier, kind) < need and self.copies.pending:

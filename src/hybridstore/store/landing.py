@@ -11,6 +11,7 @@ that stopped being terminal to SSD.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -149,8 +150,7 @@ class Landing:
                     res.added(name, ObjectKind.PAGE, landed, charge * landed)
                 elif pack is not None and tier.stores_bytes:
                     for k in range(c, d):
-                        self.land(okeys[k - a], ObjectKind.PAGE, nbytes,
-                                  lambda slot, i=k - first, p=pack: p(i, slot))
+                        self.land(okeys[k - a], ObjectKind.PAGE, nbytes, partial(pack, k - first))
                         landed += 1
                 else:
                     batch = okeys[c - a:d - a]

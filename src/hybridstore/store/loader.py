@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -292,5 +293,10 @@ class Loader:
             # A GPU batch: gather into pinned host rows, then one async H2D copy per run
             # of filled rows (rows skipped because the engine holds them stay untouched).
             rows_to_device(target.buffer, n, spec.nbytes,
-                           lambda staged, s=spec: gather_rows(sources, w, o, r, s.offset,
-                                                              s.nbytes, staged), r)
+                           partial(_gather_into, sources, w, o, r, spec.offset, spec.nbytes), r)
+
+
+def _gather_into(sources: list[np.ndarray], which: np.ndarray, offsets: np.ndarray,
+                 rows: np.ndarray, entry_offset: int, nbytes: int, dst: np.ndarray) -> None:
+    """:func:`~hybridstore.backends.gather.gather_rows` with the destination last."""
+    gather_rows(sources, which, offsets, rows, entry_offset, nbytes, dst)

@@ -133,7 +133,7 @@ class Residency:
         """Bytes ``kind`` may still take in ``tier`` (the tier policy may partition it)."""
         t = self.tiers[tier]
         share = self.tiering.share(kind) if kind is not None else None
-        if share is None:
+        if share is None or kind is None:
             return t.free_bytes
         return min(t.free_bytes, int(share * t.capacity_bytes) - self.kind_bytes[tier][kind])
 
