@@ -41,7 +41,7 @@ from hybridstore.errors import (
     ObjectTooLargeError,
     StoreClosedError,
 )
-from tests.backends.conformance import TierConformance
+from hybridstore.testing.tiers import TierConformance
 from tests.backends.fake_libcuda import ENV_FLAG, MODE_VAR, build_fake_libcuda, gcc
 
 IN_FAKE_DRIVER = os.environ.get(ENV_FLAG) == "1"
