@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from hybridstore import HybridStore, LayoutMismatchError, MisalignedPageError, StoreConfig
+from hybridstore import (
+    HybridStore,
+    LayoutMismatchError,
+    MisalignedPageError,
+    StoreConfig,
+)
 from hybridstore.backends import gather as G
 from hybridstore.backends.alloc import SlabAllocator
 from hybridstore.backends.host import HostPool
