@@ -51,7 +51,8 @@ offsets)``                          one future for all (``get_into`` of each)
                                     coalesce (``charge(nbytes)``)
 ``stage_many(keys, nbytes)``        writable slots for a run of new objects,
 ``commit_many(keys)`` /             invisible until committed (vLLM's
-``abort_many(keys)``                ``prepare_store``/``complete_store``);
+``abort_many(keys)``                ``prepare_store``/``complete_store``;
+                                    ``stage``/``commit``/``abort`` of one key);
                                     returned as ``(buffers, which, offsets)``,
                                     object ``i`` at
                                     ``buffers[which[i]][offsets[i]:]`` (host
@@ -300,6 +301,21 @@ class Tier(ABC):
         with self._lock:
             for key in keys:
                 staged.pop(key, None)
+
+    def stage(self, key: ObjectKey, nbytes: int) -> np.ndarray:
+        """:meth:`stage_many` of one key: the writable slot of a new object (then
+        :meth:`commit` or :meth:`abort` it)."""
+        buffers, which, offsets = self.stage_many([key], nbytes)
+        at = int(offsets[0])
+        return buffers[int(which[0])][at:at + nbytes]
+
+    def commit(self, key: ObjectKey) -> None:
+        """:meth:`commit_many` of one key."""
+        self.commit_many([key])
+
+    def abort(self, key: ObjectKey) -> None:
+        """:meth:`abort_many` of one key."""
+        self.abort_many([key])
 
     def _staged_buffers(self) -> dict[ObjectKey, tuple[np.ndarray, int]]:
         """The default :meth:`stage_many`'s buffers by key (made on first use)."""

@@ -11,7 +11,8 @@ overrides of the contract's paired verbs, and their single-key forms:
 
 =================================  ===========================================
 ``stage_many(keys, n)`` /          writable views of new ``n``-byte slots; the
-``reserve_slot(key, n, meta)``     objects are invisible until committed
+``stage(key, n)`` /                objects are invisible until committed
+``reserve_slot(key, n, meta)``
 ``commit_many(keys)`` /            publish the reserved slots (replacing any
 ``commit(key)``                    older object of the key)
 ``abort_many(keys)`` /             give them back
@@ -159,6 +160,10 @@ class HostPool(SlabBudget, ObjectTable):
             obj = self._new_object(nbytes, meta)
             self._pending[key] = obj
             return self._slot(obj.extent, nbytes)
+
+    def stage(self, key: ObjectKey, nbytes: int) -> np.ndarray:
+        """:meth:`reserve_slot` without metadata (the contract's single-key ``stage``)."""
+        return self.reserve_slot(key, nbytes)
 
     def stage_many(self, keys: Sequence[ObjectKey], nbytes: int) -> Slots:
         """:meth:`reserve_slot` for a run of objects of one size: all of them or none.

@@ -139,6 +139,9 @@ class TierWrapper(Tier):
     def stage_many(self, keys: Sequence[ObjectKey], nbytes: int) -> Slots:
         return self.tier.stage_many(keys, nbytes)
 
+    def stage(self, key: ObjectKey, nbytes: int) -> np.ndarray:
+        return self.tier.stage(key, nbytes)
+
     def commit_many(self, keys: Sequence[ObjectKey]) -> None:
         self.tier.commit_many(keys)
 
@@ -280,6 +283,13 @@ class Budgeted(TierWrapper):
         return [self.put(key, None if datas is None else datas[i], nbytes=nbytes, meta=metas[i])
                 for i, key in enumerate(keys)]
 
+    def stage(self, key: ObjectKey, nbytes: int) -> np.ndarray:
+        with self._lock:
+            self._room_for(bytes(key), nbytes)
+            slot = self._physical(lambda: self.tier.stage(key, nbytes))
+            self._reserved[bytes(key)] = (nbytes, b"")
+            return slot
+
     def stage_many(self, keys: Sequence[ObjectKey], nbytes: int) -> Slots:
         with self._lock:
             self._room_for_many(keys, nbytes)
@@ -357,12 +367,6 @@ class BudgetedPool(Budgeted):
             self._reserved[bytes(key)] = (nbytes, bytes(meta))
             return slot
 
-    def commit(self, key: ObjectKey) -> None:
-        self.commit_many([key])
-
-    def abort(self, key: ObjectKey) -> None:
-        self.abort_many([key])
-
 
 class WriteBehind(Budgeted):
     """A budgeted disk tier whose puts complete at once (see the module docstring).
@@ -417,6 +421,9 @@ class WriteBehind(Budgeted):
     def stage_many(self, keys: Sequence[ObjectKey], nbytes: int) -> Slots:
         # The contract's default: host buffers, put (staged, charged) on commit.
         return Tier.stage_many(self, keys, nbytes)
+
+    def stage(self, key: ObjectKey, nbytes: int) -> np.ndarray:
+        return Tier.stage(self, key, nbytes)
 
     def commit_many(self, keys: Sequence[ObjectKey]) -> None:
         Tier.commit_many(self, keys)

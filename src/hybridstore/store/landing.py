@@ -26,7 +26,7 @@ from hybridstore.errors import (
     MisalignedPageError,
     ObjectTooLargeError,
 )
-from hybridstore.index import meta as M
+from hybridstore.index.meta import encode_page
 from hybridstore.index.prefix import PrefixKeys
 from hybridstore.layout import Layout, Target
 from hybridstore.objects import KeyBatch, ObjectKey, ObjectKind, object_key
@@ -163,7 +163,7 @@ class Landing:
                     res.index.add_pages(prompt, c, c + landed, name, nbytes)
                     if res.writes_through(ObjectKind.PAGE):
                         B = res.block_size
-                        metas = [M.encode_page(k, prompt.block_end(k) - k * B, prompt.key_before(k))
+                        metas = [encode_page(k, prompt.block_end(k) - k * B, prompt.key_before(k))
                                  for k in range(c, c + landed)]
                         for dst in res.chain[1:]:
                             self.copies.copy_many(okeys[c - a:c - a + landed].keys(), ObjectKind.PAGE,
@@ -251,14 +251,17 @@ class Landing:
             raise HybridStoreError("sized puts (no bytes) need accounting tiers; pass the tensors")
         room.make_room(name, tier.charge(nbytes), kind)
         if pack is not None and tier.stores_bytes:
-            buffers, which, offsets = room.retry(name, nbytes, lambda: tier.stage_many([okey], nbytes))
-            at = int(offsets[0])
+            slot = room.retry(name, nbytes, lambda: tier.stage(okey, nbytes))
             try:
-                pack(buffers[int(which[0])][at:at + nbytes])
+                pack(slot)
             except BaseException:
-                tier.abort_many([okey])
+                tier.abort(okey)
                 raise
-            self._commit(name, [okey], nbytes)
+            try:
+                room.retry(name, nbytes, lambda: tier.commit(okey))
+            except BaseException:
+                tier.abort(okey)
+                raise
         else:
             room.retry(name, nbytes, lambda: tier.put(okey, None, nbytes=nbytes)).result()
         res.added(name, kind, 1, tier.charge(nbytes))

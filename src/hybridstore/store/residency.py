@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Protocol, TypeVar
 
 from hybridstore.backends.base import Tier
-from hybridstore.index import meta as M
+from hybridstore.index.meta import encode_page, encode_state
 from hybridstore.index.trie import Checkpoint, HybridIndex
 from hybridstore.objects import TIER_BITS, TIER_ORDER, ObjectKey, ObjectKind, key_kind
 from hybridstore.policy.base import ResidenceStats
@@ -120,13 +120,13 @@ class Residency:
     def state_meta(self, ck: Checkpoint) -> bytes:
         """The catalog metadata of a checkpoint (:mod:`hybridstore.index.meta`)."""
         base_key = self.index.root_key if ck.base == 0 else self.index.node_key(ck.base)
-        return M.encode_state(ck.position, base_key, self.index.cover_keys(ck))
+        return encode_state(ck.position, base_key, self.index.cover_keys(ck))
 
     def page_meta(self, okey: ObjectKey) -> bytes:
         """The catalog metadata of an indexed page."""
         nid = self.index.find_node(okey[1:])
         info = self.index.page_info(nid)
-        return M.encode_page(info["block"], info["ntok"], self.index.parent_key(nid))
+        return encode_page(info["block"], info["ntok"], self.index.parent_key(nid))
 
     # -- the tier policy --------------------------------------------------------------
     def room(self, tier: str, kind: ObjectKind | None) -> int:

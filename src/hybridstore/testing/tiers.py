@@ -396,6 +396,15 @@ class TierConformance:
         buffers, which, offsets = tier.stage_many(keys[3:], nbytes)   # aborted keys stage again
         tier.abort_many(keys[3:])
         assert tier.used_bytes == 3 * tier.charge(nbytes)
+        slot = tier.stage(keys[3], 1234)                      # the single-key forms
+        slot[:] = blob(1234, 7)
+        assert len(slot) == 1234 and not tier.contains(keys[3])
+        tier.commit(keys[3])
+        self.check(tier, keys[3], blob(1234, 7))
+        tier.stage(keys[4], 1234)
+        tier.abort(keys[4])
+        assert not tier.contains(keys[4])
+        assert tier.used_bytes == 3 * tier.charge(nbytes) + tier.charge(1234)
 
     def test_pin_view_locate_unpin(self, tier: Tier) -> None:
         nbytes = 7000
