@@ -21,17 +21,12 @@ Every import counts: module level, inside functions, under ``TYPE_CHECKING`` and
 :class:`ModuleGraph`, so the negative tests at the bottom feed them a made-up graph and prove
 that each one fails on a real violation.
 
-The tree this runs on may still be the old one (``store.py``, ``native/``, ``bench/ssd.py``...)
-until the restructuring branches are merged.  Each violation the old layout explains is listed
-in ``OLD_LAYOUT_DEBTS``, keyed on a path of the old layout: while that path exists the check
-xfails naming it, a violation no debt explains fails, and once the path is gone the debt no
-longer excuses anything.  Delete a debt when its path is gone for good.
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -268,56 +263,8 @@ def private_violations(graph: ModuleGraph) -> list[Violation]:
     return out
 
 
-# -- the old layout -----------------------------------------------------------------------------
-
-class Debt(NamedTuple):
-    path: str  # exists only in the old layout
-    reason: str
-    explains: Callable[[Violation], bool]
-
-
-def _imp(importer: Iterable[str] = (), target: Iterable[str] = ()) -> Callable[[Violation], bool]:
-    def match(v: Violation) -> bool:
-        ok_i = not importer or any(v.imp.importer.startswith(p) for p in importer)
-        ok_t = not target or any(v.imp.target.startswith(p) for p in target)
-        return ok_i and ok_t
-    return match
-
-
-OLD_LAYOUT_DEBTS: tuple[Debt, ...] = (
-    Debt("src/hybridstore/store.py",
-         "index/ and policy/ import the object vocabulary from backends/ until objects.py holds it "
-         "(branch core)",
-         _imp(("hybridstore.index", "hybridstore.policy"), ("hybridstore.backends",))),
-    Debt("src/hybridstore/store.py",
-         "store.py stages GPU batches with torch itself until the staging moves to backends/ "
-         "(branch core)",
-         _imp(("hybridstore.store",), ("torch",))),
-    Debt("src/hybridstore/native",
-         "the C extensions are imported from hybridstore.native by five modules until the one "
-         "hybridstore._native switch (branch native)",
-         _imp((), ("hybridstore.native",))),
-    Debt("src/hybridstore/bench/ssd.py",
-         "bench/ssd.py imports kvikio, replay and core.py's/engines' privates until it moves to "
-         "benchmarks/ (branch layout)",
-         _imp(("hybridstore.bench.ssd",))),
-    Debt("src/hybridstore/bench/peers.py",
-         "bench/peers.py imports vllm, sglang and transformers until it moves to benchmarks/ "
-         "(branch layout)",
-         _imp(("hybridstore.bench.peers",))),
-)
-
-
-def _check(violations: list[Violation], debts: tuple[Debt, ...] = OLD_LAYOUT_DEBTS,
-           root: Path = ROOT) -> None:
-    """Fail on any violation no live debt explains; xfail when live debts explain them all."""
-    live = [d for d in debts if (root / d.path).exists()]
-    unexplained = [v for v in violations if not any(d.explains(v) for d in live)]
-    assert not unexplained, "import direction broken:\n" + "\n".join(map(str, unexplained))
-    if violations:
-        used = {d.reason: d.path for d in live if any(d.explains(v) for v in violations)}
-        pytest.xfail("old layout still present: " + "; ".join(
-            f"{path} exists: {reason}" for reason, path in used.items()))
+def _check(violations: list[Violation]) -> None:
+    assert not violations, "import direction broken:\n" + "\n".join(map(str, violations))
 
 
 @pytest.fixture(scope="module")
@@ -429,17 +376,6 @@ def test_each_check_fails_on_a_real_violation(importer, target, top, check):
     edges.setdefault(importer, []).append((target, top))
     found = check(fake_graph(edges, PACKAGES, MODULES))
     assert [(v.imp.importer, v.imp.target) for v in found] == [(importer, target)]
-
-
-def test_a_violation_no_debt_explains_fails_even_beside_old_paths(tmp_path):
-    (tmp_path / "store.py").write_text("")
-    bad = Violation("x", Import("hybridstore.policy.lru", "hybridstore.store.facade", 3, True))
-    debt = Debt("store.py", "old", _imp(("hybridstore.index",)))
-    with pytest.raises(AssertionError, match="policy.lru:3 imports hybridstore.store.facade"):
-        _check([bad], (debt,), tmp_path)
-    gone = Debt("gone.py", "old", _imp(("hybridstore.policy",)))  # a debt whose path is gone
-    with pytest.raises(AssertionError):
-        _check([bad], (gone,), tmp_path)
 
 
 def test_the_ast_reader_finds_every_kind_of_import():

@@ -140,3 +140,12 @@ def test_require_native_fails_instead_of_skipping(monkeypatch) -> None:
     with pytest.raises(pytest.fail.Exception, match="HYBRIDSTORE_REQUIRE_NATIVE"):
         twins.require_native("trie")
     twins.require_native("hashing")                  # built: neither
+
+
+def test_store_stats_say_which_extensions_run() -> None:
+    from hybridstore import HybridStore, StoreConfig
+
+    with HybridStore(StoreConfig(block_size=4, host_bytes=1 << 20)) as store:
+        assert store.stats()["native"] == _native.in_use()
+        with _native.use_twins():
+            assert store.stats()["native"] == dict.fromkeys(_native.NAMES, False)

@@ -15,8 +15,8 @@ from hybridstore.bench.common import aligned, median, no_gc, percentile
 
 def bench_host(sizes: Sequence[int], reps: int, step: Callable[[str], None],
                 unavailable: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
-    from hybridstore.backends.base import ObjectKind, object_key
     from hybridstore.backends.host import HostPool
+    from hybridstore.objects import ObjectKind, object_key
 
     rows: list[dict[str, Any]] = []
     cuda = cuda_available()

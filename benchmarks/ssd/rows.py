@@ -65,7 +65,7 @@ class ObjectSet:
         return os.path.join(self.dir, f"obj-{i:04d}.{ext}")
 
     def key(self, i: int, salt: int) -> bytes:
-        from hybridstore.backends.base import ObjectKind, object_key
+        from hybridstore.objects import ObjectKind, object_key
 
         return object_key(ObjectKind.STATE, (self.size * 1_000_003 + i * 131 + salt)
                           .to_bytes(16, "little"))

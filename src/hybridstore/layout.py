@@ -22,8 +22,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hybridstore.errors import LayoutMismatchError
+from hybridstore.objects import byte_view
 
-ALIGN = 256
+ENTRY_ALIGN = 256
+"""Each entry of an object starts at a multiple of this (aligned for any dtype and device copy)."""
 _SINGLE = ""
 
 
@@ -80,7 +82,7 @@ class Layout:
         for name, tensor in items:
             spec = _spec_of(name, tensor, offset)
             specs.append(spec)
-            offset = -(-(offset + spec.nbytes) // ALIGN) * ALIGN
+            offset = -(-(offset + spec.nbytes) // ENTRY_ALIGN) * ENTRY_ALIGN
         if not specs:
             raise LayoutMismatchError("an empty dict cannot be stored; pass at least one tensor")
         total = specs[-1].offset + specs[-1].nbytes
@@ -233,9 +235,9 @@ def _facts(name: str, tensor: Any, offset: int) -> tuple[str, tuple[int, ...], b
 
 def _host_bytes(tensor: Any) -> np.ndarray | None:
     """A contiguous host buffer as flat uint8 (no copy); None for a GPU tensor."""
-    if _is_torch(tensor):
-        return None if tensor.is_cuda else tensor.view(-1).view(_torch().uint8).numpy()
-    return tensor.reshape(-1).view(np.uint8)
+    if _is_torch(tensor) and tensor.is_cuda:
+        return None
+    return byte_view(tensor)
 
 
 class Target(NamedTuple):

@@ -22,7 +22,6 @@ more.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -293,7 +292,7 @@ def test_two_models_in_one_namespace_get_a_layout_error_not_wrong_bytes(qwen, tm
 def test_a_corrupt_checkpoint_on_disk_falls_back_to_a_shallower_resume(qwen, tmp_path):
     """A flipped byte in the deepest checkpoint: typed drop in the store, exact logits anyway."""
     from hybridstore.backends.disk import segment_name
-    from hybridstore.backends.base import ObjectKind, object_key
+    from hybridstore.objects import ObjectKind, object_key
 
     first = np.random.default_rng(8).integers(1, VOCAB, 200)
     prompt = np.concatenate([first, np.random.default_rng(9).integers(1, VOCAB, 40)])

@@ -9,7 +9,7 @@ import pytest
 
 from hybridstore.backends.accounting import AccountingTier
 from hybridstore.errors import CapacityError, ConfigError
-from tests.backends.conformance import TierConformance, key_of
+from hybridstore.testing.tiers import TierConformance, key_of
 
 
 class TestAccountingTier(TierConformance):

@@ -10,7 +10,7 @@ import torch
 
 from hybridstore.backends.base import Tier
 from hybridstore.errors import ConfigError
-from tests.backends.conformance import TierConformance, blob, key_of
+from hybridstore.testing.tiers import TierConformance, blob, key_of
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -23,9 +23,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hybridstore.backends.base import ObjectKind, object_key
 from hybridstore.backends.catalog import Catalog, CatalogRecord
-from hybridstore.backends.disk import CATALOG_DIR, DiskTier, aligned_empty, segment_name
+from hybridstore.backends.disk import CATALOG_DIR, DiskTier, segment_name
 from hybridstore.backends.engines import (
     ALIGN,
     PosixEngine,
@@ -41,7 +40,8 @@ from hybridstore.errors import (
     ObjectTooLargeError,
     StoreClosedError,
 )
-from tests.backends.conformance import TierConformance
+from hybridstore.objects import ObjectKind, aligned_empty, object_key
+from hybridstore.testing.tiers import TierConformance
 from tests.backends.fake_libcuda import ENV_FLAG, MODE_VAR, build_fake_libcuda, gcc
 
 IN_FAKE_DRIVER = os.environ.get(ENV_FLAG) == "1"
@@ -407,7 +407,7 @@ def test_reopen_in_a_new_process_sees_every_object(tmp_path: Path) -> None:
     proc = run_python(f"""
         import numpy as np
         from hybridstore.backends.disk import DiskTier
-        from hybridstore.backends.base import ObjectKind, object_key
+        from hybridstore.objects import ObjectKind, object_key
         tier = DiskTier({str(path)!r}, 64 << 20, engine={ENGINE!r}, segment_bytes=4 << 20)
         sizes = {sizes!r}
         assert sorted(k for k, _, _ in tier.entries()) == sorted(
@@ -747,7 +747,7 @@ def test_put_many_writes_neighbours_together_and_each_object_reads_back(
 
 def test_put_many_writes_straight_from_sources_spaced_like_the_slots(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import hybridstore.backends.disk as D
+    import hybridstore.backends.disk.writer as W   # where put_many takes its bounce buffers
 
     n, nbytes = 32, 64 * 1024                       # slot = object: one buffer spaced like the slots
     src = aligned_empty(n * nbytes)
@@ -758,7 +758,7 @@ def test_put_many_writes_straight_from_sources_spaced_like_the_slots(
             raise AssertionError("a bounce buffer was allocated")
 
         with monkeypatch.context() as m:
-            m.setattr(D, "aligned_empty", no_bounce)
+            m.setattr(W, "aligned_empty", no_bounce)
             futs = tier.put_many(keys, [src[i * nbytes:(i + 1) * nbytes] for i in range(n)],
                                  nbytes=nbytes)
             assert [f.result() for f in futs] == [nbytes] * n

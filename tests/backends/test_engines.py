@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridstore.backends.disk import DiskTier, aligned_empty
+from hybridstore.backends.disk import DiskTier
 from hybridstore.backends.engines import ALIGN, PosixEngine
 from hybridstore.errors import BackendIOError
+from hybridstore.objects import aligned_empty
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -125,9 +126,9 @@ def test_concurrent_striped_io_shares_the_pool(tmp_path: Path) -> None:
 
 def test_verified_reads_of_large_objects_and_corruption(tmp_path: Path) -> None:
     """The streamed checksum equals the one-shot one; a flipped byte is still caught."""
-    from hybridstore.backends.base import ObjectKind, object_key
     from hybridstore.backends.disk import segment_name
     from hybridstore.errors import CorruptObjectError
+    from hybridstore.objects import ObjectKind, object_key
 
     with DiskTier(tmp_path / "d", 64 * MIB, engine=PosixEngine(4, chunk_bytes=64 * KIB),
                   segment_bytes=8 * MIB) as tier:

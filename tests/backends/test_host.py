@@ -9,7 +9,7 @@ import pytest
 
 from hybridstore.backends.host import HostPool
 from hybridstore.errors import CapacityError, ConfigError
-from tests.backends.conformance import TierConformance, blob, key_of
+from hybridstore.testing.tiers import TierConformance, blob, key_of
 
 
 class TestHostPool(TierConformance):

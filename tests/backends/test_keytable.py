@@ -574,7 +574,7 @@ def test_bad_rows_and_budget(impl: Impl) -> None:
 
 def test_a_stepped_key_batch_goes_to_the_accounting_tier():
     from hybridstore.backends.accounting import AccountingTier
-    from hybridstore.backends.base import KeyBatch, ObjectKind
+    from hybridstore.objects import KeyBatch, ObjectKind
 
     tier = AccountingTier("host", 1 << 20, read_gbps=10)
     batch = KeyBatch.of(ObjectKind.PAGE, b"".join(i.to_bytes(16, "little") for i in range(10)))

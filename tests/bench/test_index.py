@@ -9,10 +9,10 @@ import math
 
 import pytest
 
-from hybridstore import _native
 from benchmarks.__main__ import build_parser
 from benchmarks.index import BLOCK, OPS, IndexBenchConfig, run_index_bench
 from benchmarks.peers import PeerUnavailable, import_sglang_radix, import_vllm_prefix
+from hybridstore import _native
 
 TINY = IndexBenchConfig(prompt_tokens=(1024, 4096), reps=3, cached_blocks=(256,), block_reps=3,
                         turns=4, memory_blocks=2048, match_reps=5, hash_reps=3)

@@ -8,7 +8,11 @@ import pytest
 
 from hybridstore import HybridStore, StoreConfig
 from hybridstore.backends.accounting import AccountingTier
-from hybridstore.policy import FlashStatesAdmission, FlashStatesEviction, admission_policy
+from hybridstore.policy import (
+    FlashStatesAdmission,
+    FlashStatesEviction,
+    admission_policy,
+)
 from tests.policy.sessions import PAGE, STATE, Session
 
 

@@ -7,8 +7,8 @@ import pytest
 
 from hybridstore import HybridStore, StoreConfig
 from hybridstore.backends.accounting import AccountingTier
-from hybridstore.backends.base import ObjectKind
 from hybridstore.index.trie import TIER_BITS, HybridIndex
+from hybridstore.objects import ObjectKind
 from hybridstore.policy import (
     EVICTION_POLICIES,
     FlashStatesEviction,

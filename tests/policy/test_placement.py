@@ -9,7 +9,7 @@ import pytest
 
 from hybridstore import ConfigError, HybridStore, StoreConfig
 from hybridstore.backends.accounting import AccountingTier
-from hybridstore.backends.base import ObjectKind
+from hybridstore.objects import ObjectKind
 from hybridstore.policy import (
     AdaptiveInterval,
     BlockAligned,

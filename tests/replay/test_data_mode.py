@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from hybridstore import HybridStore, StoreConfig
-from hybridstore.backends.base import ObjectKind, object_key
 from hybridstore.cli import main
 from hybridstore.errors import CapacityError, ConfigError, CorruptObjectError
+from hybridstore.objects import ObjectKind, object_key
 from hybridstore.replay.bytes_plane import DataObjects, data_planes, pattern, patterns
 from hybridstore.replay.datatiers import BudgetedPool, WriteBehindDisk
 from hybridstore.replay.loaders import load

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from hybridstore.backends.accounting import AccountingTier
 from hybridstore.backends.alloc import Extent, SlabAllocator
-from hybridstore.backends.base import ObjectKey, ObjectKind, Tier, object_key
+from hybridstore.backends.base import Tier
 from hybridstore.backends.host import HostPool
+from hybridstore.objects import ObjectKey, ObjectKind, object_key
 
 # DiskTier: import it from hybridstore.backends.disk (it brings lmdb and the I/O engines).
 

@@ -4,22 +4,23 @@ The simulator runs the real index and policies over these tiers, so simulated
 results describe the library that ships.  The object table is a
 :class:`~hybridstore.backends.keytable.KeyTable` (compiled when built): a run of
 pages is recorded or dropped in one call over its key rows
-(:class:`~hybridstore.backends.base.KeyBatch`), with no Python work per key.
+(:class:`~hybridstore.objects.KeyBatch`), with no Python work per key.
 Futures are shared, already-completed objects, so millions of operations
 allocate nothing per call beyond the table slot of a stored object.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
-from hybridstore.backends.base import KEY_BYTES, KeyBatch, ObjectKey, ObjectTable, done_future
+from hybridstore.backends.base import ObjectTable, done_future
 from hybridstore.backends.keytable import KeyTable
 from hybridstore.errors import CapacityError, ConfigError, ObjectTooLargeError
+from hybridstore.objects import OBJECT_KEY_BYTES, KeyBatch, ObjectKey
 
 
 class AccountingTier(ObjectTable):
@@ -49,13 +50,13 @@ class AccountingTier(ObjectTable):
                               f"write_gbps={write_gbps!r}")
         if not isinstance(alignment, int) or alignment < 1:
             raise ConfigError(f"alignment must be a positive int, got {alignment!r}")
-        self.name = name  # type: ignore[misc]  # per instance: it stands for any tier
+        self.name = name  # per instance: it stands for any tier
         self._capacity = capacity_bytes
         self._read_bps = read_gbps * 1e9
         self._write_bps = write_gbps * 1e9
         self._align = alignment
         self._used = 0
-        self._objects = KeyTable(KEY_BYTES)     # key -> (nbytes, charged, meta)
+        self._objects = KeyTable(OBJECT_KEY_BYTES)     # key -> (nbytes, charged, meta)
         self._done: dict[int | None, Future] = {None: done_future()}  # shared results
         self._counts = dict.fromkeys(("puts", "gets", "bytes_in", "bytes_out"), 0)
 
@@ -93,16 +94,44 @@ class AccountingTier(ObjectTable):
             self._counts["bytes_in"] += nbytes
         return self._done[None]
 
-    def put_many(self, keys: Iterable[ObjectKey], *, nbytes: int, meta: bytes = b"") -> None:
+    def put_many(self, keys: Sequence[ObjectKey], datas: Sequence[Any] | None = None, *,
+                 nbytes: int, metas: Sequence[bytes] | None = None) -> list[Future]:
         """Record many objects of one size at once (a run of pages; see :meth:`put`).
 
         ``keys`` is best a :class:`KeyBatch` (its rows go to the table whole); the
         bytes of a key repeated in it count once (the ``puts`` counter counts rows).
+        ``datas`` is ignored.  Objects with differing ``metas`` are recorded one by
+        one, after one room check for all of them.
 
         Raises:
             CapacityError: they do not all fit (none is recorded).
         """
-        self._record(KeyBatch.from_keys(keys), nbytes, bytes(meta))
+        if metas is not None and len(metas) != len(keys):
+            raise ValueError("put_many needs one meta per key")
+        meta = bytes(metas[0]) if metas else b""
+        if metas is None or all(m == meta for m in metas):
+            self._record(KeyBatch.from_keys(keys), nbytes, meta)
+        else:
+            self._record_each(list(keys), nbytes, [bytes(m) for m in metas])
+        return [self._done[None]] * len(keys)
+
+    def _record_each(self, keys: list[ObjectKey], nbytes: int, metas: list[bytes]) -> None:
+        charged = self.charge(nbytes)
+        with self._lock:
+            self._check_open()
+            last = dict(zip(keys, metas))          # a repeated key counts once, its last meta
+            replaced = 0
+            for key in last:
+                old = self._objects.get(key)
+                replaced += old[1] if old is not None else 0
+            if self._used - replaced + charged * len(last) > self._capacity:
+                raise CapacityError(
+                    f"the {self.name} tier has no room for {len(keys)} objects of {nbytes} bytes "
+                    f"({self._used} of {self._capacity} bytes in use); evict objects and retry")
+            for key, meta in last.items():
+                self.put(key, None, nbytes=nbytes, meta=meta)
+            self._counts["puts"] += len(keys) - len(last)
+            self._counts["bytes_in"] += nbytes * (len(keys) - len(last))
 
     def _record(self, keys: KeyBatch, nbytes: int, meta: bytes) -> None:
         charged = self.charge(nbytes)
@@ -156,7 +185,7 @@ class AccountingTier(ObjectTable):
             return freed
 
     def _entry(self, key: ObjectKey) -> tuple[int, bytes] | None:
-        entry = self._objects.get(key) if len(key) == KEY_BYTES else None
+        entry = self._objects.get(key) if len(key) == OBJECT_KEY_BYTES else None
         return None if entry is None else (entry[0], entry[2])
 
     def _listing(self) -> list[tuple[ObjectKey, int, bytes]]:

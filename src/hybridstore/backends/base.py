@@ -2,7 +2,7 @@
 
 Backends move bytes; they never decide what to keep (that is ``policy/``).
 Every tier implements the same small set of primitives, so one conformance
-suite (``tests/backends/conformance.py``) checks them all:
+suite (:mod:`hybridstore.testing.tiers`) checks them all:
 
 ============================  ================================================
 primitive                     meaning
@@ -34,6 +34,45 @@ meta=)``                      when the object is visible (for the disk tier:
                               ``StoreClosedError``
 ============================  ================================================
 
+Batch and paired verbs.  Each has a working default built on the primitives
+above, so a new tier needs only those; a tier overrides a verb where it can do
+better (the disk tier coalesces neighbours into one I/O, the pinned pool hands
+out its slots, the accounting tier records a run of keys in one call):
+
+==================================  ==========================================
+verb                                meaning (default)
+==================================  ==========================================
+``put_many(keys, datas, nbytes=,    ``put`` of a run of objects of one size;
+metas=)``                           a list of futures (``put`` of each)
+``delete_many(keys)``               ``delete`` of several; bytes freed
+``read_many_into(keys, dst,         read ``keys[i]`` into ``dst[offsets[i]:]``;
+offsets)``                          one future for all (``get_into`` of each)
+``slot_bytes(nbytes)``              the spacing at which neighbours' reads
+                                    coalesce (``charge(nbytes)``)
+``stage_many(keys, nbytes)``        writable slots for a run of new objects,
+``commit_many(keys)`` /             invisible until committed (vLLM's
+``abort_many(keys)``                ``prepare_store``/``complete_store``;
+                                    ``stage``/``commit``/``abort`` of one key);
+                                    returned as ``(buffers, which, offsets)``,
+                                    object ``i`` at
+                                    ``buffers[which[i]][offsets[i]:]`` (host
+                                    buffers, ``put_many`` on commit)
+``pin_many(keys)`` /                hold objects so that their bytes stay where
+``unpin_many(keys)``                they are (no-ops)
+``view(key)``                       the object's bytes, read-only (a copy)
+``locate(keys)``                    where pinned objects lie, as
+                                    ``stage_many`` returns it (a copy of each)
+``put_info(name, value)`` /         small named blobs kept with the objects
+``get_info(name)``                  (in memory; a ``durable`` tier keeps them
+                                    across a restart)
+==================================  ==========================================
+
+Capabilities (attributes a caller branches on, instead of the tier's type):
+``stores_bytes`` (False: the accounting tier keeps sizes only), ``durable``
+(objects and info blobs survive a restart), ``zero_copy`` (``view`` and
+``locate`` give the tier's own memory, valid while pinned: no copy),
+``coalesces_writes`` (``put_many`` of a run is cheaper than a ``put`` of each).
+
 Keys are :data:`ObjectKey` values: 17 bytes, one :class:`ObjectKind` byte
 followed by the 16-byte prefix hash.  ``meta`` is opaque to backends; the index
 encodes an object's kind, position and dependencies in it so that a reopened
@@ -44,106 +83,20 @@ All methods are thread-safe.
 
 from __future__ import annotations
 
-import enum
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any, ClassVar, NewType
+from typing import Any
 
 import numpy as np
 
 from hybridstore.errors import StoreClosedError
+from hybridstore.objects import ObjectKey, aligned_empty
 
-ObjectKey = NewType("ObjectKey", bytes)
-"""17 bytes: an :class:`ObjectKind` byte, then the 16-byte prefix hash."""
-
-KEY_BYTES = 17
-
-
-class ObjectKind(enum.IntEnum):
-    """What an object is; the first byte of its :data:`ObjectKey`."""
-
-    PAGE = 1
-    STATE = 2
-
-
-def object_key(kind: ObjectKind, prefix_hash: bytes) -> ObjectKey:
-    """Build the :data:`ObjectKey` of a page or checkpoint from its 16-byte hash."""
-    if len(prefix_hash) != 16:
-        raise ValueError(f"prefix hash must be 16 bytes, got {len(prefix_hash)}")
-    return ObjectKey(bytes((int(kind),)) + bytes(prefix_hash))
-
-
-def key_kind(key: ObjectKey) -> ObjectKind:
-    """The :class:`ObjectKind` of a key."""
-    return ObjectKind(key[0])
-
-
-class KeyBatch(Sequence[ObjectKey]):
-    """Object keys of a run of objects, as the rows of one ``(n, 17)`` uint8 array.
-
-    The store builds the keys of a run of pages at once from the index's
-    16-byte keys.  A tier that keeps its object table natively (the
-    accounting tier's :class:`~hybridstore.backends.keytable.KeyTable`) takes
-    :attr:`rows` whole; every other tier sees an ordinary sequence of
-    :data:`ObjectKey` bytes, built on first use.  Slicing gives a batch that
-    shares the rows.
-    """
-
-    __slots__ = ("rows", "_keys")
-
-    def __init__(self, rows: np.ndarray) -> None:
-        if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[1] != KEY_BYTES:
-            raise ValueError(f"key rows must be a (n, {KEY_BYTES}) uint8 array, got "
-                             f"{rows.dtype} {rows.shape}")
-        self.rows = np.ascontiguousarray(rows)     # a stepped slice is copied
-        self._keys: list[ObjectKey] | None = None
-
-    @classmethod
-    def of(cls, kind: ObjectKind, hashes: bytes) -> KeyBatch:
-        """Keys of ``kind`` from 16-byte prefix hashes, concatenated (``object_key`` in bulk)."""
-        if len(hashes) % 16:
-            raise ValueError(f"prefix hashes must be 16 bytes each, got {len(hashes)} bytes")
-        rows = np.empty((len(hashes) // 16, KEY_BYTES), np.uint8)
-        rows[:, 0] = int(kind)
-        rows[:, 1:] = np.frombuffer(hashes, np.uint8).reshape(-1, 16)
-        return cls(rows)
-
-    @classmethod
-    def from_keys(cls, keys: Iterable[ObjectKey]) -> KeyBatch:
-        """A batch of any keys (a :class:`KeyBatch` is returned as it is)."""
-        if isinstance(keys, KeyBatch):
-            return keys
-        keys = list(keys)
-        if any(len(k) != KEY_BYTES for k in keys):
-            raise ValueError(f"object keys are {KEY_BYTES} bytes")
-        return cls(np.frombuffer(b"".join(keys), np.uint8).reshape(-1, KEY_BYTES))
-
-    def keys(self) -> list[ObjectKey]:
-        """The keys as ``bytes``: the rows read back through a 17-byte *void* dtype, whose
-        ``tolist()`` gives whole ``bytes`` (an ``S17`` view would strip trailing NULs)."""
-        if self._keys is None:
-            self._keys = self.rows.view(f"V{KEY_BYTES}").ravel().tolist()
-        return self._keys
-
-    def __len__(self) -> int:
-        return self.rows.shape[0]
-
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return KeyBatch(self.rows[i])
-        return self.keys()[i]
-
-    def __iter__(self) -> Iterator[ObjectKey]:
-        return iter(self.keys())
-
-
-def aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:
-    """An uninitialised uint8 array whose first byte is ``align``-aligned (O_DIRECT / GDS in place)."""
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    start = -raw.__array_interface__["data"][0] % align
-    return raw[start:start + nbytes]
+Slots = tuple[list[np.ndarray], np.ndarray, np.ndarray]
+"""``(buffers, which, offsets)``: object ``i`` lies at ``buffers[which[i]][offsets[i]:]``
+(what :meth:`Tier.stage_many` and :meth:`Tier.locate` return)."""
 
 
 def done_future(result: Any = None) -> Future:
@@ -160,13 +113,19 @@ class Tier(ABC):
     :meth:`_check_open` first in every public method.
     """
 
-    name: ClassVar[str] = "tier"
+    name: str = "tier"
     #: False for the accounting tier, which keeps sizes but no bytes.
-    stores_bytes: ClassVar[bool] = True
+    stores_bytes: bool = True
     #: True when objects survive a restart and ``entries()`` lists them after
-    #: a reopen; such a tier also keeps small named blobs (``put_info`` /
-    #: ``get_info``), where the store records its tensor layouts.
-    durable: ClassVar[bool] = False
+    #: a reopen; such a tier also keeps its named blobs (``put_info`` /
+    #: ``get_info``) across a restart, where the store records its tensor layouts.
+    durable: bool = False
+    #: True when :meth:`view` and :meth:`locate` give the tier's own memory (valid
+    #: while the keys are pinned), so objects are gathered in place, never copied.
+    zero_copy: bool = False
+    #: True when :meth:`put_many` of a run costs less than a :meth:`put` of each (the
+    #: disk tier writes neighbours in one I/O), so copies to it go a run at a time.
+    coalesces_writes: bool = False
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -225,6 +184,191 @@ class Tier(ABC):
         """:meth:`delete` of several keys (a batch of evictions); returns the bytes freed."""
         return sum(self.delete(key) for key in keys)
 
+    # -- batch and paired verbs (working defaults; see the module docstring) -------
+    def put_many(self, keys: Sequence[ObjectKey], datas: Sequence[Any] | None, *, nbytes: int,
+                 metas: Sequence[bytes] | None = None) -> list[Future]:
+        """:meth:`put` of a run of objects of one size (``datas`` ``None`` only on a tier
+        that keeps no bytes).
+
+        The default puts them one by one: a failure leaves the objects put before it.
+
+        Returns:
+            One future per key, each as :meth:`put` returns it.
+        """
+        if datas is not None and len(datas) != len(keys):
+            raise ValueError("put_many needs one data buffer per key")
+        if metas is not None and len(metas) != len(keys):
+            raise ValueError("put_many needs one meta per key")
+        return [self.put(key, None if datas is None else datas[i], nbytes=nbytes,
+                         meta=b"" if metas is None else metas[i])
+                for i, key in enumerate(keys)]
+
+    def read_many_into(self, keys: Sequence[ObjectKey], dst: np.ndarray,
+                       offsets: Sequence[int]) -> Future:
+        """Read objects ``keys[i]`` into ``dst[offsets[i]:]`` (a host uint8 array).
+
+        The default is :meth:`get_into` of each.
+
+        Returns:
+            One future for all of them, yielding their total ``nbytes`` once every
+            read has finished; it fails with the first error.
+
+        Raises:
+            KeyError: a key is not visible here.
+            ValueError: a destination does not fit in ``dst``.
+        """
+        if len(keys) != len(offsets):
+            raise ValueError("keys and offsets must have one length")
+        futs = []
+        for key, off in zip(keys, offsets):
+            n = self.nbytes(key)
+            if n is None:
+                raise KeyError(key)
+            if off < 0 or off + n > dst.nbytes:
+                raise ValueError(f"offset {off} + {n} bytes is past dst ({dst.nbytes} bytes)")
+            futs.append(self.get_into(key, dst[off:off + n]))
+        return _all_of(futs)
+
+    def slot_bytes(self, nbytes: int) -> int:
+        """Bytes an ``nbytes`` object spans where this tier keeps it (the spacing at which
+        :meth:`read_many_into` may read neighbours together); default :meth:`charge`."""
+        return self.charge(nbytes)
+
+    def stage_many(self, keys: Sequence[ObjectKey], nbytes: int) -> Slots:
+        """Writable slots for a run of new objects of one size: all of them or none.
+
+        The objects stay invisible until :meth:`commit_many`; :meth:`abort_many`
+        gives the slots back.  The default stages in new host buffers and puts
+        them on commit.
+
+        Returns:
+            ``(buffers, which, offsets)``: object ``i`` is written at
+            ``buffers[which[i]][offsets[i]:][:nbytes]``.
+
+        Raises:
+            CapacityError: no room for all of them (none is staged).
+            ObjectTooLargeError: ``nbytes`` can never fit.
+            ValueError: a key is repeated or already staged.
+        """
+        self._check_open()
+        self.charge(nbytes)
+        staged = self._staged_buffers()
+        with self._lock:
+            if len(set(keys)) != len(keys) or any(key in staged for key in keys):
+                raise ValueError("stage_many needs distinct keys that are not staged; "
+                                 "commit_many() or abort_many() the earlier ones first")
+            stride = -(-nbytes // 64) * 64
+            buf = aligned_empty(stride * len(keys))
+            for i, key in enumerate(keys):
+                staged[key] = (buf[i * stride:i * stride + nbytes], nbytes)
+        return ([buf], np.zeros(len(keys), np.int64),
+                np.arange(len(keys), dtype=np.int64) * stride)
+
+    def commit_many(self, keys: Sequence[ObjectKey]) -> None:
+        """Make the objects staged for ``keys`` visible (replacing older ones).
+
+        Raises:
+            KeyError: a key is not staged (none is committed).
+            CapacityError: (default) the put of the staged bytes found no room; the
+                keys stay staged: evict and commit again, or abort.
+        """
+        self._check_open()
+        staged = self._staged_buffers()
+        with self._lock:
+            for key in keys:
+                if key not in staged:
+                    raise KeyError(key)
+            items = [staged[key] for key in keys]
+        if items:
+            futs = self.put_many(keys, [buf for buf, _ in items], nbytes=items[0][1])
+            for fut in futs:
+                fut.result()
+        with self._lock:
+            for key in keys:
+                staged.pop(key, None)
+
+    def abort_many(self, keys: Sequence[ObjectKey]) -> None:
+        """Give back the slots staged for ``keys``; keys not staged are skipped."""
+        staged = self._staged_buffers()
+        with self._lock:
+            for key in keys:
+                staged.pop(key, None)
+
+    def stage(self, key: ObjectKey, nbytes: int) -> np.ndarray:
+        """:meth:`stage_many` of one key: the writable slot of a new object (then
+        :meth:`commit` or :meth:`abort` it)."""
+        buffers, which, offsets = self.stage_many([key], nbytes)
+        at = int(offsets[0])
+        return buffers[int(which[0])][at:at + nbytes]
+
+    def commit(self, key: ObjectKey) -> None:
+        """:meth:`commit_many` of one key."""
+        self.commit_many([key])
+
+    def abort(self, key: ObjectKey) -> None:
+        """:meth:`abort_many` of one key."""
+        self.abort_many([key])
+
+    def _staged_buffers(self) -> dict[ObjectKey, tuple[np.ndarray, int]]:
+        """The default :meth:`stage_many`'s buffers by key (made on first use)."""
+        staged = self.__dict__.get("_default_staged")
+        if staged is None:
+            staged = self.__dict__.setdefault("_default_staged", {})
+        return staged
+
+    def pin_many(self, keys: Sequence[ObjectKey]) -> None:
+        """Hold ``keys`` so that their bytes stay where :meth:`locate` / :meth:`view` say,
+        until :meth:`unpin_many`; all of them or none (the default holds nothing).
+
+        Raises:
+            KeyError: (tiers that pin) a key is not visible.
+        """
+
+    def unpin_many(self, keys: Sequence[ObjectKey]) -> None:
+        """Drop one hold of each key taken by :meth:`pin_many`."""
+
+    def view(self, key: ObjectKey) -> np.ndarray:
+        """The object's bytes, read-only: the tier's own memory on a ``zero_copy`` tier
+        (valid while the key is pinned), else a copy (the default)."""
+        out = self.get(key)
+        out.flags.writeable = False
+        return out
+
+    def locate(self, keys: Sequence[ObjectKey]) -> Slots:
+        """Where objects lie, as ``(buffers, which, offsets)`` (object ``i`` at
+        ``buffers[which[i]][offsets[i]:]``), for one gather over all of them.
+
+        On a ``zero_copy`` tier this is the tier's own memory (pin the keys while
+        using it); the default reads a copy of each into one new buffer.
+
+        Raises:
+            KeyError: a key is not visible.
+        """
+        sizes = []
+        for key in keys:
+            n = self.nbytes(key)
+            if n is None:
+                raise KeyError(key)
+            sizes.append(-(-n // 64) * 64)
+        offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
+        buf = aligned_empty(int(offsets[-1]))
+        if keys:
+            self.read_many_into(keys, buf, offsets[:-1].tolist()).result()
+        return [buf], np.zeros(len(keys), np.int64), offsets[:-1]
+
+    def put_info(self, name: str, value: bytes) -> None:
+        """Keep a small named blob (the store's tensor layouts); a ``durable`` tier keeps it
+        across a restart, the default only in memory."""
+        self._check_open()
+        with self._lock:
+            self.__dict__.setdefault("_default_info", {})[name] = bytes(value)
+
+    def get_info(self, name: str) -> bytes | None:
+        """A blob kept with :meth:`put_info`, or ``None``."""
+        self._check_open()
+        with self._lock:
+            return self.__dict__.get("_default_info", {}).get(name)
+
     @abstractmethod
     def entries(self) -> Iterator[tuple[ObjectKey, int, bytes]]: ...
 
@@ -253,6 +397,48 @@ class Tier(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _all_of(futs: list[Future]) -> Future:
+    """One future for ``futs``: their results summed once all are done, or the first error."""
+    if len(futs) == 1:
+        return futs[0]
+    out: Future = Future()
+    if not futs:
+        out.set_result(0)
+        return out
+    _Group(out, len(futs)).watch(futs)
+    return out
+
+
+class _Group:
+    """Completes ``out`` once ``left`` futures are done (see :func:`_all_of`)."""
+
+    def __init__(self, out: Future, left: int) -> None:
+        self._out = out
+        self._left = left
+        self._total = 0
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def watch(self, futs: list[Future]) -> None:
+        for f in futs:
+            f.add_done_callback(self._done)
+
+    def _done(self, f: Future) -> None:
+        exc = f.exception()
+        with self._lock:
+            if exc is not None:
+                self._error = self._error or exc
+            else:
+                self._total += f.result() or 0
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            if self._error is not None:
+                self._out.set_exception(self._error)
+            else:
+                self._out.set_result(self._total)
 
 
 class ObjectTable(Tier):

@@ -5,7 +5,7 @@ Two named databases:
 ===========  ==================================================================
 database     contents
 ===========  ==================================================================
-``objects``  key (17-byte :data:`~hybridstore.backends.base.ObjectKey`) ->
+``objects``  key (17-byte :data:`~hybridstore.objects.ObjectKey`) ->
              packed :class:`CatalogRecord` (segment, offset, length, slot
              length, xxh3_64 checksum of the payload, opaque meta bytes)
 ``meta``     ``format`` -> the catalog format version; ``info:<name>`` ->

@@ -19,11 +19,9 @@ import numpy as np
 import torch
 
 from hybridstore.backends.alloc import Extent, SlabAllocator, SlabBudget
-from hybridstore.backends.base import ObjectKey, ObjectTable
-from hybridstore.backends.host import as_bytes
+from hybridstore.backends.base import ObjectTable
 from hybridstore.errors import CapacityError, ConfigError
-
-ALIGN = 4096
+from hybridstore.objects import ALIGN, ObjectKey, byte_view
 
 _waiter = ThreadPoolExecutor(1, thread_name_prefix="hs-cuda-events")
 """Completes futures once their CUDA event fired (one thread: events complete in order)."""
@@ -61,7 +59,7 @@ def _byte_tensor(buf: Any, what: str, *, written: bool = False) -> torch.Tensor:
         if not buf.is_contiguous():
             raise ValueError(f"{what} must be contiguous; pass .contiguous() of it")
         return buf.detach().view(-1).view(torch.uint8)
-    arr = as_bytes(buf, what)
+    arr = byte_view(buf, what=what)
     if not arr.flags.writeable:
         if written:
             raise ValueError(f"{what} is read-only; pass a writable array")

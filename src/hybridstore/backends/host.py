@@ -5,23 +5,29 @@ can use them), page-locked through ``cudaHostRegister`` when a GPU is present
 and pinning is asked for; a :class:`~hybridstore.backends.alloc.SlabAllocator`
 carves them, so there is no per-object allocation.
 
-Besides the :class:`~hybridstore.backends.base.Tier` contract the pool offers
-zero-copy access, so the facade packs tensors straight into a slot and the
-disk tier writes straight from it:
+The pool is the ``zero_copy`` tier of the contract: the facade packs tensors
+straight into a slot and the disk tier writes straight from it.  Its
+overrides of the contract's paired verbs, and their single-key forms:
 
-=============================  ===============================================
-``reserve_slot(key, n, meta)``  a writable view of a new ``n``-byte slot; the
-                                object is invisible until ``commit(key)``
-``commit(key)`` / ``abort``     publish the reserved slot (replacing any older
-                                object of the key) / give it back
-``acquire(key)`` /              hold the key: while held, no slot the key has
-``release_ref(key)``            used since is freed (``delete`` and replacement
-                                free old slots on the last ``release_ref``)
-``view(key)``                   a read-only view of the live object; valid only
-                                while the caller holds the key
-``locate(keys)``                the arenas and offsets of held objects (one
-                                gather restores an entry of all of them)
-=============================  ===============================================
+=================================  ===========================================
+``stage_many(keys, n)`` /          writable views of new ``n``-byte slots; the
+``stage(key, n)`` /                objects are invisible until committed
+``reserve_slot(key, n, meta)``
+``commit_many(keys)`` /            publish the reserved slots (replacing any
+``commit(key)``                    older object of the key)
+``abort_many(keys)`` /             give them back
+``abort(key)``
+``pin_many(keys)`` /               hold the keys: while held, no slot a key has
+``acquire(key)``                   used since is freed (``delete`` and
+                                   replacement free old slots on the last
+                                   release)
+``unpin_many(keys)`` /             drop one hold of each
+``release_ref(key)``
+``view(key)``                      a read-only view of the live object; valid
+                                   only while the caller holds the key
+``locate(keys)``                   the arenas and offsets of held objects (one
+                                   gather restores an entry of all of them)
+=================================  ===========================================
 """
 
 from __future__ import annotations
@@ -35,31 +41,14 @@ from typing import Any
 import numpy as np
 
 from hybridstore.backends.alloc import Extent, SlabAllocator, SlabBudget
-from hybridstore.backends.base import ObjectKey, ObjectTable, done_future
+from hybridstore.backends.base import ObjectKey, ObjectTable, Slots, done_future
 from hybridstore.errors import CapacityError, ConfigError
+from hybridstore.objects import ALIGN, byte_view
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096
 _DONE = done_future()  # completed futures are immutable: one serves every put
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
-
-
-def as_bytes(buf: Any, what: str) -> np.ndarray:
-    """A flat uint8 view (no copy) of a numpy array, CPU torch tensor or bytes-like."""
-    if not isinstance(buf, np.ndarray) and hasattr(buf, "numpy"):  # a torch tensor
-        if buf.device.type != "cpu":
-            raise TypeError(f"{what} is a {buf.device.type} tensor; the host pool takes host "
-                            "memory (use the device tier, or .cpu() it first)")
-        if not buf.is_contiguous():
-            raise ValueError(f"{what} must be contiguous; pass .contiguous() of it")
-        import torch
-
-        return buf.detach().view(-1).view(torch.uint8).numpy()
-    arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
-    if not arr.flags.c_contiguous:
-        raise ValueError(f"{what} must be contiguous; pass np.ascontiguousarray(...) of it")
-    return arr.reshape(-1).view(np.uint8)
 
 
 class _Arena:
@@ -122,6 +111,7 @@ class HostPool(SlabBudget, ObjectTable):
     """
 
     name = "host"
+    zero_copy = True
 
     def __init__(self, capacity_bytes: int, *, arena_bytes: int = 256 << 20, pin: bool = True,
                  h2d_gbps: float = 64.0) -> None:
@@ -171,8 +161,11 @@ class HostPool(SlabBudget, ObjectTable):
             self._pending[key] = obj
             return self._slot(obj.extent, nbytes)
 
-    def reserve_many(self, keys: Sequence[ObjectKey],
-                     nbytes: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    def stage(self, key: ObjectKey, nbytes: int) -> np.ndarray:
+        """:meth:`reserve_slot` without metadata (the contract's single-key ``stage``)."""
+        return self.reserve_slot(key, nbytes)
+
+    def stage_many(self, keys: Sequence[ObjectKey], nbytes: int) -> Slots:
         """:meth:`reserve_slot` for a run of objects of one size: all of them or none.
 
         Returns where the slots lie, as :meth:`locate` does (object ``i`` at
@@ -188,14 +181,14 @@ class HostPool(SlabBudget, ObjectTable):
         with self._lock:
             self._check_open()
             if len(set(keys)) != len(keys) or any(key in self._pending for key in keys):
-                raise ValueError("reserve_many needs distinct keys without a reserved slot; "
+                raise ValueError("stage_many needs distinct keys without a reserved slot; "
                                  "commit() or abort() the earlier reservation first")
             objs = self._new_objects(nbytes, len(keys), b"")
             self._pending.update(zip(keys, objs))
             return self._where([obj.extent for obj in objs])
 
     def commit_many(self, keys: Sequence[ObjectKey]) -> None:
-        """:meth:`commit` of several keys (a run reserved by :meth:`reserve_many`).
+        """:meth:`commit` of several keys (a run reserved by :meth:`stage_many`).
 
         Raises:
             KeyError: a key has no reserved slot (none is committed).
@@ -251,7 +244,7 @@ class HostPool(SlabBudget, ObjectTable):
                 raise KeyError(key)
             self._refs[key] = self._refs.get(key, 0) + 1
 
-    def acquire_many(self, keys: list[ObjectKey]) -> None:
+    def pin_many(self, keys: Sequence[ObjectKey]) -> None:
         """:meth:`acquire` of several keys at once; holds none of them if one is missing.
 
         Raises:
@@ -266,7 +259,7 @@ class HostPool(SlabBudget, ObjectTable):
             for key in keys:
                 refs[key] = refs.get(key, 0) + 1
 
-    def release_many(self, keys: list[ObjectKey]) -> None:
+    def unpin_many(self, keys: Sequence[ObjectKey]) -> None:
         """:meth:`release_ref` of several keys at once."""
         with self._lock:
             for key in keys:
@@ -309,7 +302,7 @@ class HostPool(SlabBudget, ObjectTable):
         out.flags.writeable = False
         return out
 
-    def locate(self, keys: list[ObjectKey]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    def locate(self, keys: Sequence[ObjectKey]) -> Slots:
         """Where held objects lie: ``(arenas, which, offsets)`` with object ``i`` at
         ``arenas[which[i]][offsets[i]:]`` (for :func:`~hybridstore.backends.gather.gather_rows`).
 
@@ -322,7 +315,7 @@ class HostPool(SlabBudget, ObjectTable):
             self._check_open()
             return self._where([self._objects[key].extent for key in keys])
 
-    def _where(self, extents: list[Extent]) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    def _where(self, extents: list[Extent]) -> Slots:
         """``(arenas, which, offsets)`` of slots ``extents`` (see :meth:`locate`)."""
         order: dict[int, int] = {}
         which = np.fromiter((order.setdefault(e.arena, len(order)) for e in extents),
@@ -336,7 +329,7 @@ class HostPool(SlabBudget, ObjectTable):
         if data is None:
             raise TypeError("the host pool stores bytes; pass data (only the accounting tier "
                             "takes None)")
-        src = as_bytes(data, "data")
+        src = byte_view(data, what="data")
         if src.size < nbytes:
             raise ValueError(f"data has {src.size} bytes, fewer than nbytes={nbytes}")
         with self._lock:
@@ -354,7 +347,7 @@ class HostPool(SlabBudget, ObjectTable):
         return _DONE
 
     def get_into(self, key: ObjectKey, out: Any) -> Future:
-        dst = as_bytes(out, "out")
+        dst = byte_view(out, what="out")
         with self._lock:
             self._check_open()
             obj = self._objects[key]

@@ -39,7 +39,6 @@ from typing import Any
 
 import numpy as np
 
-from hybridstore.backends.base import ObjectKind, object_key
 from hybridstore.backends.disk import DiskTier
 from hybridstore.backends.host import HostPool
 from hybridstore.bench.common import (
@@ -63,6 +62,7 @@ from hybridstore.bench.index_figures import (
 )
 from hybridstore.config import StoreConfig
 from hybridstore.index.prefix import PrefixKeys
+from hybridstore.objects import ObjectKind, object_key
 from hybridstore.store import HybridStore
 
 __all__ = ["run_core_bench"]

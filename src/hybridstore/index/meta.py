@@ -11,8 +11,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from hybridstore.backends.base import ObjectKind
 from hybridstore.errors import CatalogError
+from hybridstore.objects import ObjectKind
 
 _VERSION = 1
 _PAGE = struct.Struct("<BBqI16s")          # version, kind, block, ntok, parent key

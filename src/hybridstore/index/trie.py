@@ -38,13 +38,12 @@ from hybridstore import _native
 from hybridstore.errors import InvalidTokensError, PlanReleasedError
 from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.u64map import U64Map
+from hybridstore.objects import TIER_BITS
 
 ROOT = 0
 _NO_PARENT = -1
 _MASK64 = (1 << 64) - 1
 
-TIER_BITS: dict[str, int] = {"device": 1, "host": 2, "disk": 4}
-"""Bit of each tier in the per-object tier masks."""
 
 
 _COLUMNS = ("_klo", "_khi", "_block", "_ntok", "_tiers", "_deps", "_pins", "_nchild", "_atime",

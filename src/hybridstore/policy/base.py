@@ -17,15 +17,15 @@ The same policies drive the real store and the accounting-only simulator.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-from hybridstore.backends.base import ObjectKind
 from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import Checkpoint, HybridIndex
+from hybridstore.objects import ObjectKind
 
 
 class Victim(NamedTuple):
@@ -34,7 +34,7 @@ class Victim(NamedTuple):
     ==========  =============================================================
     field       meaning
     ==========  =============================================================
-    ``kind``    :class:`~hybridstore.backends.base.ObjectKind` (page or state)
+    ``kind``    :class:`~hybridstore.objects.ObjectKind` (page or state)
     ``ref``     node id (page) or 16-byte key (checkpoint)
     ==========  =============================================================
     """

@@ -26,7 +26,8 @@ import numpy as np
 
 from hybridstore.errors import ConfigError
 from hybridstore.index.prefix import PrefixKeys
-from hybridstore.index.trie import TIER_BITS, HybridIndex
+from hybridstore.index.trie import HybridIndex
+from hybridstore.objects import TIER_BITS
 from hybridstore.policy.base import AdmissionPolicy
 from hybridstore.policy.units import HybridUnit, PrefillCost, UnitEviction, units_of
 

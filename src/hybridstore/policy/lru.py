@@ -22,8 +22,8 @@ from itertools import repeat
 
 import numpy as np
 
-from hybridstore.backends.base import ObjectKind
-from hybridstore.index.trie import TIER_BITS, HybridIndex
+from hybridstore.index.trie import HybridIndex
+from hybridstore.objects import TIER_BITS, ObjectKind
 from hybridstore.policy.base import EvictionPolicy, Victim, reclaimable_pages
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from hybridstore.backends.base import ObjectKind
 from hybridstore.index.trie import Checkpoint, HybridIndex
+from hybridstore.objects import ObjectKind
 from hybridstore.policy.base import Victim
 from hybridstore.policy.lru import LRUEviction
 

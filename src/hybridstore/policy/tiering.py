@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridstore.backends.base import ObjectKind
 from hybridstore.errors import ConfigError
+from hybridstore.objects import ObjectKind
 
 _BOTH = frozenset({ObjectKind.PAGE, ObjectKind.STATE})
 

@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from hybridstore.backends.base import ObjectKind
 from hybridstore.errors import ConfigError
-from hybridstore.index.trie import TIER_BITS, Checkpoint, HybridIndex
+from hybridstore.index.trie import Checkpoint, HybridIndex
+from hybridstore.objects import TIER_BITS, ObjectKind
 from hybridstore.policy.base import EvictionPolicy, Victim, reclaimable_pages
 
 

@@ -40,7 +40,6 @@ Modules (one path through the tier each):
 
 from __future__ import annotations
 
-from hybridstore.backends.base import aligned_empty
 from hybridstore.backends.disk.objects import (
     CATALOG_DIR,
     COALESCE_BYTES,
@@ -49,4 +48,4 @@ from hybridstore.backends.disk.objects import (
 )
 from hybridstore.backends.disk.tier import DiskTier
 
-__all__ = ["CATALOG_DIR", "COALESCE_BYTES", "LOCK_NAME", "DiskTier", "aligned_empty", "segment_name"]
+__all__ = ["CATALOG_DIR", "COALESCE_BYTES", "LOCK_NAME", "DiskTier", "segment_name"]

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hybridstore.backends.alloc import Extent, SlabAllocator
-from hybridstore.backends.base import KEY_BYTES
 from hybridstore.backends.catalog import Catalog, CatalogRecord
 from hybridstore.errors import BackendIOError
+from hybridstore.objects import OBJECT_KEY_BYTES, ObjectKey
 
 if TYPE_CHECKING:
     from hybridstore.backends.engines import Engine
@@ -68,7 +68,7 @@ class _TierState:
     segment_bytes: int
     _capacity: int
     _verify: bool
-    _lock: threading.Lock
+    _lock: threading.RLock
     _closed: bool
     _catalog_lock: threading.Lock
     _files: dict[int, Any]
@@ -94,6 +94,8 @@ class _TierState:
 
         def charge(self, nbytes: int) -> int: ...
 
+        def nbytes(self, key: ObjectKey) -> int | None: ...
+
         def _check_open(self) -> None: ...
 
         def _release(self, extent: Extent) -> None: ...
@@ -116,29 +118,10 @@ def _torch_bytes(tensor: Any, nbytes: int) -> Any:
     return flat[:nbytes]
 
 
-def _host_view(data: Any, nbytes: int, *, writable: bool) -> np.ndarray:
-    """``data[:nbytes]`` as a contiguous uint8 numpy view, without copying."""
-    if data is None:
-        raise TypeError("the disk tier stores bytes: pass a uint8 array, not None")
-    if type(data).__module__.startswith("torch"):
-        if data.device.type != "cpu":
-            raise TypeError("put() takes host memory; copy device tensors to the host pool first")
-        data = _torch_bytes(data, nbytes).numpy()
-    arr = data if isinstance(data, np.ndarray) else np.asarray(memoryview(data))
-    if not arr.flags.c_contiguous:
-        raise ValueError("the buffer must be C-contiguous")
-    if writable and not arr.flags.writeable:
-        raise ValueError("get_into needs a writable buffer")
-    arr = arr.reshape(-1).view(np.uint8)
-    if nbytes < 0 or arr.nbytes < nbytes:
-        raise ValueError(f"the buffer holds {arr.nbytes} bytes, {nbytes} are needed")
-    return arr[:nbytes]
-
-
-def _check_key(key: bytes) -> bytes:
-    if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
-        raise ValueError(f"keys are {KEY_BYTES} bytes (kind + 16-byte hash), got {key!r}")
-    return bytes(key)
+def _check_key(key: bytes) -> ObjectKey:
+    if not isinstance(key, (bytes, bytearray)) or len(key) != OBJECT_KEY_BYTES:
+        raise ValueError(f"keys are {OBJECT_KEY_BYTES} bytes (kind + 16-byte hash), got {key!r}")
+    return ObjectKey(bytes(key))
 
 
 def _with_key(exc: BaseException, key: bytes) -> BaseException:

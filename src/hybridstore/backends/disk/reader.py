@@ -13,16 +13,14 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import xxhash
 
-from hybridstore.backends.base import ObjectKey, aligned_empty
 from hybridstore.backends.disk.objects import (
     COALESCE_BYTES,
     _check_key,
-    _host_view,
     _Object,
     _TierState,
     _torch_bytes,
@@ -31,6 +29,7 @@ from hybridstore.backends.disk.objects import (
 )
 from hybridstore.backends.engines import Engine
 from hybridstore.errors import BackendIOError, CorruptObjectError
+from hybridstore.objects import ObjectKey, aligned_empty, byte_view
 
 log = logging.getLogger("hybridstore.backends.disk")
 
@@ -100,10 +99,11 @@ class _ReadPath(_TierState):
         if len(keys) != len(offsets):
             raise ValueError("keys and offsets must have one length")
         with self._lock:
-            objs = [self._objects.get(_check_key(key)) for key in keys]
-            for key, obj in zip(keys, objs):
+            found = [self._objects.get(_check_key(key)) for key in keys]
+            for key, obj in zip(keys, found):
                 if obj is None:
                     raise KeyError(key)
+            objs = cast("list[_Object]", found)
             for obj, off in zip(objs, offsets):
                 if off < 0 or off + obj.record.length > dst.nbytes:
                     raise ValueError(f"offset {off} + {obj.record.length} bytes is past dst "
@@ -261,7 +261,7 @@ class _ReadTarget:
             if tensor.device.type == "cpu":
                 return cls(tensor.numpy())
             return cls(None, tensor)
-        return cls(_host_view(out, nbytes, writable=True))
+        return cls(byte_view(out, nbytes, writable=True, what="out"))
 
     def read(self, engine: Engine, file: Any, offset: int, nbytes: int, verify: bool) -> int:
         """Read ``nbytes`` at ``offset``; returns the xxh3_64 of what landed (0 unverified)."""

@@ -14,11 +14,11 @@ import os
 import struct
 
 from hybridstore.backends.alloc import Extent
-from hybridstore.backends.base import KEY_BYTES
 from hybridstore.backends.catalog import CatalogRecord
 from hybridstore.backends.disk.objects import LOCK_NAME, _Object, _TierState
 from hybridstore.backends.engines import ALIGN, round_up
 from hybridstore.errors import CapacityError, DiskPathError
+from hybridstore.objects import OBJECT_KEY_BYTES
 
 log = logging.getLogger("hybridstore.backends.disk")
 
@@ -63,8 +63,8 @@ class _Recovery(_TierState):
         self._remove_orphan_segments()
 
     def _check_record(self, key: bytes, rec: CatalogRecord) -> str | None:
-        if len(key) != KEY_BYTES:
-            return f"its key has {len(key)} bytes, not {KEY_BYTES}"
+        if len(key) != OBJECT_KEY_BYTES:
+            return f"its key has {len(key)} bytes, not {OBJECT_KEY_BYTES}"
         if rec.length > rec.slot_length or rec.offset % ALIGN:
             return f"its record is malformed ({rec.length} bytes in a {rec.slot_length}-byte " \
                    f"slot at offset {rec.offset})"

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hybridstore.backends.alloc import Extent, SlabAllocator, SlabBudget
-from hybridstore.backends.base import ObjectKey, Tier
+from hybridstore.backends.base import Tier
 from hybridstore.backends.catalog import Catalog
 from hybridstore.backends.disk.objects import _STOP, CATALOG_DIR, _Object, segment_name
 from hybridstore.backends.disk.reader import _ReadPath
@@ -27,6 +27,7 @@ from hybridstore.backends.disk.recovery import _lock_directory, _Recovery
 from hybridstore.backends.disk.writer import _WritePath
 from hybridstore.backends.engines import ALIGN, Engine, fsync_path, select_engine
 from hybridstore.errors import BackendIOError, ConfigError
+from hybridstore.objects import ObjectKey
 
 log = logging.getLogger("hybridstore.backends.disk")
 
@@ -54,6 +55,7 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
 
     name = "disk"
     durable = True
+    coalesces_writes = True
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *,
                  engine: str | Engine = "auto", segment_bytes: int = 256 << 20,
@@ -148,7 +150,7 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
         An uncommitted ``put`` of the key is cancelled too.
         """
         self._check_open()
-        key = bytes(key)
+        key = ObjectKey(bytes(key))
         with self._catalog_lock:
             with self._lock:
                 self._latest.pop(key, None)

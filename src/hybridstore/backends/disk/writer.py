@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from hybridstore.backends.base import ObjectKey, aligned_empty
 from hybridstore.backends.catalog import CatalogRecord
 from hybridstore.backends.disk.objects import (
     _COMMIT_BATCH,
@@ -25,7 +24,6 @@ from hybridstore.backends.disk.objects import (
     _STOP,
     COALESCE_BYTES,
     _check_key,
-    _host_view,
     _Object,
     _PendingWrite,
     _TierState,
@@ -33,6 +31,7 @@ from hybridstore.backends.disk.objects import (
 )
 from hybridstore.backends.engines import buffer_address
 from hybridstore.errors import CapacityError
+from hybridstore.objects import ObjectKey, aligned_empty, byte_view
 
 
 class _WritePath(_TierState):
@@ -53,7 +52,7 @@ class _WritePath(_TierState):
         """
         self._check_open()
         key = _check_key(key)
-        view = _host_view(data, nbytes, writable=False)
+        view = byte_view(data, nbytes, what="data")
         extent = self._alloc.alloc(nbytes)
         if extent is None:
             raise CapacityError(f"the disk tier at {self.path} has no room for {nbytes} bytes "
@@ -68,7 +67,7 @@ class _WritePath(_TierState):
         self._jobs.submit(self._write_job, pending)
         return pending.future
 
-    def put_many(self, keys: Sequence[ObjectKey], datas: Sequence[Any], *, nbytes: int,
+    def put_many(self, keys: Sequence[ObjectKey], datas: Sequence[Any] | None, *, nbytes: int,
                  metas: Sequence[bytes] | None = None) -> list[Future]:
         """:meth:`put` of a run of objects of one size, neighbours in one write.
 
@@ -85,10 +84,10 @@ class _WritePath(_TierState):
         """
         self._check_open()
         keys = [_check_key(key) for key in keys]
-        if len(set(keys)) != len(keys) or len(datas) != len(keys):
+        if datas is None or len(set(keys)) != len(keys) or len(datas) != len(keys):
             raise ValueError("put_many needs distinct keys and one data buffer per key")
         metas = [b""] * len(keys) if metas is None else [bytes(m) for m in metas]
-        views = [_host_view(data, nbytes, writable=False) for data in datas]
+        views = [byte_view(data, nbytes, what="data") for data in datas]
         extents = self._alloc.alloc_many(nbytes, len(keys))
         if extents is None:
             raise CapacityError(f"the disk tier at {self.path} has no room for {len(keys)} x "

@@ -190,8 +190,8 @@ class _KvikioWait:
             except BaseException as e:  # noqa: BLE001 - re-raised below, and on every call
                 self._outcome = (False, e)
             self._args = (None, None, nbytes, offset)
-        ok, value = self._outcome
-        if not ok:
+        _, value = self._outcome  # (ok, result) or (False, the exception)
+        if isinstance(value, BaseException):
             raise value
         return int(value)
 

@@ -1,4 +1,4 @@
-"""store.put_kv_batch: a page-major batch into the pool a run at a time (reserve_many +
+"""store.put_kv_batch: a page-major batch into the pool a run at a time (stage_many +
 one scatter per layout entry): bytes, held pages, pressure, write-through, errors."""
 
 from __future__ import annotations
@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from hybridstore import HybridStore, LayoutMismatchError, MisalignedPageError, StoreConfig
+from hybridstore import (
+    HybridStore,
+    LayoutMismatchError,
+    MisalignedPageError,
+    StoreConfig,
+)
 from hybridstore.backends import gather as G
 from hybridstore.backends.alloc import SlabAllocator
 from hybridstore.backends.host import HostPool
@@ -111,7 +116,7 @@ def test_bad_batches_store_nothing(tmp_path):
 
 
 def test_a_failed_copy_gives_every_reserved_slot_back(tmp_path, monkeypatch):
-    import hybridstore.store as S
+    import hybridstore.store.landing as S
 
     tokens = RNG.integers(0, 150_000, 12 * B)
     with HybridStore(cfg(tmp_path)) as store:
@@ -172,23 +177,23 @@ def test_a_numpy_batch_of_one_entry(tmp_path):
 
 
 # -- the pool and allocator halves ----------------------------------------------------
-def test_pool_reserve_many_is_all_or_nothing():
+def test_pool_stage_many_is_all_or_nothing():
     pool = HostPool(1 << 20, pin=False, arena_bytes=1 << 18)
     keys = [bytes([1]) + i.to_bytes(16, "little") for i in range(300)]
     with pytest.raises(CapacityError):
-        pool.reserve_many(keys, 4096)                       # 300 x 4 KiB > 1 MiB
+        pool.stage_many(keys, 4096)                       # 300 x 4 KiB > 1 MiB
     assert pool.used_bytes == 0 and pool._pending == {}
     with pytest.raises(ValueError):
-        pool.reserve_many([keys[0], keys[0]], 64)
-    arenas, which, offsets = pool.reserve_many(keys[:10], 100)
+        pool.stage_many([keys[0], keys[0]], 64)
+    arenas, which, offsets = pool.stage_many(keys[:10], 100)
     data = RNG.integers(0, 255, (10, 100), dtype=np.uint8)
     G.scatter_rows(arenas, which, offsets, np.arange(10, dtype=np.int64), 0, 100, data)
     with pytest.raises(ValueError):
-        pool.reserve_many(keys[5:12], 100)                  # 5..9 already reserved
+        pool.stage_many(keys[5:12], 100)                  # 5..9 already reserved
     pool.commit_many(keys[:10])
     for i in range(10):
         assert np.array_equal(pool.view(keys[i]), data[i])
-    pool.reserve_many(keys[10:14], 100)
+    pool.stage_many(keys[10:14], 100)
     pool.abort_many(keys[10:14] + [keys[99]])               # unreserved keys are skipped
     assert pool._pending == {} and pool.stats()["objects"] == 10
     pool.close()
@@ -271,7 +276,7 @@ def test_alloc_many_gives_the_run_back_when_mapping_an_arena_fails():
 def test_pool_commit_many_commits_nothing_when_a_key_was_not_reserved():
     pool = HostPool(1 << 20, pin=False, arena_bytes=1 << 18)
     keys = [bytes([1]) + i.to_bytes(16, "little") for i in range(4)]
-    pool.reserve_many(keys[:3], 100)
+    pool.stage_many(keys[:3], 100)
     with pytest.raises(KeyError):
         pool.commit_many(keys)
     assert pool.stats()["objects"] == 0 and len(pool._pending) == 3

@@ -1,9 +1,11 @@
-"""The one conformance suite of the tier contract (``backends/base.py``).
+"""The one conformance suite of the tier contract (:mod:`hybridstore.backends.base`).
 
+It ships in the package (as ``zarr.testing.store`` does), so a tier written
+elsewhere (a ``remote`` tier in another package) is checked by the same tests.
 Every backend's test module subclasses :class:`TierConformance` and implements
 one hook; pytest then runs every test below against that backend::
 
-    from tests.backends.conformance import TierConformance
+    from hybridstore.testing.tiers import TierConformance
 
     class TestHostPool(TierConformance):
         def make_tier(self, tmp_path: Path, capacity_bytes: int) -> Tier:
@@ -21,6 +23,12 @@ The hook (a stable signature):
 A subclass may also override ``CAPACITY`` (the budget of the ``tier`` fixture,
 8 MiB) and add backend-specific tests next to the inherited ones.  Byte checks
 are skipped when the tier's ``stores_bytes`` is False; sizes are checked always.
+The batch and paired verbs (``put_many``, ``delete_many``, ``read_many_into``,
+``stage_many``/``commit_many``/``abort_many``, ``pin_many``/``unpin_many`` with
+``view``/``locate``, ``put_info``/``get_info``) are checked whether the tier
+overrides them or inherits the contract's defaults.
+
+Needs ``pytest`` and ``hypothesis`` (the ``test`` extra).
 """
 
 from __future__ import annotations
@@ -35,8 +43,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridstore.backends.base import ObjectKey, ObjectKind, Tier, object_key
+from hybridstore.backends.base import Tier
 from hybridstore.errors import CapacityError, ObjectTooLargeError, StoreClosedError
+from hybridstore.objects import ObjectKey, ObjectKind, object_key
+
+__all__ = ["SIZES", "TierConformance", "blob", "is_blob", "key_of"]
 
 SIZES = [1, 4095, 4096, 64 << 10, (1 << 20) + 3]
 
@@ -288,3 +299,150 @@ class TierConformance:
         assert tier.used_bytes == sum(tier.charge(n) for _, n, _ in entries)
         if tier.stores_bytes:
             assert all(is_blob(tier.get(key)) for key, _, _ in entries)
+
+    # -- batch and paired verbs ---------------------------------------------------
+    @staticmethod
+    def put_many(tier: Tier, keys: list[ObjectKey], datas: list[np.ndarray],
+                 metas: list[bytes] | None = None) -> None:
+        """``put_many`` of objects of one size, waited for."""
+        futs = tier.put_many(keys, datas if tier.stores_bytes else None, nbytes=len(datas[0]),
+                             metas=metas)
+        assert len(futs) == len(keys)
+        for fut in futs:
+            fut.result()
+
+    @pytest.mark.parametrize("nbytes", [4096, 5000, 64 << 10])
+    def test_put_many_round_trip(self, tier: Tier, nbytes: int) -> None:
+        keys = [key_of(i) for i in range(12)]
+        datas = [blob(nbytes, 100 + i) for i in range(12)]
+        self.put_many(tier, keys, datas, metas=[bytes([i]) * 3 for i in range(12)])
+        for i, (key, data) in enumerate(zip(keys, datas)):
+            assert tier.meta(key) == bytes([i]) * 3
+            self.check(tier, key, data)
+        assert tier.used_bytes == 12 * tier.charge(nbytes)
+        # replacing some of them with a run of another size keeps one copy of each key
+        self.put_many(tier, keys[:4], [blob(1000, 200 + i) for i in range(4)])
+        self.check(tier, keys[0], blob(1000, 200))
+        assert tier.used_bytes == 4 * tier.charge(1000) + 8 * tier.charge(nbytes)
+        assert {k for k, _, _ in tier.entries()} == set(keys)
+
+    def test_put_many_without_room_keeps_what_was_there(self, new_tier) -> None:  # type: ignore[no-untyped-def]
+        tier = new_tier(1 << 20)
+        self.put(tier, key_of(0), blob(64 << 10, 0))
+        keys = [key_of(i) for i in range(1, 41)]
+        with pytest.raises(CapacityError):
+            self.put_many(tier, keys, [blob(64 << 10, i) for i in range(1, 41)])
+        assert tier.used_bytes <= tier.capacity_bytes
+        self.check(tier, key_of(0), blob(64 << 10, 0))
+        for key, n, _ in tier.entries():      # what a non-atomic default put is intact
+            assert n == 64 << 10
+            if tier.stores_bytes:
+                assert is_blob(tier.get(key))
+
+    def test_delete_many(self, tier: Tier) -> None:
+        keys = [key_of(i) for i in range(6)]
+        self.put_many(tier, keys, [blob(5000, i) for i in range(6)])
+        freed = tier.delete_many(keys[:3] + [key_of(99)])      # an absent key frees nothing
+        assert freed == 3 * tier.charge(5000)
+        assert tier.used_bytes == 3 * tier.charge(5000)
+        assert [tier.contains(k) for k in keys] == [False] * 3 + [True] * 3
+        self.check(tier, keys[4], blob(5000, 4))
+        assert tier.delete_many([]) == 0
+
+    @pytest.mark.parametrize("spaced", [True, False])
+    def test_read_many_into(self, tier: Tier, spaced: bool) -> None:
+        nbytes = 10_000
+        keys = [key_of(i) for i in range(8)]
+        datas = [blob(nbytes, 300 + i) for i in range(8)]
+        self.put_many(tier, keys, datas)
+        stride = tier.slot_bytes(nbytes) if spaced else nbytes + 4096
+        assert stride >= nbytes
+        order = [5, 0, 1, 2, 7, 3]                         # any order, a subset
+        dst = np.zeros(len(order) * stride + 64, np.uint8)
+        offsets = [j * stride for j in range(len(order))]
+        got = tier.read_many_into([keys[i] for i in order], dst, offsets).result()
+        assert got == len(order) * nbytes
+        if tier.stores_bytes:
+            for j, i in enumerate(order):
+                assert np.array_equal(dst[offsets[j]:offsets[j] + nbytes], datas[i])
+        with pytest.raises(KeyError):
+            tier.read_many_into([keys[0], key_of(999)], dst, [0, stride]).result()
+        with pytest.raises(ValueError):
+            tier.read_many_into([keys[0]], dst, [dst.nbytes - 10]).result()   # past dst
+
+    def test_stage_commit_abort(self, tier: Tier) -> None:
+        nbytes = 6000
+        keys = [key_of(i) for i in range(5)]
+        buffers, which, offsets = tier.stage_many(keys, nbytes)
+        assert len(which) == len(offsets) == 5
+        for i in range(5):
+            slot = buffers[int(which[i])][int(offsets[i]):int(offsets[i]) + nbytes]
+            assert slot.flags.writeable and len(slot) == nbytes
+            slot[:] = blob(nbytes, 400 + i)
+        assert not any(tier.contains(k) for k in keys)       # invisible until committed
+        with pytest.raises(ValueError):
+            tier.stage_many([keys[0]], nbytes)                # already staged
+        with pytest.raises(KeyError):
+            tier.commit_many(keys[:2] + [key_of(77)])         # one not staged: none committed
+        assert not any(tier.contains(k) for k in keys)
+        tier.commit_many(keys[:3])
+        tier.abort_many(keys[3:] + [key_of(78)])              # keys not staged are skipped
+        for i in range(3):
+            self.check(tier, keys[i], blob(nbytes, 400 + i))
+        assert not tier.contains(keys[3]) and not tier.contains(keys[4])
+        assert tier.used_bytes == 3 * tier.charge(nbytes)
+        with pytest.raises(ValueError):
+            tier.stage_many([keys[0], keys[0]], nbytes)       # repeated key
+        buffers, which, offsets = tier.stage_many(keys[3:], nbytes)   # aborted keys stage again
+        tier.abort_many(keys[3:])
+        assert tier.used_bytes == 3 * tier.charge(nbytes)
+        slot = tier.stage(keys[3], 1234)                      # the single-key forms
+        slot[:] = blob(1234, 7)
+        assert len(slot) == 1234 and not tier.contains(keys[3])
+        tier.commit(keys[3])
+        self.check(tier, keys[3], blob(1234, 7))
+        tier.stage(keys[4], 1234)
+        tier.abort(keys[4])
+        assert not tier.contains(keys[4])
+        assert tier.used_bytes == 3 * tier.charge(nbytes) + tier.charge(1234)
+
+    def test_pin_view_locate_unpin(self, tier: Tier) -> None:
+        nbytes = 7000
+        keys = [key_of(i) for i in range(4)]
+        datas = [blob(nbytes, 500 + i) for i in range(4)]
+        self.put_many(tier, keys, datas)
+        tier.pin_many(keys)
+        try:
+            view = tier.view(keys[1])
+            assert len(view) == nbytes and not view.flags.writeable
+            buffers, which, offsets = tier.locate(keys)
+            assert len(which) == len(offsets) == 4
+            located = [buffers[int(which[i])][int(offsets[i]):int(offsets[i]) + nbytes]
+                       for i in range(4)]
+            if tier.stores_bytes:
+                assert np.array_equal(view, datas[1])
+                assert all(np.array_equal(loc, d) for loc, d in zip(located, datas))
+            tier.delete(keys[2])
+            tier.put(keys[3], blob(nbytes, 999) if tier.stores_bytes else None, nbytes=nbytes).result()
+            if tier.stores_bytes:
+                # pinned bytes stay where locate said, even once deleted or replaced
+                assert np.array_equal(located[2], datas[2])
+                assert np.array_equal(located[3], datas[3])
+        finally:
+            tier.unpin_many(keys[:2])
+            tier.unpin_many(keys[2:])
+        assert not tier.contains(keys[2])
+        self.check(tier, keys[3], blob(nbytes, 999))
+        if tier.zero_copy:                 # pinning is all or none
+            with pytest.raises(KeyError):
+                tier.pin_many([keys[0], key_of(404)])
+            tier.delete(keys[0])           # nothing was held: the slot is free at once
+            assert tier.used_bytes == 2 * tier.charge(nbytes)
+
+    def test_info_blobs(self, tier: Tier) -> None:
+        assert tier.get_info("layout.page") is None
+        tier.put_info("layout.page", b"pages:f16[2,16]")
+        tier.put_info("layout.state", b"x" * 300)
+        tier.put_info("layout.page", b"pages:bf16[2,16]")      # replaced
+        assert tier.get_info("layout.page") == b"pages:bf16[2,16]"
+        assert tier.get_info("layout.state") == b"x" * 300

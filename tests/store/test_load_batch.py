@@ -198,16 +198,16 @@ def test_gather_checks_bounds_before_copying(native):
         G.gather_rows(src, one, one, one, 0, 9, dst)           # a row is only 8 bytes
 
 
-def test_pool_acquire_many_holds_nothing_when_a_key_is_missing():
+def test_pool_pin_many_holds_nothing_when_a_key_is_missing():
     pool = HostPool(1 << 20, pin=False, arena_bytes=1 << 16)
     pool.put(b"a" * 17, np.arange(64, dtype=np.uint8), nbytes=64).result()
     with pytest.raises(KeyError):
-        pool.acquire_many([b"a" * 17, b"b" * 17])
+        pool.pin_many([b"a" * 17, b"b" * 17])
     assert pool._refs == {}
-    pool.acquire_many([b"a" * 17])
+    pool.pin_many([b"a" * 17])
     arenas, which, offsets = pool.locate([b"a" * 17])
     assert np.array_equal(arenas[which[0]][offsets[0]:offsets[0] + 64], np.arange(64, dtype=np.uint8))
-    pool.release_many([b"a" * 17])
+    pool.unpin_many([b"a" * 17])
     assert pool._refs == {}
     pool.close()
 
@@ -225,15 +225,15 @@ def test_device_batch_path_copies_only_filled_rows(tmp_path):
         okeys = [bytes((1,)) + k for k in plan.page_keys]
         pool = store.tiers["host"]
         keep = [0, 2, 3, 6, 7]
-        pool.acquire_many([okeys[i] for i in keep])
+        pool.pin_many([okeys[i] for i in keep])
         try:
             batch = empty_batch(8, fill=5.0)
             targets = [Target(t.spec, t.buffer, None)      # "device": no host view
                        for t in store._layouts[1].batch_targets(batch, 8)]
             rows = {"host": ([okeys[i] for i in keep], keep)}
-            store._gather_batch(rows, None, [], targets, 8)
+            store._loader.gather_batch(rows, None, [], targets, 8)
         finally:
-            pool.release_many([okeys[i] for i in keep])
+            pool.unpin_many([okeys[i] for i in keep])
         assert_rows(batch, pages, keep)
         for i in (1, 4, 5):
             assert bool((batch["k"][i] == 5.0).all()) and bool((batch["v"][i] == 5.0).all())
@@ -258,7 +258,7 @@ def test_a_failed_load_drops_every_pool_hold(tmp_path):
     """The checkpoint vanished behind the index's back: load raises, and the page slots
     it had already held are released (no slot stays pinned forever)."""
     from hybridstore import CorruptObjectError
-    from hybridstore.backends.base import ObjectKind, object_key
+    from hybridstore.objects import ObjectKind, object_key
 
     tokens = RNG.integers(0, 150_000, 6 * B)
     with HybridStore(cfg(tmp_path, disk_path=None)) as store:

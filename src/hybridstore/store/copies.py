@@ -1,0 +1,181 @@
+"""Copies between tiers: write-through, write-back spills and HiState §3.1 moves to SSD.
+
+A copy starts under the store lock and completes on the target tier's thread (for
+the disk tier: once durable); the index learns of it only then, in
+:meth:`TierCopies.drain` under the store lock.  Until then the object's copy is
+*in flight*: the evictor never drops an object whose copy is in flight, and a
+source slot on a ``zero_copy`` tier stays pinned.
+
+Room in the target tier comes from a :class:`~hybridstore.store.residency.RoomMaker`
+(the evictor binds itself as :attr:`TierCopies.room`), so this module imports
+nothing above :mod:`~hybridstore.store.residency`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, deque
+from concurrent.futures import Future
+from functools import partial
+
+import numpy as np
+
+from hybridstore.backends.base import done_future
+from hybridstore.index.trie import Checkpoint
+from hybridstore.objects import TIER_BITS, ObjectKey, ObjectKind, object_key
+from hybridstore.store.residency import Residency, RoomMaker
+
+log = logging.getLogger("hybridstore.store")
+
+_DONE: Future = done_future()
+
+
+class TierCopies:
+    """Copies of objects between the tiers of one store, and those still in flight.
+
+    Args:
+        residency: the store's record of who holds what.
+    """
+
+    room: RoomMaker
+    """Makes room in a target tier (set by the :class:`~hybridstore.store.evictor.Evictor`)."""
+
+    def __init__(self, residency: Residency) -> None:
+        self.res = residency
+        self.pending: dict[tuple[ObjectKey, str], Future] = {}   # (key, target tier) -> copy
+        self.inflight: Counter[ObjectKey] = Counter()             # copies in flight per key
+        self._completed: deque[tuple[ObjectKey, str, Future]] = deque()
+        self.closed = False
+        """Set when the store closes: completions are then no longer applied."""
+
+    def placed(self, okey: ObjectKey, kind: ObjectKind, nbytes: int, meta: bytes) -> None:
+        """After a put that writes through: copy to every slower tier."""
+        chain = self.res.chain
+        for name in chain[1:]:
+            self.copy(okey, kind, nbytes, meta, chain[0], name)
+
+    def copy(self, okey: ObjectKey, kind: ObjectKind, nbytes: int, meta: bytes, src: str,
+             dst: str) -> Future:
+        """Start copying an object between tiers; the index learns of the copy once it is done
+        (for the disk tier: once durable)."""
+        source, target = self.res.tiers[src], self.res.tiers[dst]
+        self.room.make_room(dst, target.charge(nbytes), kind)
+        if not target.stores_bytes:
+            # Accounting tiers (simulation) complete at once: no future bookkeeping.
+            self.room.retry(dst, nbytes, lambda: target.put(okey, None, nbytes=nbytes, meta=meta))
+            if not self.res.mark(okey, dst):
+                target.delete(okey)
+            return _DONE
+        data: np.ndarray | None
+        if source.zero_copy:
+            source.pin_many([okey])
+            data = source.view(okey)
+        else:
+            data = source.get(okey) if source.stores_bytes else None
+        try:
+            fut = self.room.retry(dst, nbytes, lambda: target.put(okey, data, nbytes=nbytes, meta=meta))
+        except BaseException:
+            if source.zero_copy:
+                source.unpin_many([okey])
+            raise
+        self._track(okey, src, dst, fut)
+        if fut.done():
+            self.drain()
+        return fut
+
+    def copy_many(self, okeys: list[ObjectKey], kind: ObjectKind, nbytes: int, metas: list[bytes],
+                  src: str, dst: str) -> None:
+        """:meth:`copy` of a run of objects of one size: from a ``zero_copy`` tier (the
+        pinned pool) to one that ``coalesces_writes`` (the disk tier) they go as one
+        ``put_many`` per chunk of at most an eighth of the target (neighbours in one
+        write); otherwise one by one."""
+        source, target = self.res.tiers[src], self.res.tiers[dst]
+        if not (source.zero_copy and target.coalesces_writes):
+            for okey, meta in zip(okeys, metas):
+                self.copy(okey, kind, nbytes, meta, src, dst)
+            return
+        charge = target.charge(nbytes)
+        step = max(1, target.capacity_bytes // 8 // max(charge, 1))
+        for i in range(0, len(okeys), step):
+            keys, chunk_metas = okeys[i:i + step], metas[i:i + step]
+            self.room.make_room(dst, charge * len(keys), kind)
+            source.pin_many(keys)
+            try:
+                datas = [source.view(okey) for okey in keys]
+                futs = self.room.retry(dst, nbytes * len(keys), lambda: target.put_many(
+                    keys, datas, nbytes=nbytes, metas=chunk_metas))
+            except BaseException:
+                source.unpin_many(keys)
+                raise
+            for okey, fut in zip(keys, futs):
+                self._track(okey, src, dst, fut)
+            if any(fut.done() for fut in futs):
+                self.drain()
+
+    def _track(self, okey: ObjectKey, src: str, dst: str, fut: Future) -> None:
+        """Count a copy in flight until its future completes (then :meth:`drain` applies it)."""
+        self.pending[(okey, dst)] = fut
+        self.inflight[okey] += 1
+        fut.add_done_callback(partial(self._done, okey, src, dst))
+
+    def _done(self, okey: ObjectKey, src: str, dst: str, fut: Future) -> None:
+        """Runs on the target tier's thread: only queue the completion (no store lock here,
+        so that a caller holding the lock may wait on copies)."""
+        source = self.res.tiers[src]
+        if source.zero_copy:
+            source.unpin_many([okey])
+        self._completed.append((okey, dst, fut))
+
+    def drain(self) -> None:
+        """Apply finished copies to the index (under the store lock)."""
+        while self._completed:
+            okey, dst, fut = self._completed.popleft()
+            if self.pending.get((okey, dst)) is fut:
+                del self.pending[(okey, dst)]
+                self.inflight[okey] -= 1
+                if not self.inflight[okey]:
+                    del self.inflight[okey]
+            if fut.exception() is not None:
+                log.warning("copy of %s to %s failed: %s", okey.hex(), dst, fut.exception())
+            elif not self.closed and not self.res.mark(okey, dst):
+                # The object was forgotten while its copy was in flight.
+                self.res.tiers[dst].delete(okey)
+
+    def wait_pending(self) -> None:
+        """Wait for every in-flight copy, then apply them."""
+        for fut in list(self.pending.values()):
+            try:
+                fut.result()
+            except Exception:  # reported by drain
+                pass
+        self.drain()
+
+    def spill(self, okey: ObjectKey, kind: ObjectKind, nbytes: int, src: str, dst: str) -> None:
+        """Write-back: copy the last copy of an object one tier down before ``src`` drops it."""
+        if kind == ObjectKind.PAGE:
+            meta = self.res.page_meta(okey)
+        else:
+            ck = self.res.index.checkpoint(okey[1:])
+            assert ck is not None
+            meta = self.res.state_meta(ck)
+        self.copy(okey, kind, nbytes, meta, src, dst).result()
+        self.drain()
+
+    def to_ssd(self, ck: Checkpoint) -> None:
+        """HiState §3.1: a checkpoint that stopped being terminal leaves fast memory for SSD."""
+        res = self.res
+        disk_bit = TIER_BITS["disk"]
+        if "disk" not in res.tiers or ck.pins or not ck.tiers & ~disk_bit:
+            return
+        okey = object_key(ObjectKind.STATE, ck.key)
+        if not ck.tiers & disk_bit:
+            fut = self.pending.get((okey, "disk")) or self.copy(
+                okey, ObjectKind.STATE, ck.nbytes, res.state_meta(ck), res.holder(ck.tiers), "disk")
+            try:
+                fut.result()
+            finally:
+                self.drain()
+        if res.index.checkpoint(ck.key) is ck and ck.tiers & disk_bit and not self.inflight[okey]:
+            for name in res.chain[:-1]:
+                if ck.tiers & TIER_BITS[name]:
+                    res.drop(okey, name)

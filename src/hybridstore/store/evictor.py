@@ -1,0 +1,344 @@
+"""The evictor: the store's safety rules applied to an eviction policy's order.
+
+A policy (``policy/``) only *ranks*: it yields :class:`~hybridstore.policy.base.Victim`\\ s
+in the order it would evict them.  This module decides what may really leave a
+tier, and does it:
+
+* never a pinned object (a live plan uses it) nor one whose copy is in flight;
+* the last copy of an object is spilled one tier down first when the tier policy
+  spills its kind; otherwise the last copy of a page that retained checkpoints
+  need stays under a dependency-aware policy (the checkpoint goes first, and the
+  pages only it needed follow at once);
+* runs of page victims are dropped as one batch (one ``delete_many``);
+* in a large tier one ranking serves several evictions (:meth:`Evictor.evict`).
+
+It is the :class:`~hybridstore.store.residency.RoomMaker` of the store's copies:
+constructing an :class:`Evictor` binds it to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+import numpy as np
+
+from hybridstore.errors import CapacityError, ObjectTooLargeError
+from hybridstore.objects import TIER_BITS, KeyBatch, ObjectKey, ObjectKind, object_key
+from hybridstore.policy.base import EvictionPolicy, Victim
+from hybridstore.store.copies import TierCopies
+from hybridstore.store.residency import Residency
+
+T = TypeVar("T")
+
+REUSE_RANKING_OBJECTS = 512
+"""Tiers holding at least this many objects reuse an eviction ranking (see :meth:`Evictor.evict`)."""
+
+_NO_PAGES = np.zeros(0, np.int64)
+_NO_PAGES.flags.writeable = False
+
+
+class _Victims:
+    """A policy's victim order that takes victims back: an eviction that took a run of
+    pages and stopped inside it leaves the rest where a reused ranking resumes."""
+
+    __slots__ = ("_it", "_back")
+
+    def __init__(self, victims: Iterator[Victim]) -> None:
+        self._it = victims
+        self._back: list[Victim] = []
+
+    def __iter__(self) -> _Victims:
+        return self
+
+    def __next__(self) -> Victim:
+        if self._back:
+            return self._back.pop()
+        return next(self._it)
+
+    def push_back(self, victims: Sequence[Victim]) -> None:
+        """Return ``victims`` (in their order) to the front of the order."""
+        self._back.extend(reversed(victims))
+
+
+class Evictor:
+    """Frees room in the tiers of one store, in a policy's order, under the safety rules.
+
+    Args:
+        residency: the store's record of who holds what.
+        copies: the store's copies between tiers (spills go through them; objects
+            whose copy is in flight stay); the evictor becomes their ``room``.
+        policy: the eviction policy that ranks victims.
+    """
+
+    def __init__(self, residency: Residency, copies: TierCopies, policy: EvictionPolicy) -> None:
+        self.res = residency
+        self.copies = copies
+        self.policy = policy
+        self.evictions = 0
+        """Objects evicted so far (a page or a checkpoint leaving one tier)."""
+        self._rankings: dict[tuple[str, ObjectKind | None], tuple[_Victims, int]] = {}
+        copies.room = self
+
+    # -- room -------------------------------------------------------------------------
+    def make_room(self, tier: str, need: int, kind: ObjectKind | None = None) -> None:
+        """Evict from ``tier`` until ``need`` bytes of ``kind`` fit.
+
+        Raises:
+            ObjectTooLargeError: ``need`` exceeds the whole tier.
+            CapacityError: what is left is pinned or needed.
+        """
+        res = self.res
+        t = res.tiers[tier]
+        if need > t.capacity_bytes:
+            raise ObjectTooLargeError(
+                f"an object of {need} bytes is larger than the whole {tier} tier "
+                f"({t.capacity_bytes} bytes); raise its budget")
+        if res.room(tier, kind) >= need:
+            return
+        # Free a few percent of the tier (or two objects) beyond the need, so that one
+        # eviction pass serves many puts: a pass ranks every object of the tier.
+        self.copies.drain()
+        partition = kind if res.tiering.state_share is not None else None
+        share = res.tiering.share(partition) if partition is not None else None
+        slack = int((share or 1.0) * t.capacity_bytes) // 32
+        self.evict(tier, need - res.room(tier, kind) + slack, partition)
+        if res.room(tier, kind) < need and self.copies.pending:
+            # Objects whose disk write is still in flight cannot leave DRAM yet.
+            self.copies.wait_pending()
+            self.evict(tier, need - res.room(tier, kind) + slack, partition)
+        if res.room(tier, kind) < need:
+            raise CapacityError(
+                f"the {tier} tier cannot free {need} bytes: everything left is pinned by live "
+                "plans or needed by retained checkpoints; release plans or raise its budget")
+
+    def retry(self, tier: str, nbytes: int, attempt: Callable[[], T]) -> T:
+        """Run an allocation, evicting more of ``tier`` while it reports CapacityError.
+
+        Free bytes can be split across size classes, so a tier with enough
+        free bytes in total may still refuse a slot: free more and try again.
+        """
+        t = self.res.tiers[tier]
+        for round_ in range(1, 5):
+            try:
+                return attempt()
+            except ObjectTooLargeError:
+                raise
+            except CapacityError:
+                if round_ == 4:
+                    raise
+                self.copies.drain()
+                if not self.evict(tier, t.charge(nbytes) + round_ * t.capacity_bytes // 16):
+                    self.copies.wait_pending()
+        raise AssertionError("unreachable")
+
+    # -- eviction ---------------------------------------------------------------------
+    def evict(self, tier: str, nbytes: int, kind: ObjectKind | None = None) -> int:
+        """Evict in the policy's order until ``nbytes`` are freed (of ``kind`` only, if given).
+
+        A ranking costs a pass over every object of the tier.  In a tier of at
+        least ``REUSE_RANKING_OBJECTS`` objects one ranking serves later
+        evictions too, for up to a quarter of the tier's objects in index
+        operations; objects used since it was made are skipped (they are no
+        longer where it ranked them).  Smaller tiers rank afresh every time.
+        Consecutive page victims are taken as one batch (:meth:`_evict_pages`),
+        about as many as the bytes still owed need.
+
+        Returns:
+            Bytes freed (may be less when pinned or needed objects remain).
+        """
+        freed = 0
+        follow = self.policy.dependency_aware and kind != ObjectKind.STATE
+        for attempt in range(8):  # a fresh ranking may find more (pages made reclaimable)
+            before = freed
+            victims, made = self._ranking(tier, kind, fresh=attempt > 0)
+            for victim in victims:
+                if victim.kind == ObjectKind.PAGE:
+                    freed += self._evict_page_run(victim, victims, made, tier, nbytes - freed)
+                    if freed >= nbytes:
+                        return freed
+                    continue
+                if made >= 0 and self._used_since(victim, made):
+                    continue
+                exclusive = self._exclusive_pages(victim) if follow else _NO_PAGES
+                got = self.evict_one(victim, tier)
+                freed += got
+                if freed >= nbytes:
+                    return freed
+                if got and exclusive.size:
+                    # The pages only this checkpoint needed are reclaimable now, and a
+                    # fresh ranking would offer them first; a reused one has passed them.
+                    freed += self._evict_pages(exclusive, tier, nbytes - freed)[0]
+                    if freed >= nbytes:
+                        return freed
+            self._rankings.pop((tier, kind), None)
+            if freed == before and attempt:
+                break
+        return freed
+
+    def _evict_page_run(self, victim: Victim, victims: _Victims, made: int, tier: str,
+                        owed: int) -> int:
+        """Evict ``victim`` and the page victims right after it, as many as ``owed`` bytes
+        need; victims taken but not reached go back to ``victims``.  Returns bytes freed."""
+        index = self.res.index
+        want = max(1, min(4096, -(-owed // max(1, self.res.tiers[tier].charge(
+            index.page_nbytes(int(victim.ref)))))))
+        run, seen = [victim], {victim.ref}
+        for nxt in victims:
+            if nxt.kind != ObjectKind.PAGE:
+                victims.push_back([nxt])
+                break
+            if nxt.ref in seen:        # named twice: the second time there is nothing to free
+                continue
+            seen.add(nxt.ref)
+            run.append(nxt)
+            if len(run) >= want:
+                break
+        ids = np.fromiter((int(v.ref) for v in run), np.int64, len(run))
+        if made >= 0:
+            keep = index.page_columns(ids, ("atime",))["atime"] <= made   # used since: skipped
+            ids = ids[keep]
+            run = [v for v, k in zip(run, keep.tolist()) if k]
+        got, taken = self._evict_pages(ids, tier, owed)
+        victims.push_back(run[taken:])
+        return got
+
+    def _evict_pages(self, ids: np.ndarray, tier: str, owed: int) -> tuple[int, int]:
+        """:meth:`evict_one` of pages ``ids`` in order, vectorised, until ``owed`` bytes
+        are freed.  Returns ``(bytes freed, how many of ids were considered)``.
+
+        The same rules as :meth:`evict_one`: never a pinned page or one whose copy is
+        in flight; the last copy of a page that retained checkpoints need stays under
+        a dependency-aware policy.  When the last copy would be spilled to the tier
+        below, the pages go one by one through :meth:`evict_one`.
+        """
+        if not ids.size:
+            return 0, 0
+        res = self.res
+        index, t = res.index, res.tiers[tier]
+        bit = TIER_BITS[tier]
+        cols = index.page_columns(ids, ("tiers", "deps", "pins", "nbytes"))
+        tiers, deps, pins, nbytes = cols["tiers"], cols["deps"], cols["pins"], cols["nbytes"]
+        ok = ((tiers & bit) != 0) & (pins == 0)
+        last = (tiers & (~bit & 0xFF)) == 0
+        if res.spills(ObjectKind.PAGE, tier) and (ok & last).any():
+            freed = 0
+            for i, nid in enumerate(ids.tolist()):
+                freed += self.evict_one(Victim(ObjectKind.PAGE, nid), tier)
+                if freed >= owed:
+                    return freed, i + 1
+            return freed, len(ids)
+        if self.policy.dependency_aware:
+            ok &= ~last | (deps == 0)
+        cand = np.flatnonzero(ok)
+        okeys: Sequence[ObjectKey] | None = None   # built for what is evicted, unless needed here
+        inflight = self.copies.inflight
+        if inflight:
+            batch = KeyBatch.of(ObjectKind.PAGE, index.page_keys_blob(ids[cand]))
+            free_now = np.fromiter((not inflight[k] for k in batch), bool, len(batch))
+            cand, okeys = cand[free_now], [k for k, f in zip(batch, free_now.tolist()) if f]
+        sizes = nbytes[cand]
+        if not sizes.size or sizes.min() == sizes.max():      # pages of one size: the usual case
+            charges = np.full(sizes.size, t.charge(int(sizes[0])) if sizes.size else 0, np.int64)
+        else:
+            uniq, inv = np.unique(sizes, return_inverse=True)
+            charges = np.array([t.charge(int(n)) for n in uniq], np.int64)[inv]
+        cum = np.cumsum(charges)
+        n = int(np.searchsorted(cum, owed)) + 1   # the first prefix that frees `owed`
+        if n <= len(cand):
+            cand, charges = cand[:n], charges[:n]
+            considered = int(cand[-1]) + 1
+        else:
+            considered = len(ids)
+        if not len(cand):
+            return 0, considered
+        sel = ids[cand]
+        t.delete_many(okeys[:len(cand)] if okeys is not None
+                      else KeyBatch.of(ObjectKind.PAGE, index.page_keys_blob(sel)))
+        self._forget_pages(sel, tier, last[cand])
+        freed = int(charges.sum())
+        res.kind_bytes[tier][ObjectKind.PAGE] -= freed
+        res.objects[tier] -= len(sel)
+        self.evictions += len(sel)
+        return freed, considered
+
+    def _forget_pages(self, nids: np.ndarray, tier: str, last: np.ndarray) -> None:
+        """The index side of dropping pages ``nids`` from ``tier`` (``last``: it held their
+        only copy, so their residence ends)."""
+        index = self.res.index
+        if last.any():
+            ages = index.now() - index.page_columns(nids[last], ("ctime",))["ctime"]
+            self.res.residence.observe_many(ObjectKind.PAGE, ages)
+        index.drop_pages_tier(nids, tier)
+
+    def _ranking(self, tier: str, kind: ObjectKind | None, fresh: bool) -> tuple[_Victims, int]:
+        """The policy's victim order for ``tier``, reused when the tier is large (see :meth:`evict`)."""
+        n = self.res.objects[tier]
+        if n < REUSE_RANKING_OBJECTS:
+            return _Victims(self._victims(tier, kind)), -1
+        now = self.res.index.now()
+        entry = self._rankings.get((tier, kind))
+        if fresh or entry is None or now - entry[1] > n // 4:
+            entry = (_Victims(self._victims(tier, kind)), now)
+            self._rankings[(tier, kind)] = entry
+        return entry
+
+    def _victims(self, tier: str, kind: ObjectKind | None) -> Iterator[Victim]:
+        """The policy's order; it may leave out what :meth:`evict_one` would refuse anyway."""
+        keep = self.policy.dependency_aware and not self.res.spills(ObjectKind.PAGE, tier)
+        return self.policy.victims(self.res.index, tier, kind, keep_needed=keep)
+
+    def _exclusive_pages(self, victim: Victim) -> np.ndarray:
+        index = self.res.index
+        ck = index.checkpoint(bytes(victim.ref)) if victim.kind == ObjectKind.STATE else None
+        return _NO_PAGES if ck is None else index.exclusive_page_ids(ck)
+
+    def _used_since(self, victim: Victim, t: int) -> bool:
+        """Whether a checkpoint victim was used after ranking time ``t`` (pages: in a batch)."""
+        ck = self.res.index.checkpoint(bytes(victim.ref))
+        return ck is not None and ck.atime > t
+
+    def evict_one(self, victim: Victim, tier: str) -> int:
+        """Evict one object from ``tier`` if the safety rules allow; returns bytes freed.
+
+        Never a pinned object or one whose SSD write is in flight.  The last
+        copy of an object is written to SSD first when the tier policy spills
+        its kind; otherwise the last copy of a page that retained checkpoints
+        need stays (dependency-aware policies evict the checkpoint first).
+        """
+        res = self.res
+        index = res.index
+        bit = TIER_BITS[tier]
+        if victim.kind == ObjectKind.PAGE:
+            nid = int(victim.ref)
+            tiers, deps, pins, nbytes = index.page_state(nid)   # a freed node holds no tier
+            if not tiers & bit or pins:
+                return 0
+            okey = object_key(ObjectKind.PAGE, index.node_key(nid))
+            elsewhere, needed = tiers & ~bit, deps > 0
+        else:
+            ck = index.checkpoint(bytes(victim.ref))
+            if ck is None or not ck.tiers & bit or ck.pins:
+                return 0
+            okey = object_key(ObjectKind.STATE, ck.key)
+            elsewhere, needed, nbytes = ck.tiers & ~bit, False, ck.nbytes
+        if self.copies.inflight[okey]:
+            return 0
+        if not elsewhere:
+            spilled = False
+            below = res.below(tier)
+            if below is not None and res.spills(victim.kind, tier):
+                try:
+                    self.copies.spill(okey, victim.kind, nbytes, tier, below)
+                    spilled = True
+                except CapacityError:
+                    # The tier below is full of what it must keep: the object is
+                    # dropped instead (a checkpoint always may be; a page only when
+                    # nothing needs it or the policy ignores dependencies).
+                    pass
+            if not spilled and needed and self.policy.dependency_aware:
+                return 0
+        freed = res.tiers[tier].charge(nbytes)
+        res.drop(okey, tier)
+        self.evictions += 1
+        return freed

@@ -1,0 +1,484 @@
+"""``HybridStore``: the public facade over index, policies and tiers.
+
+The engine contract (ARCHITECTURE.md):
+
+1. ``plan = store.match(prompt)`` — deepest complete resume point, pinned;
+2. ``store.load(plan, into=...)`` — a future; restores the pages and the one
+   checkpoint from whichever tier holds them;
+3. the engine prefills from ``plan.position``, asks
+   ``store.checkpoint_positions(...)`` where to capture states, then calls
+   ``put_kv(...)`` for new pages and ``put_state(...)`` for captured states;
+4. ``store.release(plan)``.  Eviction and tier moves happen under capacity
+   pressure, as the policies rank.
+
+Objects are written into the pinned host pool first; with
+``tier_policy="write-through"`` every object is also written to the disk tier
+in the background (it becomes visible there once durable), with
+``"write-back"`` only when DRAM evicts it (``policy/tiering.py`` has the rest).  All public methods are
+thread-safe: index and policy work happens under one lock, byte copies and
+disk I/O outside it, protected by pins and host-slot references.
+
+The facade holds the lock and the counters and delegates to the layers of
+``store/``: :class:`~hybridstore.store.residency.Residency` (who holds what),
+:class:`~hybridstore.store.copies.TierCopies` (copies between tiers),
+:class:`~hybridstore.store.evictor.Evictor` (the safety rules of eviction),
+:class:`~hybridstore.store.landing.Landing` (puts) and
+:class:`~hybridstore.store.loader.Loader` (loads).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from hybridstore import _native
+from hybridstore.backends.base import Tier
+from hybridstore.backends.host import HostPool
+from hybridstore.config import StoreConfig
+from hybridstore.errors import (
+    MisalignedPageError,
+    PlanReleasedError,
+    StoreClosedError,
+    UnknownTierError,
+)
+from hybridstore.index import keys as hashing
+from hybridstore.index import meta
+from hybridstore.index.prefix import PrefixKeys
+from hybridstore.index.trie import HybridIndex, ResumePlan
+from hybridstore.layout import Layout, batch_row, batch_rows
+from hybridstore.objects import TIER_BITS, TIER_ORDER, ObjectKind
+from hybridstore.policy import admission_policy, eviction_policy
+from hybridstore.policy.base import AdmissionPolicy, EvictionPolicy, PlacementPolicy
+from hybridstore.policy.placement import RequestEnd
+from hybridstore.policy.tiering import tier_policy
+from hybridstore.store.copies import TierCopies
+from hybridstore.store.evictor import Evictor
+from hybridstore.store.landing import LAYOUT_INFO, Landing
+from hybridstore.store.loader import Loader
+from hybridstore.store.residency import Residency
+
+
+class HybridStore:
+    """Prefix cache of a hybrid model across GPU memory, pinned DRAM and SSD.
+
+    Args:
+        config: the store's configuration (``StoreConfig()`` when omitted).
+        tiers: tiers to use instead of the ones ``config`` describes, by name
+            (``"device"``, ``"host"``, ``"disk"``); the simulator passes
+            accounting-only tiers here.
+        placement: where :meth:`checkpoint_positions` asks the engine to
+            capture states (request end and anchors by default).
+        eviction, admission: policy instances that override ``config.policy``
+            and ``config.checkpoint_policy`` (for policies with parameters,
+            e.g. a model's prefill cost).
+
+    Example::
+
+        cfg = StoreConfig(block_size=16, host_bytes=256 << 20, disk_path="/nvme/hs")
+        with HybridStore(cfg) as store:
+            store.put_kv(tokens[:32], pages)        # the two pages of blocks 0 and 1
+            store.put_state(tokens[:40], state)     # checkpoint at position 40
+            plan = store.match(query)
+            pages, state = store.load(plan).result()
+            store.release(plan)
+    """
+
+    def __init__(self, config: StoreConfig | None = None, *, tiers: dict[str, Tier] | None = None,
+                 placement: PlacementPolicy | None = None, eviction: EvictionPolicy | None = None,
+                 admission: AdmissionPolicy | None = None) -> None:
+        self.config = cfg = config or StoreConfig()
+        self._lock = threading.RLock()
+        self._closed = False
+        self._eviction = eviction or eviction_policy(cfg.policy)
+        self._admission = admission or admission_policy(cfg.checkpoint_policy)
+        self._placement = placement or RequestEnd()
+        self._root = hashing.namespace_root(cfg.namespace)
+        self.index = HybridIndex(cfg.block_size, self._root)
+        self.tiers: dict[str, Tier] = dict(tiers) if tiers is not None else self._open_tiers(cfg)
+        for name in self.tiers:
+            if name not in TIER_BITS:
+                raise UnknownTierError(f"unknown tier {name!r}; tiers are {list(TIER_BITS)}")
+        self._layouts: dict[ObjectKind, Layout] = {}
+        self._res = res = Residency(self.index, self.tiers, tier_policy(cfg.tier_policy),
+                                    cfg.block_size)
+        self.residence = res.residence
+        self._copies = TierCopies(res)
+        self._evictor = Evictor(res, self._copies, self._eviction)
+        self._landing = Landing(res, self._copies, self._evictor, self._admission, self._layouts)
+        self._loader = Loader(res, self._layouts, self._lock)
+        self._admission.bind(free_bytes=lambda: res.room(res.chain[0], ObjectKind.STATE),
+                             tier=res.chain[0])
+        self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hybridstore-load")
+        self._counters = {"matches": 0, "hit_tokens": 0, "query_tokens": 0, "loads": 0}
+        if "disk" in self.tiers and self.tiers["disk"].durable:
+            self._reopen()
+
+    # -- construction ---------------------------------------------------------------
+    @staticmethod
+    def _open_tiers(cfg: StoreConfig) -> dict[str, Tier]:
+        tiers: dict[str, Tier] = {}
+        if cfg.device_bytes:
+            from hybridstore.backends.device import DeviceTier
+
+            tiers["device"] = DeviceTier(cfg.device_bytes)
+        tiers["host"] = HostPool(cfg.host_bytes, pin=cfg.pin_host_memory, h2d_gbps=cfg.h2d_gbps)
+        if cfg.disk_path is not None:
+            from hybridstore.backends.disk import (
+                DiskTier,  # imports the I/O engines: only when used
+            )
+
+            try:
+                tiers["disk"] = DiskTier(cfg.disk_path, cfg.disk_bytes, engine=cfg.disk_engine,
+                                         segment_bytes=cfg.disk_segment_bytes,
+                                         io_threads=cfg.io_threads, ssd_gbps=cfg.ssd_gbps,
+                                         h2d_gbps=cfg.h2d_gbps,
+                                         verify_checksums=cfg.verify_checksums)
+            except BaseException:
+                tiers["host"].close()
+                raise
+        return tiers
+
+    def _reopen(self) -> None:
+        """Make every object the disk tier kept matchable again (pages first)."""
+        disk = self.tiers["disk"]
+        for kind in (ObjectKind.PAGE, ObjectKind.STATE):
+            raw = disk.get_info(LAYOUT_INFO[kind])
+            if raw is not None:
+                self._layouts[kind] = Layout.from_json(raw)
+        states = []
+        for key, nbytes, blob in disk.entries():
+            info = meta.decode(blob)
+            if isinstance(info, meta.PageMeta):
+                self.index.restore_page(key[1:], info.block, info.ntok, info.parent_key, "disk", nbytes)
+            else:
+                states.append((key, nbytes, info))
+        for key, nbytes, state in states:
+            self.index.restore_checkpoint(key[1:], state.position, state.base_key, state.covers,
+                                          "disk", nbytes)
+
+    # -- keys -------------------------------------------------------------------------
+    def prefix(self, tokens: Any) -> PrefixKeys:
+        """Hash a prompt once; every call below also accepts the result."""
+        if isinstance(tokens, PrefixKeys):
+            return tokens
+        return PrefixKeys.from_tokens(tokens, block_size=self.config.block_size, root=self._root)
+
+    def prefix_from_block_ids(self, block_ids: Sequence[int] | np.ndarray,
+                              length: int | None = None) -> PrefixKeys:
+        """A prompt given as already-hashed block ids (as traces carry them)."""
+        return PrefixKeys.from_block_ids(block_ids, block_size=self.config.block_size,
+                                         root=self._root, length=length)
+
+    # -- put ----------------------------------------------------------------------------
+    def put_kv(self, tokens: Any, pages: Any) -> int:
+        """Store KV pages of the blocks that end at ``len(tokens)``.
+
+        Args:
+            tokens: the prompt up to the end of the last page (token ids or a
+                :class:`PrefixKeys`).  Its length is a block end, or the end of
+                the final partial block.
+            pages: one page (a tensor/array or dict of them: the block that
+                ends at ``len(tokens)``), or a list of pages for consecutive
+                blocks ending there.
+
+        Returns:
+            The number of pages newly stored (pages already held are touched).
+        """
+        prompt = self.prefix(tokens)
+        batch = list(pages) if isinstance(pages, (list, tuple)) else [pages]
+        first = self._landing.first_block(prompt, len(batch))
+        with self._lock:
+            self._check_open()
+            self._copies.drain()
+            layout = self._landing.layout(ObjectKind.PAGE, batch[0], "page")
+            for page in batch[1:]:
+                layout.check(page, "page")
+            return self._landing.put_pages(prompt, first, layout.nbytes,
+                                           lambda i, slot: layout.pack_into(batch[i], slot))
+
+    def put_kv_batch(self, tokens: Any, batch: Any, *, count: int | None = None) -> int:
+        """Store the KV pages of consecutive blocks ending at ``len(tokens)`` from one
+        page-major batch (the layout ``load(plan, into=(batch, state))`` fills).
+
+        New pages land in the pinned pool a run at a time: slots for the run are
+        staged together and each layout entry of the whole run is one scatter of
+        batch rows into them, instead of a copy per page.  A GPU batch is copied
+        to host one run at a time first.
+
+        Args:
+            tokens: the prompt up to the end of the last page (token ids or a
+                :class:`PrefixKeys`), as for :meth:`put_kv`.
+            batch: one tensor/array, or a dict of them, whose first dimension
+                indexes pages: row ``i`` of every entry is the page of block
+                ``nblocks - count + i``.  Every entry is contiguous.
+            count: pages to store (the batch's first ``count`` rows); defaults
+                to all its rows.
+
+        Returns:
+            The number of pages newly stored (pages already held are touched).
+
+        Raises:
+            LayoutMismatchError: the batch's rows do not have the store's page
+                layout, its entries disagree in rows, or one is not contiguous
+                (nothing is stored).
+            MisalignedPageError: more pages than the prompt has blocks.
+        """
+        prompt = self.prefix(tokens)
+        rows = batch_rows(batch)
+        n = rows if count is None else count
+        if not 0 < n <= rows:
+            raise MisalignedPageError(f"count={count} pages, but the batch has {rows} rows; "
+                                      "pass 1 <= count <= rows")
+        first = self._landing.first_block(prompt, n)
+        with self._lock:
+            self._check_open()
+            self._copies.drain()
+            layout = self._landing.layout(ObjectKind.PAGE, batch_row(batch, 0), "page")
+            scatter = self._landing.batch_scatter(layout.batch_targets(batch, n))
+            return self._landing.put_pages(
+                prompt, first, layout.nbytes,
+                lambda i, slot: layout.pack_into(batch_row(batch, i), slot), scatter)
+
+    def put_kv_sized(self, tokens: Any, *, nbytes: int, first_block: int = 0) -> int:
+        """Record pages by size only (accounting tiers: the trace simulator).
+
+        Args:
+            tokens: the prompt (token ids, or :class:`PrefixKeys` from block ids).
+            nbytes: bytes of one page.
+            first_block: the first block to record; every later block of the
+                prompt is recorded too.
+        """
+        prompt = self.prefix(tokens)
+        with self._lock:
+            self._check_open()
+            self._copies.drain()
+            return self._landing.put_pages(prompt, first_block, nbytes, None)
+
+    def put_kv_page(self, tokens: Any, page: Any, *, end: int) -> int:
+        """Store the page of the block ending at ``end`` of a longer prompt.
+
+        Raises:
+            MisalignedPageError: ``end`` is neither a block end nor the
+                prompt's length.
+        """
+        prompt = self.prefix(tokens)
+        B = self.config.block_size
+        if not 0 < end <= prompt.length or (end % B and end != prompt.length):
+            raise MisalignedPageError(
+                f"a page must end at a multiple of block_size={B} or at the prompt's end "
+                f"({prompt.length}); got end={end}. Round it to a block end.")
+        if end == prompt.length:
+            return self.put_kv(prompt, page)
+        if prompt.tokens is not None:
+            return self.put_kv(self.prefix(prompt.tokens[:end]), page)
+        return self.put_kv(PrefixKeys(block_size=B, length=end, root=prompt.root,
+                                      keys=prompt.keys[: end // B], tokens=None), page)
+
+    def put_state(self, tokens: Any, state: Any, *, position: int | None = None) -> bool:
+        """Store the recurrent-state checkpoint taken at ``position``.
+
+        Args:
+            tokens: the prompt (token ids or :class:`PrefixKeys`); tokens past
+                ``position`` let the store link the checkpoint to the page of
+                its block that continues past it.
+            state: ``dict[str, tensor]`` (or one tensor) of all recurrent
+                layers' states at ``position``.
+            position: defaults to ``len(tokens)``; any token position, not
+                only block ends.
+
+        Returns:
+            True when the checkpoint is held (False: the admission policy
+            declined it).
+        """
+        prompt = self.prefix(tokens)
+        p = self._landing.state_position(prompt, position)
+        with self._lock:
+            self._check_open()
+            self._copies.drain()
+            layout = self._landing.layout(ObjectKind.STATE, state, "state")
+            return self._landing.put_state(prompt, p, layout.nbytes,
+                                           lambda slot: layout.pack_into(state, slot))
+
+    def put_state_sized(self, tokens: Any, *, nbytes: int, position: int | None = None) -> bool:
+        """Record a checkpoint by size only (accounting tiers: the trace simulator)."""
+        prompt = self.prefix(tokens)
+        p = self._landing.state_position(prompt, position)
+        with self._lock:
+            self._check_open()
+            self._copies.drain()
+            return self._landing.put_state(prompt, p, nbytes, None)
+
+    # -- match / load / release ---------------------------------------------------------
+    def match(self, tokens: Any, *, max_position: int | None = None) -> ResumePlan:
+        """The deepest complete resume point of a prompt; pinned until :meth:`release`.
+
+        Args:
+            tokens: token ids, or a :class:`PrefixKeys` (also from block ids).
+            max_position: do not resume past this position (engines that
+                must compute the last token's logits pass ``len - 1``).
+        """
+        prompt = self.prefix(tokens)
+        with self._lock:
+            self._check_open()
+            self._copies.drain()
+            plan = self.index.match(prompt, max_position)
+            if plan.state_key is not None:
+                ck = self.index.checkpoint(plan.state_key)
+                assert ck is not None
+                self._eviction.on_hit(self.index, ck)
+            self._counters["matches"] += 1
+            self._counters["hit_tokens"] += plan.position
+            self._counters["query_tokens"] += prompt.length
+            return plan
+
+    def release(self, plan: ResumePlan) -> None:
+        """Drop the plan's pins (each plan is released exactly once)."""
+        with self._lock:
+            self.index.release(plan)
+
+    def restore_cost(self, plan: ResumePlan) -> dict[str, tuple[int, float]]:
+        """Bytes and modeled seconds to restore ``plan``, per tier it would read from.
+
+        Each object is read from the fastest tier holding it; a tier's
+        ``read_seconds`` models its path into engine memory (HiState eq. 2:
+        ``X / B_H2D`` from DRAM, ``X / B_SSD + X / B_H2D`` from SSD).
+        """
+        with self._lock:
+            if not self.index.is_live(plan):
+                raise PlanReleasedError(f"plan {plan.plan_id} was released; match again first")
+            sizes: dict[str, int] = {}
+            if len(plan.pages):
+                cols = self.index.page_columns(plan.pages)
+                taken = np.zeros(len(plan.pages), bool)
+                for name in TIER_ORDER:
+                    if name not in self.tiers:
+                        continue
+                    here = ~taken & ((cols["tiers"] & TIER_BITS[name]) != 0)
+                    if here.any():
+                        sizes[name] = int(cols["nbytes"][here].sum())
+                    taken |= here
+            if plan.state_key is not None:
+                ck = self.index.checkpoint(plan.state_key)
+                assert ck is not None
+                name = self._res.holder(ck.tiers)
+                sizes[name] = sizes.get(name, 0) + ck.nbytes
+            return {name: (n, self.tiers[name].read_seconds(n)) for name, n in sizes.items()}
+
+    def load(self, plan: ResumePlan, into: tuple[Any, Any] | None = None, *,
+             skip_tiers: Sequence[str] = ()) -> Future:
+        """Restore the plan's pages and checkpoint.
+
+        Args:
+            plan: a live plan from :meth:`match`.
+            into: optional ``(pages, state_buffers)``, host or device buffers of
+                the stored layout.  ``pages`` is either a list/tuple of at
+                least ``len(plan.pages)`` page buffers (tensor or dict of
+                tensors each), or one *page-major batch*: a tensor (dict of
+                tensors) whose first dimension indexes pages, row ``i`` for
+                page ``i`` — restored with one gather per entry from the pinned
+                pool (:func:`~hybridstore.backends.gather.gather_rows`)
+                instead of a copy per page.
+            skip_tiers: objects whose fastest holder is one of these tiers are
+                not read (their slot in the result is ``None``, their ``into``
+                buffer untouched): an engine passes ``("device",)`` for what is
+                already resident in its own GPU memory.
+
+        Returns:
+            A future of ``(pages, state)``: the pages covering
+            ``[0, plan.position)`` in order and the checkpoint at
+            ``plan.position`` (``([], None)`` for an empty plan).  With
+            ``into`` the filled buffers are returned (the batch itself for a
+            page-major batch).
+        """
+        with self._lock:
+            self._check_open()
+            if not self.index.is_live(plan):
+                raise PlanReleasedError(f"plan {plan.plan_id} was released; match again before load")
+            targets = self._loader.check_into(plan, into) if into is not None else None
+            for name in skip_tiers:
+                if name not in TIER_BITS:
+                    raise UnknownTierError(f"unknown tier {name!r} in skip_tiers; tiers are {list(TIER_BITS)}")
+            jobs, sources = self._loader.prepare(plan, skip_tiers)
+            try:
+                fut = self._io.submit(self._loader.run, plan, jobs, sources, into, targets)
+            except BaseException:
+                self._loader.release_sources(jobs, sources)   # the pool slots held for this load
+                raise
+            self._counters["loads"] += 1
+        return fut
+
+    # -- eviction ---------------------------------------------------------------------
+    def evict(self, nbytes: int, tier: str = "host") -> int:
+        """Free at least ``nbytes`` of ``tier`` if the policy and pins allow.
+
+        Returns:
+            Bytes freed (may be less when pinned or needed objects remain).
+        """
+        with self._lock:
+            self._check_open()
+            if tier not in self.tiers:
+                raise UnknownTierError(f"this store has no {tier!r} tier; it has {list(self.tiers)}")
+            self._copies.drain()
+            return self._evictor.evict(tier, nbytes)
+
+    # -- engine helpers -------------------------------------------------------------
+    def checkpoint_positions(self, *, cached: int, length: int, anchors: Sequence[int] = ()) -> list[int]:
+        """Positions of a new segment ``(cached, length]`` where the engine should capture states."""
+        with self._lock:
+            return self._placement.positions(cached=cached, length=length, anchors=anchors,
+                                             stats=self.residence)
+
+    def flush(self) -> None:
+        """Wait until every disk write has completed and is recorded in the index."""
+        with self._lock:
+            self._copies.wait_pending()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the index, each tier and the store's calls."""
+        with self._lock:
+            self._copies.drain()
+            out: dict[str, Any] = dict(self._counters)
+            out["evictions"] = self._evictor.evictions
+            out["corrupt"] = self._loader.corrupt
+            out["pages"] = self.index.n_pages
+            out["checkpoints"] = self.index.n_checkpoints
+            out["token_hit_rate"] = (self._counters["hit_tokens"] / self._counters["query_tokens"]
+                                     if self._counters["query_tokens"] else 0.0)
+            out["loaded_bytes"] = dict(self._loader.loaded_bytes)
+            out["tiers"] = {name: tier.stats() for name, tier in self.tiers.items()}
+            out["native"] = _native.in_use()
+            return out
+
+    # -- lifecycle --------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish in-flight writes, then close every tier.  Idempotent."""
+        if self._closed:
+            return
+        self.flush()
+        with self._lock:
+            self._closed = True
+            self._copies.closed = True
+        self._io.shutdown(wait=True)
+        for tier in self.tiers.values():
+            tier.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("this HybridStore was closed; open a new one")
+
+    def __enter__(self) -> HybridStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:
+                pass
