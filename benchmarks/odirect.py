@@ -32,10 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from hybridstore.objects import ALIGN
+
 __all__ = ["IoJob", "cached_fraction", "drop_page_cache", "fio_matrix", "fio_path",
            "fio_version", "make_test_file", "pool_run"]
 
-ALIGN = 4096
 _READS = ("read", "randread")
 
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hybridstore import _native
 from hybridstore.errors import ConfigError, InvalidTokensError
 from hybridstore.index import keys as K
+from hybridstore.objects import HASH_BYTES
 from tests.twins import REQUIRE_NATIVE, extension, needs_native, running
 
 REPO_SRC = Path(__file__).resolve().parents[2] / "src"
@@ -293,7 +294,7 @@ def test_namespace_root_known_answers() -> None:
     assert K.namespace_root("tenant-a").hex() == ROOT_TENANT_A
     assert K.namespace_root("tenant-a") == hashlib.blake2b(
         b"tenant-a", digest_size=16, person=b"hybridstore-v1").digest()
-    assert len(K.namespace_root("ünïcode")) == K.KEY_BYTES == 16
+    assert len(K.namespace_root("ünïcode")) == HASH_BYTES == 16
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -551,7 +552,7 @@ def test_key_byte_forms_round_trip() -> None:
     as_bytes = K.keys_to_bytes(keys)
     assert len(as_bytes) == keys.shape[0]
     for row, b in zip(keys, as_bytes):
-        assert len(b) == K.KEY_BYTES
+        assert len(b) == HASH_BYTES
         assert b == K.key_to_bytes(row) == K.key_to_bytes((int(row[0]), int(row[1])))
         assert K.bytes_to_key(b) == (int(row[0]), int(row[1]))
         assert b[:8] == int(row[0]).to_bytes(8, "little")

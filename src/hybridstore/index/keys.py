@@ -58,9 +58,9 @@ import numpy as np
 
 from hybridstore import _native
 from hybridstore.errors import ConfigError, InvalidTokensError
+from hybridstore.objects import HASH_BYTES
 
 __all__ = [
-    "KEY_BYTES",
     "as_token_array",
     "block_prefix_keys",
     "bytes_to_key",
@@ -70,9 +70,6 @@ __all__ = [
     "keys_to_bytes",
     "namespace_root",
 ]
-
-KEY_BYTES = 16
-"""Length of a key's byte form."""
 
 _M64 = (1 << 64) - 1
 _P1 = 0x9E3779B185EBCA87
@@ -118,7 +115,7 @@ def namespace_root(namespace: str | bytes) -> bytes:
         raise InvalidTokensError(
             f"namespace must be str or bytes, got {type(namespace).__name__}; "
             "pass the tenant name as a string")
-    return hashlib.blake2b(data, digest_size=KEY_BYTES, person=_PERSON).digest()
+    return hashlib.blake2b(data, digest_size=HASH_BYTES, person=_PERSON).digest()
 
 
 def key_to_bytes(row: Any) -> bytes:
@@ -144,13 +141,13 @@ def keys_to_bytes(arr: np.ndarray) -> list[bytes]:
         arr: keys as returned by :func:`chain_hash_tokens` and friends.
 
     Returns:
-        ``n`` byte strings of :data:`KEY_BYTES` bytes each.
+        ``n`` byte strings of :data:`HASH_BYTES` bytes each.
     """
     a = np.asarray(arr)
     if a.ndim != 2 or a.shape[1] != 2:
         raise InvalidTokensError(f"a key array has shape (n, 2), got shape {a.shape}")
     raw = a.astype("<u8", copy=False).tobytes()
-    return [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
+    return [raw[i:i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)]
 
 
 def bytes_to_key(b: bytes) -> tuple[int, int]:
@@ -166,20 +163,20 @@ def bytes_to_key(b: bytes) -> tuple[int, int]:
         InvalidTokensError: ``b`` is not 16 bytes long.
     """
     raw = bytes(b)
-    if len(raw) != KEY_BYTES:
-        raise InvalidTokensError(f"a key is {KEY_BYTES} bytes, got {len(raw)}")
+    if len(raw) != HASH_BYTES:
+        raise InvalidTokensError(f"a key is {HASH_BYTES} bytes, got {len(raw)}")
     return int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")
 
 
 def _parent_pair(parent: Any) -> tuple[int, int]:
     if isinstance(parent, (bytes, bytearray, memoryview)):
         raw = bytes(parent)
-        if len(raw) == KEY_BYTES:
+        if len(raw) == HASH_BYTES:
             return int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")
     elif isinstance(parent, np.ndarray) and parent.shape == (2,) and parent.dtype.kind == "u":
         return int(parent[0]), int(parent[1])
     raise InvalidTokensError(
-        f"parent must be a {KEY_BYTES}-byte key (e.g. namespace_root(ns) or "
+        f"parent must be a {HASH_BYTES}-byte key (e.g. namespace_root(ns) or "
         f"key_to_bytes(keys[k])), got {type(parent).__name__}"
         + (f" of length {len(parent)}" if hasattr(parent, "__len__") else ""))
 

@@ -17,9 +17,7 @@ from typing import Any
 import numpy as np
 
 from hybridstore.errors import BackendIOError
-
-ALIGN = 4096
-"""Alignment of file offsets, lengths and buffers for O_DIRECT and GDS."""
+from hybridstore.objects import ALIGN, byte_view
 
 DEFAULT_CHUNK_BYTES = 512 << 10
 """Largest piece a large I/O is split into (the request size the device sees).
@@ -223,17 +221,6 @@ class Engine(ABC):
 
     def close(self) -> None:
         """Release the engine's threads and buffers."""
-
-
-def byte_view(buf: Any, nbytes: int) -> np.ndarray:
-    """``buf[:nbytes]`` as a contiguous 1-D uint8 numpy view (no copy)."""
-    arr = buf if isinstance(buf, np.ndarray) else np.asarray(memoryview(buf))
-    if not arr.flags.c_contiguous:
-        raise ValueError("I/O buffers must be C-contiguous")
-    arr = arr.reshape(-1).view(np.uint8)
-    if arr.nbytes < nbytes:
-        raise ValueError(f"buffer holds {arr.nbytes} bytes, the I/O needs {nbytes}")
-    return arr[:nbytes]
 
 
 def piece_size(piece_bytes: int) -> int:

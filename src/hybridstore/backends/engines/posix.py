@@ -19,10 +19,10 @@ from hybridstore.backends.engines.base import (
     Engine,
     PieceStream,
     buffer_address,
-    byte_view,
     round_up,
 )
 from hybridstore.errors import BackendIOError, ConfigError
+from hybridstore.objects import byte_view
 
 log = logging.getLogger("hybridstore.backends.engines")
 
