@@ -15,7 +15,16 @@ variable                           field                      example
 ``HYBRIDSTORE_TIER_POLICY``        ``tier_policy``            ``write-through``
 ``HYBRIDSTORE_DISK_ENGINE``        ``disk_engine``            ``auto``
 ``HYBRIDSTORE_IO_THREADS``         ``io_threads``             ``8``
+``KVIKIO_AUTO_DIRECT_IO_READ``,    ``kvikio_keep``            (set: kvikio's own)
+``KVIKIO_TASK_SIZE``
 =================================  =========================  ==================
+
+kvikio reads its ``KVIKIO_*`` variables itself; ``from_env`` only notes which
+of the settings the kvikio engine tunes the user gave kvikio that way, so the
+engine leaves those alone (``kvikio_keep``).  One process-wide switch is not
+store configuration and is read at import by ``hybridstore._native``, as
+py-lmdb reads ``LMDB_FORCE_CFFI``: `HYBRIDSTORE_FORCE_TWINS=1` runs the Python
+twins of the compiled extensions.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from typing import Any
 from hybridstore.errors import ConfigError
 
 DISK_ENGINES = ("auto", "kvikio", "posix")
+KVIKIO_TUNED = frozenset({"auto_direct_io_read", "task_size"})
+"""The kvikio settings the kvikio engine tunes (``backends/engines/kvikio.py``)."""
 TIER_POLICY_NAMES = ("write-through", "write-back", "partition", "asymmetric")
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
@@ -79,6 +90,9 @@ class StoreConfig:
         h2d_gbps, ssd_gbps: bandwidths used to *model* restore time (the
             HiState paper's 64 GB/s H2D and 5 GB/s SSD by default).
         verify_checksums: check every object read from disk.
+        kvikio_keep: kvikio settings the kvikio engine leaves as kvikio has them
+            (``"auto_direct_io_read"``, ``"task_size"``) instead of applying its
+            own measured values; the engine's values are restored when it closes.
     """
 
     block_size: int = 16
@@ -97,6 +111,7 @@ class StoreConfig:
     h2d_gbps: float = 64.0
     ssd_gbps: float = 5.0
     verify_checksums: bool = True
+    kvikio_keep: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1 << 16:
@@ -116,6 +131,9 @@ class StoreConfig:
             raise ConfigError(f"io_threads must be in [1, 256], got {self.io_threads}")
         if self.h2d_gbps <= 0 or self.ssd_gbps <= 0:
             raise ConfigError("h2d_gbps and ssd_gbps must be positive")
+        if not isinstance(self.kvikio_keep, frozenset) or not self.kvikio_keep <= KVIKIO_TUNED:
+            raise ConfigError(f"kvikio_keep must be a frozenset of {sorted(KVIKIO_TUNED)}, "
+                              f"got {self.kvikio_keep!r}")
         if self.disk_path is not None and not isinstance(self.disk_path, (str, os.PathLike)):
             raise ConfigError(f"disk_path must be a path or None, got {self.disk_path!r}")
 
@@ -130,7 +148,7 @@ class StoreConfig:
         kwargs: dict[str, object] = {}
         for field in dataclasses.fields(cls):
             raw = env.get(f"HYBRIDSTORE_{field.name.upper()}")
-            if raw is None:
+            if raw is None or field.name == "kvikio_keep":
                 continue
             if field.name.endswith("_bytes"):
                 kwargs[field.name] = parse_bytes(raw)
@@ -145,5 +163,7 @@ class StoreConfig:
                 kwargs[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
             else:
                 kwargs[field.name] = raw
+        kwargs["kvikio_keep"] = frozenset(name for name in sorted(KVIKIO_TUNED)
+                                          if f"KVIKIO_{name.upper()}" in env)
         kwargs.update(overrides)
         return cls(**kwargs)  # type: ignore[arg-type]

@@ -152,7 +152,8 @@ def test_verified_reads_of_large_objects_and_corruption(tmp_path: Path) -> None:
 
 
 def test_kvikio_engine_tuning_under_the_stand_in_driver(tmp_path: Path) -> None:
-    """O_DIRECT compat reads and 512 KiB tasks, unless the environment says otherwise.
+    """O_DIRECT compat reads and 512 KiB tasks, unless the environment says otherwise
+    (``StoreConfig.from_env`` reads it, the engine is told through ``kvikio_keep``).
 
     Runs in a subprocess with the TEST FIXTURE stand-in ``libcuda.so.1`` (as
     tests/backends/test_disk.py does); this process never loads it.
@@ -170,8 +171,10 @@ def test_kvikio_engine_tuning_under_the_stand_in_driver(tmp_path: Path) -> None:
     lib = build_fake_libcuda(tmp_path / "cuda")
     src = Path(__file__).resolve().parents[2] / "src"
     code = ("import kvikio.defaults as d\n"
-            "from hybridstore.backends.engines import KvikioEngine\n"
-            "e = KvikioEngine(4)\n"
+            "from hybridstore.backends.engines import select_engine\n"
+            "from hybridstore.config import StoreConfig\n"
+            "cfg = StoreConfig.from_env(io_threads=4)\n"
+            "e = select_engine('kvikio', cfg.io_threads, kvikio_keep=cfg.kvikio_keep)\n"
             "print(e.name, d.get('auto_direct_io_read'), d.get('task_size'),\n"
             "      d.get('num_threads'))\n"
             "e.close()\n")
@@ -189,12 +192,16 @@ def test_kvikio_engine_tuning_under_the_stand_in_driver(tmp_path: Path) -> None:
 
 
 def test_kvikio_keep_names_the_settings_the_environment_gives_kvikio() -> None:
-    from hybridstore.backends.engines import KVIKIO_TUNING, kvikio_keep
+    from hybridstore.backends.engines import KVIKIO_TUNING
+    from hybridstore.config import KVIKIO_TUNED, StoreConfig
 
-    assert kvikio_keep({}) == frozenset()
-    assert kvikio_keep({"KVIKIO_TASK_SIZE": "1048576", "PATH": "/bin"}) == {"task_size"}
+    assert KVIKIO_TUNED == set(KVIKIO_TUNING)   # config names exactly what the engine tunes
+    assert StoreConfig.from_env({}).kvikio_keep == frozenset()
+    env = {"KVIKIO_TASK_SIZE": "1048576", "PATH": "/bin"}
+    assert StoreConfig.from_env(env).kvikio_keep == {"task_size"}
     both = {"KVIKIO_TASK_SIZE": "1", "KVIKIO_AUTO_DIRECT_IO_READ": "ON"}
-    assert kvikio_keep(both) == set(KVIKIO_TUNING)
+    assert StoreConfig.from_env(both).kvikio_keep == set(KVIKIO_TUNING)
+    assert StoreConfig.from_env(both, kvikio_keep=frozenset()).kvikio_keep == frozenset()
 
 
 class _FakeDefaults:

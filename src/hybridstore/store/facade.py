@@ -127,12 +127,14 @@ class HybridStore:
             tiers["device"] = DeviceTier(cfg.device_bytes)
         tiers["host"] = HostPool(cfg.host_bytes, pin=cfg.pin_host_memory, h2d_gbps=cfg.h2d_gbps)
         if cfg.disk_path is not None:
-            from hybridstore.backends.disk import (
-                DiskTier,  # imports the I/O engines: only when used
-            )
+            # imports the I/O engines: only when used
+            from hybridstore.backends.disk import DiskTier
+            from hybridstore.backends.engines import select_engine
 
             try:
-                tiers["disk"] = DiskTier(cfg.disk_path, cfg.disk_bytes, engine=cfg.disk_engine,
+                engine = select_engine(cfg.disk_engine, cfg.io_threads,
+                                       kvikio_keep=cfg.kvikio_keep)
+                tiers["disk"] = DiskTier(cfg.disk_path, cfg.disk_bytes, engine=engine,
                                          segment_bytes=cfg.disk_segment_bytes,
                                          io_threads=cfg.io_threads, ssd_gbps=cfg.ssd_gbps,
                                          h2d_gbps=cfg.h2d_gbps,

@@ -63,7 +63,6 @@ from hybridstore.backends.engines.kvikio import (
     KvikioSettings,
     cuda_driver_usable,
     kvikio_importable,
-    kvikio_keep,
     libcuda_loadable,
 )
 from hybridstore.backends.engines.posix import (
@@ -94,7 +93,6 @@ __all__ = [
     "fsync_path",
     "gather",
     "kvikio_importable",
-    "kvikio_keep",
     "libcuda_loadable",
     "piece_size",
     "round_up",

@@ -37,8 +37,8 @@ class KvikioEngine(Engine):
     the blocking :meth:`read`/:meth:`write` wait on them directly.
 
     Two more process-wide kvikio settings are made (:data:`KVIKIO_TUNING`),
-    unless the user gave kvikio their values (``keep``; by default those whose
-    ``KVIKIO_*`` environment variable is set, :func:`kvikio_keep`):
+    unless the user gave kvikio their values (``keep``: ``StoreConfig.kvikio_keep``,
+    which ``StoreConfig.from_env`` fills from the ``KVIKIO_*`` variables set):
     compat-mode reads use ``O_DIRECT`` where the buffer allows
     (``auto_direct_io_read``; kvikio's default reads through the page cache,
     which ``python -m benchmarks ssd`` measured at 0.4-0.6x the device, and
@@ -51,8 +51,7 @@ class KvikioEngine(Engine):
     Args:
         io_threads: size of kvikio's thread pool.
         keep: names of :data:`KVIKIO_TUNING` settings to leave as kvikio has
-            them (None: ``kvikio_keep(os.environ)``; ``StoreConfig.from_env``
-            is the place that should read the environment, and pass it here).
+            them (none by default).
 
     Raises:
         ConfigError: kvikio cannot be imported, or the CUDA driver library
@@ -71,8 +70,7 @@ class KvikioEngine(Engine):
             raise ConfigError(f"disk_engine='kvikio' but kvikio cannot be imported ({e}); "
                               "pip install kvikio-cu12, or set disk_engine='posix'") from e
         self._kvikio = kvikio
-        if keep is None:
-            keep = kvikio_keep(os.environ)
+        keep = frozenset(keep or ())
         tuning = {name: value for name, value in KVIKIO_TUNING.items() if name not in keep}
         SETTINGS.acquire(kvikio, {"num_threads": io_threads, **tuning})
         self._holds_settings = True
@@ -200,19 +198,8 @@ KVIKIO_TUNING: Mapping[str, Any] = {"auto_direct_io_read": True, "task_size": DE
 """kvikio settings of :class:`KvikioEngine` besides ``num_threads``: O_DIRECT compat reads,
 smaller tasks."""
 
-KVIKIO_ENV = {"auto_direct_io_read": "KVIKIO_AUTO_DIRECT_IO_READ", "task_size": "KVIKIO_TASK_SIZE"}
-"""The environment variable through which kvikio takes each setting of :data:`KVIKIO_TUNING`."""
 
 _SETTING_ERRORS = (AttributeError, KeyError, ValueError, TypeError, RuntimeError)
-
-
-def kvikio_keep(environ: Mapping[str, str]) -> frozenset[str]:
-    """The settings of :data:`KVIKIO_TUNING` that ``environ`` gives kvikio itself.
-
-    kvikio reads its own ``KVIKIO_*`` variables when it loads; a setting named
-    there is the user's, and the engine leaves it as kvikio read it.
-    """
-    return frozenset(name for name, var in KVIKIO_ENV.items() if var in environ)
 
 
 class KvikioSettings:
