@@ -403,42 +403,44 @@ def _all_of(futs: list[Future]) -> Future:
     """One future for ``futs``: their results summed once all are done, or the first error."""
     if len(futs) == 1:
         return futs[0]
-    out: Future = Future()
-    if not futs:
-        out.set_result(0)
-        return out
-    _Group(out, len(futs)).watch(futs)
-    return out
+    total = FutureSum(len(futs))
+    for f in futs:
+        f.add_done_callback(total.done_future)
+    return total.future
 
 
-class _Group:
-    """Completes ``out`` once ``left`` futures are done (see :func:`_all_of`)."""
+class FutureSum:
+    """One future for ``parts`` pieces of work: it completes when the last part is
+    done, with the parts' byte counts summed, or with the first error any part met."""
 
-    def __init__(self, out: Future, left: int) -> None:
-        self._out = out
-        self._left = left
-        self._total = 0
+    __slots__ = ("future", "_left", "_bytes", "_error", "_lock")
+
+    def __init__(self, parts: int) -> None:
+        self.future: Future = Future()
+        self._left = parts
+        self._bytes = 0
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        if not parts:
+            self.future.set_result(0)
 
-    def watch(self, futs: list[Future]) -> None:
-        for f in futs:
-            f.add_done_callback(self._done)
-
-    def _done(self, f: Future) -> None:
-        exc = f.exception()
+    def done(self, nbytes: int, error: BaseException | None = None) -> None:
+        """One part is done: ``nbytes`` moved, or ``error``."""
         with self._lock:
-            if exc is not None:
-                self._error = self._error or exc
-            else:
-                self._total += f.result() or 0
             self._left -= 1
+            self._bytes += nbytes
+            self._error = self._error or error
             last = self._left == 0
         if last:
             if self._error is not None:
-                self._out.set_exception(self._error)
+                self.future.set_exception(self._error)
             else:
-                self._out.set_result(self._total)
+                self.future.set_result(self._bytes)
+
+    def done_future(self, f: Future) -> None:
+        """:meth:`done` with a finished part's future (a done callback)."""
+        exc = f.exception()
+        self.done(0 if exc is not None else (f.result() or 0), exc)
 
 
 class ObjectTable(Tier):

@@ -10,7 +10,6 @@ in flight; a corrupt object is dropped from the catalog and raises
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, cast
@@ -18,6 +17,7 @@ from typing import Any, cast
 import numpy as np
 import xxhash
 
+from hybridstore.backends.base import FutureSum
 from hybridstore.backends.disk.objects import (
     COALESCE_BYTES,
     _check_key,
@@ -122,7 +122,7 @@ class _ReadPath(_TierState):
                     runs[-1].append(i)
                     continue
             runs.append([i])
-        group = _ReadGroup(len(runs))
+        group = FutureSum(len(runs))
         submitted = 0
         try:
             for run in runs:
@@ -137,7 +137,7 @@ class _ReadPath(_TierState):
         return group.future
 
     def _read_run(self, items: list[tuple[bytes, _Object]], dst: np.ndarray, offsets: list[int],
-                  group: _ReadGroup) -> None:
+                  group: FutureSum) -> None:
         """One I/O for neighbouring objects (see :meth:`read_many_into`), then each checksum."""
         first, last = items[0][1].record, items[-1][1].record
         span = last.offset + last.length - first.offset
@@ -215,34 +215,6 @@ class _ReadPath(_TierState):
                                  f"(checksum {got:016x}, expected {rec.checksum:016x}); it was "
                                  "dropped: recompute it and put it again",
                                  key=key, expected=rec.checksum, got=got)
-
-
-class _ReadGroup:
-    """The runs of one :meth:`DiskTier.read_many_into`: its future completes when the
-    last run is done, with the first error any run met."""
-
-    __slots__ = ("future", "_left", "_bytes", "_error", "_lock")
-
-    def __init__(self, runs: int) -> None:
-        self.future: Future = Future()
-        self._left = runs
-        self._bytes = 0
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
-        if not runs:
-            self.future.set_result(0)
-
-    def done(self, nbytes: int, error: BaseException | None) -> None:
-        with self._lock:
-            self._left -= 1
-            self._bytes += nbytes
-            self._error = self._error or error
-            last = self._left == 0
-        if last:
-            if self._error is not None:
-                self.future.set_exception(self._error)
-            else:
-                self.future.set_result(self._bytes)
 
 
 class _ReadTarget:
