@@ -72,7 +72,8 @@ class StoreConfig:
         disk_bytes: hard budget of the SSD tier.
         device_bytes: budget of the GPU tier; 0 disables it (the engine owns
             GPU memory in most deployments).
-        policy: eviction policy name (``"lru"``; ``policy/`` lists the rest).
+        policy: eviction policy name (``"lru"``; ``hybridstore.policy.EVICTION_POLICIES``
+            lists the rest).
         checkpoint_policy: which checkpoints the engine puts are kept
             (``"keep-all"``: every one).
         tier_policy: where objects live across DRAM and SSD:

@@ -5,8 +5,9 @@
  * (found with `strings`/undefined-symbol errors on the installed libkvikio)
  * even for host-memory I/O in POSIX compat mode. This stub lets the test suite
  * drive kvikio's real compat path on machines without a GPU. It is compiled by
- * `tests/backends/conftest.py` into a temporary directory and is only ever put
- * on LD_LIBRARY_PATH of a test *subprocess*; never install or ship it.
+ * `build_fake_libcuda` (`tests/backends/fake_libcuda/__init__.py`) into a
+ * temporary directory and is only ever put on LD_LIBRARY_PATH of a test
+ * *subprocess*; never install or ship it.
  *
  * Behaviour (environment variable FAKE_LIBCUDA_MODE):
  *   unset / "nodevice": cuInit succeeds, cuDeviceGetCount reports 0 devices,

@@ -22,7 +22,7 @@ from hybridstore.objects import ALIGN, byte_view
 DEFAULT_CHUNK_BYTES = 512 << 10
 """Largest piece a large I/O is split into (the request size the device sees).
 
-Measured with ``python -m benchmarks ssd`` (docs/bench.md): the virtio SSD of
+Measured with ``python -m benchmarks ssd`` (docs/bench/ssd.md): the virtio SSD of
 the development VM reads fastest with 2-4 MiB in flight in 256-512 KiB
 requests and slowest with 4-8 MiB requests (what the former 8 MiB split made
 of every large object); NVMe drives saturate with 128 KiB-1 MiB requests at
