@@ -50,7 +50,7 @@ def print_index_report(doc: dict[str, Any], console: Any = None) -> None:
         rows = doc[key]
         if not rows:
             continue
-        t = Table(title=f"hybridstore bench index: {title}")
+        t = Table(title=f"python -m benchmarks index: {title}")
         for col in cols + ("op", "hybridstore", "sglang", "vllm", "same match"):
             t.add_column(col, justify="left" if col in ("shape", "op") else "right")
         for r in rows:
@@ -192,7 +192,7 @@ def plot_index(doc: dict[str, Any], path: str) -> None:
     last[1].tick_params(axis="x", labelsize=7, rotation=20)
     for ax in last[2:]:
         ax.axis("off")
-    fig.suptitle("hybridstore bench index (median latency; lower is better)", fontsize=11)
+    fig.suptitle("python -m benchmarks index (median latency; lower is better)", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

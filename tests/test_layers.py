@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("policy",),
     ("store",),
     ("__init__",),
-    ("adapters", "replay", "bench", "testing", "data"),
+    ("adapters", "replay", "bench", "testing"),
     ("demo",),
     ("cli",),
     ("__main__",),
@@ -59,7 +59,7 @@ ONLY_IMPORTED_BY: dict[str, tuple[str, ...]] = {
     "sglang": ("adapters", "benchmarks"),
     "transformers": ("adapters", "benchmarks"),
 }
-NATIVE_EXTENSIONS = ("hybridstore._cext", "hybridstore.native")  # new and old home of the .so's
+NATIVE_EXTENSIONS = ("hybridstore._cext",)  # where the compiled extensions live
 NATIVE_SWITCH = "hybridstore._native"
 NO_TORCH_ANYWHERE = ("store",)
 NO_TORCH_AT_MODULE_LEVEL = ("store", "index", "policy", "errors", "config", "objects", "_native")
@@ -359,7 +359,7 @@ def test_a_clean_fake_graph_passes_every_check():
     ("hybridstore.demo", "vllm", False, only_imported_by_violations),
     # the native switch
     ("hybridstore.index.keys", "hybridstore._cext.hashing", True, native_switch_violations),
-    ("hybridstore.index.keys", "hybridstore.native._hashing", False, native_switch_violations),
+    ("hybridstore.index.keys", "hybridstore._cext.hashing", False, native_switch_violations),
     # torch
     ("hybridstore.store.loader", "torch", False, torch_violations),
     ("hybridstore.index.trie", "torch", True, torch_violations),

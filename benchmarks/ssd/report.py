@@ -72,7 +72,7 @@ def print_report(doc: dict[str, Any], console: Any) -> None:
     console.print(f"device limit on {doc['disk']['dir']} ({doc['disk']['fs_type']}): read "
                   f"{dl['read_gbps']:.2f} GB/s ({best['rw']} bs={best['block_bytes']} "
                   f"qd={best['iodepth']}), write {dl['write_gbps'] or 0:.2f} GB/s; {dl['method']}")
-    t = Table(title="hybridstore bench ssd (GB/s: median of reps; ms per op)")
+    t = Table(title="python -m benchmarks ssd (GB/s: median of reps; ms per op)")
     for col in ("object", "op", "path", "cache", "GB/s", "p50 ms", "p99 ms", "vs limit",
                 "vs dev now", "vs hybridstore"):
         t.add_column(col, justify="left" if col in ("object", "op", "path", "cache") else "right")
@@ -154,7 +154,7 @@ def plot_results(doc: dict[str, Any], path: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="best")
     bd = doc["disk"].get("block_device", {})
-    fig.suptitle(f"hybridstore bench ssd: {doc['disk']['fs_type']} on {bd.get('name', '?')}; "
+    fig.suptitle(f"python -m benchmarks ssd: {doc['disk']['fs_type']} on {bd.get('name', '?')}; "
                  f"device limit by {dl['method'].split(',')[0]}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

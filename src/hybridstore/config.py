@@ -93,7 +93,8 @@ class StoreConfig:
         verify_checksums: check every object read from disk.
         kvikio_keep: kvikio settings the kvikio engine leaves as kvikio has them
             (``"auto_direct_io_read"``, ``"task_size"``) instead of applying its
-            own measured values; the engine's values are restored when it closes.
+            own measured values (kvikio's earlier values come back when the last
+            kvikio engine closes).
     """
 
     block_size: int = 16
