@@ -25,6 +25,7 @@ name                       meaning
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NewType, overload
 
@@ -158,27 +159,31 @@ def byte_view(buf: Any, nbytes: int | None = None, *, writable: bool = False,
         ValueError: ``buf`` is not contiguous, read-only while ``writable``, or
             shorter than ``nbytes``.
     """
+    if type(buf).__module__.startswith("torch"):
+        if not buf.is_cpu:
+            raise TypeError(f"{what} is a {buf.device.type} tensor; this takes host memory "
+                            "(use the device tier, or .cpu() it first)")
+        if not buf.is_contiguous():
+            raise ValueError(f"{what} must be contiguous; pass .contiguous() of it")
+        # torch is loaded (buf is a tensor); a contiguous tensor's flat uint8 numpy view is
+        # contiguous and writable, so the array checks below are not needed.
+        return _cut(buf.detach().view(-1).view(sys.modules["torch"].uint8).numpy(), nbytes, what)
     if isinstance(buf, np.ndarray):
         arr = buf
     elif buf is None:
         raise TypeError(f"{what} is None; pass a uint8 array (only the accounting tier "
                         "takes None)")
-    elif type(buf).__module__.startswith("torch"):
-        if buf.device.type != "cpu":
-            raise TypeError(f"{what} is a {buf.device.type} tensor; this takes host memory "
-                            "(use the device tier, or .cpu() it first)")
-        if not buf.is_contiguous():
-            raise ValueError(f"{what} must be contiguous; pass .contiguous() of it")
-        import torch
-
-        arr = buf.detach().reshape(-1).view(torch.uint8).numpy()
     else:
         arr = np.frombuffer(buf, dtype=np.uint8)
     if not arr.flags.c_contiguous:
         raise ValueError(f"{what} must be contiguous; pass np.ascontiguousarray(...) of it")
     if writable and not arr.flags.writeable:
         raise ValueError(f"{what} is read-only; pass a writable buffer")
-    arr = arr.reshape(-1).view(np.uint8)
+    return _cut(arr.reshape(-1).view(np.uint8), nbytes, what)
+
+
+def _cut(arr: np.ndarray, nbytes: int | None, what: str) -> np.ndarray:
+    """The first ``nbytes`` of a flat uint8 view (all of it for None)."""
     if nbytes is None:
         return arr
     if nbytes < 0 or arr.nbytes < nbytes:
