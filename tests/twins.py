@@ -8,7 +8,6 @@ the build), so a green run means the C was built and tested.
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,7 +46,9 @@ def extension(name: str) -> ModuleType:
     """The compiled module ``hybridstore._cext.<name>``, for tests of the extension itself
     (after :func:`require_native`)."""
     require_native(name)
-    return importlib.import_module(f"hybridstore._cext.{name}")
+    module = _native._BUILT[name]
+    assert module is not None
+    return module
 
 
 @contextmanager

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from hybridstore.bench.common import median, percentile
+from hybridstore.objects import ObjectKind, object_key
 
 
 @dataclass
@@ -65,8 +66,6 @@ class ObjectSet:
         return os.path.join(self.dir, f"obj-{i:04d}.{ext}")
 
     def key(self, i: int, salt: int) -> bytes:
-        from hybridstore.objects import ObjectKind, object_key
-
         return object_key(ObjectKind.STATE, (self.size * 1_000_003 + i * 131 + salt)
                           .to_bytes(16, "little"))
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 __all__ = ["CKPT_BYTES", "FULL_SIZES", "KV_BLOCK_BYTES", "OURS", "QUICK_SIZES", "SIZE_NAMES",
            "TARGET_MIN_BYTES", "TARGET_RATIO", "parse_sizes", "size_label"]
 
-KIB = 1 << 10
-MIB = 1 << 20
+from hybridstore.bench.common import KIB, MIB, fmt_bytes
 
 
 def _qwen_sizes() -> tuple[int, int]:
@@ -30,12 +29,9 @@ SIZE_NAMES = {KV_BLOCK_BYTES: "kv-block-576", CKPT_BYTES: "checkpoint"}
 
 def size_label(n: int) -> str:
     """``4 KiB``, ``50000000 B (checkpoint)``..."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", KIB)):
-        if n >= size and n % size == 0:
-            text = f"{n // size} {unit}"
-            break
-    else:
-        text = f"{n / MIB:.1f} MiB" if n >= MIB else f"{n} B"
+    text = fmt_bytes(n)
+    if text.endswith(" B") and n >= MIB:     # not a whole number of units
+        text = f"{n / MIB:.1f} MiB"
     name = SIZE_NAMES.get(n)
     return f"{text} ({name})" if name else text
 

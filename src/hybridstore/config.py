@@ -165,7 +165,7 @@ class StoreConfig:
                 kwargs[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
             else:
                 kwargs[field.name] = raw
-        kwargs["kvikio_keep"] = frozenset(name for name in sorted(KVIKIO_TUNED)
+        kwargs["kvikio_keep"] = frozenset(name for name in KVIKIO_TUNED
                                           if f"KVIKIO_{name.upper()}" in env)
         kwargs.update(overrides)
         return cls(**kwargs)  # type: ignore[arg-type]

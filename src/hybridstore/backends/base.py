@@ -311,9 +311,8 @@ class Tier(ABC):
 
     def _staged_buffers(self) -> dict[ObjectKey, tuple[np.ndarray, int]]:
         """The default :meth:`stage_many`'s buffers by key (made on first use)."""
-        staged = self.__dict__.get("_default_staged")
-        if staged is None:
-            staged = self.__dict__.setdefault("_default_staged", {})
+        staged: dict[ObjectKey, tuple[np.ndarray, int]] = self.__dict__.setdefault(
+            "_default_staged", {})
         return staged
 
     def pin_many(self, keys: Sequence[ObjectKey]) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from hybridstore import _native
-from hybridstore.backends.engines import ALIGN
+from hybridstore.objects import aligned_empty
 
 __all__ = ["aligned", "emit", "fmt_bytes", "fs_type", "json_safe", "machine_info", "median", "no_gc",
            "o_direct_works", "percentile", "progress", "stdout_console", "timed"]
@@ -111,14 +111,15 @@ def machine_info() -> dict[str, Any]:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover
         mem = None
+    used = _native.in_use()
     return {"cpu_count": os.cpu_count(), "cpus_usable": usable, "cpu_model": cpu_model,
             "memory_bytes": mem, "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__,
             "numpy": np.__version__, "hybridstore": hybridstore.__version__,
             "cuda_available": bool(torch.cuda.is_available()),
             "torch_threads": torch.get_num_threads(),
-            "hash_backend": "native" if _native.hashing is not None else "python",
-            "native_hashing": _native.available()["hashing"], "native": _native.in_use()}
+            "hash_backend": "native" if used["hashing"] else "python",
+            "native_hashing": _native.available()["hashing"], "native": used}
 
 
 def stdout_console() -> Any:
@@ -151,9 +152,7 @@ def progress(name: str, total: int) -> Iterator[Callable[[str], None]]:
 # ---------------------------------------------------------------------------------
 def aligned(nbytes: int, fill: int | None = None) -> np.ndarray:
     """A 4 KiB aligned uint8 array (O_DIRECT reads/writes land in place), touched once."""
-    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    out = raw[start:start + nbytes]
+    out = aligned_empty(nbytes)
     out.fill(0 if fill is None else fill)  # fault the pages in before any timing
     return out
 

@@ -31,8 +31,8 @@ import numpy as np
 from hybridstore.backends.base import Tier
 from hybridstore.errors import ConfigError, CorruptObjectError
 from hybridstore.index.prefix import PrefixKeys
-from hybridstore.index.trie import TIER_BITS, ResumePlan
-from hybridstore.objects import ObjectKind
+from hybridstore.index.trie import ResumePlan
+from hybridstore.objects import TIER_BITS, ObjectKind
 from hybridstore.replay.datatiers import BudgetedPool, WriteBehindDisk, physical_bytes
 from hybridstore.replay.planes import ObjectPlane, SizedObjects, TierBudget
 from hybridstore.replay.systems import Preset

@@ -394,7 +394,6 @@ class WriteBehind(Budgeted):
         with self._wb_lock:
             self._room_for(k, nbytes)
             self._doomed.pop(k, None)   # the new write replaces the old object on disk
-        with self._wb_lock:
             spare = self._spare.get(nbytes)
             staged = spare.pop() if spare else aligned_empty(nbytes)   # reused: no page faults
         staged[:] = byte_view(data, what="data")[:nbytes]
@@ -488,9 +487,6 @@ class WriteBehind(Budgeted):
             self.apply_deletes()
         return freed
 
-    def delete_many(self, keys: Iterable[ObjectKey]) -> int:
-        return sum(self.delete(key) for key in keys)
-
     def apply_deletes(self) -> None:
         """Drop the objects deleted so far from disk (cancelling writes still in flight)."""
         with self._wb_lock:
@@ -526,26 +522,15 @@ class WriteBehind(Budgeted):
                     for k in [k for k, (f, _) in self._writes.items() if f is oldest]:
                         del self._writes[k]
 
-    def stats(self) -> dict[str, Any]:
-        out = dict(self.tier.stats())
-        out.update(used_bytes=self.used_bytes, capacity_bytes=self.capacity_bytes,
-                   physical_used_bytes=self.tier.used_bytes,
-                   physical_capacity_bytes=self.tier.capacity_bytes,
-                   physical_refusals=self.physical_refusals)
-        return out
-
     def close(self) -> None:
         if self.closed:
             return
         self.apply_deletes()
         self.wait_writes()
-        self.tier.close()
-        Tier.close(self)
+        super().close()
         with self._wb_lock:
-            self._held.clear()
             self._writes.clear()
             self._spare.clear()
-            self._charged = 0
 
 
 class WriteBehindDisk(WriteBehind):

@@ -224,8 +224,15 @@ class _Sessions:
 
 
 def replay_policy(trace: Trace, name: str, cfg: ReplayConfig, *,
-                  plane_for: PlaneFactory = sized_planes, progress: bool = True) -> PolicyRun:
-    """Replay ``trace`` under the preset ``name``, with the objects ``plane_for`` gives it."""
+                  plane_for: PlaneFactory | None = None, progress: bool = True) -> PolicyRun:
+    """Replay ``trace`` under the preset ``name``, with the objects ``plane_for`` gives it
+    (sizes only by default; data mode needs the caller's planes, see :func:`replay`)."""
+    if plane_for is None:
+        if cfg.data:
+            raise ConfigError("ReplayConfig(data=True) needs the planes that move the bytes: "
+                              "replay(..., plane_for=hybridstore.replay.bytes_plane."
+                              "data_planes(cfg.data_dir))")
+        plane_for = sized_planes
     p = preset(name)
     full = model_preset(cfg.model)
     model = full.scaled(cfg.scale)
@@ -355,11 +362,5 @@ def replay(trace: Trace, names: Sequence[str], cfg: ReplayConfig, *,
     Raises:
         ConfigError: ``cfg.data`` without ``plane_for``.
     """
-    if plane_for is None:
-        if cfg.data:
-            raise ConfigError("ReplayConfig(data=True) needs the planes that move the bytes: "
-                              "replay(..., plane_for=hybridstore.replay.bytes_plane."
-                              "data_planes(cfg.data_dir))")
-        plane_for = sized_planes
     return {name: replay_policy(trace, name, cfg, plane_for=plane_for, progress=progress)
             for name in names}

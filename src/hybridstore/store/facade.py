@@ -50,7 +50,7 @@ from hybridstore.index import meta
 from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import HybridIndex, ResumePlan
 from hybridstore.layout import Layout, batch_row, batch_rows
-from hybridstore.objects import TIER_BITS, TIER_ORDER, ObjectKind
+from hybridstore.objects import TIER_BITS, ObjectKind
 from hybridstore.policy import admission_policy, eviction_policy
 from hybridstore.policy.base import AdmissionPolicy, EvictionPolicy, PlacementPolicy
 from hybridstore.policy.placement import RequestEnd
@@ -356,9 +356,7 @@ class HybridStore:
             if len(plan.pages):
                 cols = self.index.page_columns(plan.pages)
                 taken = np.zeros(len(plan.pages), bool)
-                for name in TIER_ORDER:
-                    if name not in self.tiers:
-                        continue
+                for name in self._res.chain:
                     here = ~taken & ((cols["tiers"] & TIER_BITS[name]) != 0)
                     if here.any():
                         sizes[name] = int(cols["nbytes"][here].sum())

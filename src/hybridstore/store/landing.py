@@ -257,11 +257,7 @@ class Landing:
             except BaseException:
                 tier.abort(okey)
                 raise
-            try:
-                room.retry(name, nbytes, lambda: tier.commit(okey))
-            except BaseException:
-                tier.abort(okey)
-                raise
+            self._commit(name, [okey], nbytes)
         else:
             room.retry(name, nbytes, lambda: tier.put(okey, None, nbytes=nbytes)).result()
         res.added(name, kind, 1, tier.charge(nbytes))

@@ -27,7 +27,6 @@ from hybridstore.layout import Layout, Target, copy_out
 from hybridstore.objects import (
     ALIGN,
     TIER_BITS,
-    TIER_ORDER,
     KeyBatch,
     ObjectKey,
     ObjectKind,
@@ -144,9 +143,9 @@ class Loader:
 
     def _source(self, okey: ObjectKey, skip: Sequence[str] = ()) -> str | None:
         """The fastest tier holding ``okey``, its slot pinned (``None``: that tier is skipped)."""
-        for name in TIER_ORDER:
-            tier = self.res.tiers.get(name)
-            if tier is not None and tier.contains(okey):
+        for name in self.res.chain:
+            tier = self.res.tiers[name]
+            if tier.contains(okey):
                 if name in skip:
                     return None
                 if tier.zero_copy:
@@ -192,9 +191,17 @@ class Loader:
             own = [self._needs_buffer(src, into is not None) for src in sources]
             # Spaced like the tier's slots, so that pages written together are read back
             # with one I/O per run of neighbours (the disk tier's read_many_into).
-            sizes = [max(-(-self.layouts[kind].nbytes // ALIGN) * ALIGN,
-                         tiers[src].slot_bytes(self.layouts[kind].nbytes))
-                     if mine and src is not None else 0
+            spacing: dict[tuple[ObjectKind, str], int] = {}   # depends on (kind, tier) only
+
+            def spaced(kind: ObjectKind, src: str) -> int:
+                size = spacing.get((kind, src))
+                if size is None:
+                    nbytes = self.layouts[kind].nbytes
+                    size = spacing[(kind, src)] = max(-(-nbytes // ALIGN) * ALIGN,
+                                                      tiers[src].slot_bytes(nbytes))
+                return size
+
+            sizes = [spaced(kind, src) if mine and src is not None else 0
                      for (_, kind), mine, src in zip(jobs, own, sources)]
             arena = aligned_empty(sum(sizes)) if any(own) else np.zeros(0, np.uint8)
             offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
