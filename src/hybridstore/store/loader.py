@@ -177,7 +177,7 @@ class Loader:
         """Read, gather and copy out the objects of a prepared load; releases its pins."""
         tiers = self.res.tiers
         outputs: list[Any] = []
-        waits: list[tuple[int, Future]] = []
+        waits: list[tuple[str, list[int], Future]] = []
         bufs: list[np.ndarray | None] = []
         devices: set[Any] = set()          # CUDA devices with copies from pool slots in flight
         # A page-major batch: page i is row i, restored by one gather per entry below.
@@ -232,14 +232,14 @@ class Loader:
                 else:
                     bufs.append(None)
                 self.loaded_bytes[src] += layout.nbytes
-            for src, idx in reads.items():
-                waits.append((src, idx, tiers[src].read_many_into(
+            for name, idx in reads.items():
+                waits.append((name, idx, tiers[name].read_many_into(
                     [jobs[i][0] for i in idx], arena, [offsets[i] for i in idx])))
-            for src, idx, fut in waits:
+            for name, idx, fut in waits:
                 try:
                     fut.result()
                 except CorruptObjectError:
-                    self._forget_dropped(src, [jobs[i][0] for i in idx])
+                    self._forget_dropped(name, [jobs[i][0] for i in idx])
                     raise
             if batch and targets is not None and rows:
                 self.gather_batch(rows, arena, offsets, targets[0], n_batch)
