@@ -63,3 +63,22 @@ def test_adjacent_corrupt_pages_read_in_one_io_are_all_forgotten_and_a_reput_hea
         finally:
             store.release(plan)
         assert store.index.check_refcounts()
+
+
+def test_per_tier_counters_after_a_reopen_count_what_the_disk_kept(tmp_path):
+    """Issue 13, item 9: the store's per-tier object and byte counts start from what a
+    reopened disk tier lists (they read 0, then went negative on eviction)."""
+    cfg = StoreConfig(block_size=B, host_bytes=1 << 20, disk_path=str(tmp_path / "hs"),
+                      disk_bytes=64 << 20, tier_policy="write-through")
+    tokens = np.arange(4 * B, dtype=np.int64)
+    with HybridStore(cfg) as store:
+        store.put_kv(tokens, _pages(2, 4))
+        store.put_state(tokens, np.arange(100, dtype=np.uint8))
+        store.flush()
+        before = (store._res.objects["disk"], dict(store._res.kind_bytes["disk"]))
+    with HybridStore(cfg) as store:
+        assert (store._res.objects["disk"], dict(store._res.kind_bytes["disk"])) == before
+        assert store._res.objects["disk"] == store.stats()["tiers"]["disk"]["objects"] == 5
+        store.evict(1 << 40, "disk")
+        assert store._res.objects["disk"] == 0
+        assert all(v == 0 for v in store._res.kind_bytes["disk"].values())

@@ -158,11 +158,13 @@ class HybridStore:
             info = meta.decode(blob)
             if isinstance(info, meta.PageMeta):
                 self.index.restore_page(key[1:], info.block, info.ntok, info.parent_key, "disk", nbytes)
+                self._res.added("disk", ObjectKind.PAGE, 1, disk.charge(nbytes))
             else:
                 states.append((key, nbytes, info))
         for key, nbytes, state in states:
             self.index.restore_checkpoint(key[1:], state.position, state.base_key, state.covers,
                                           "disk", nbytes)
+            self._res.added("disk", ObjectKind.STATE, 1, disk.charge(nbytes))
 
     # -- keys -------------------------------------------------------------------------
     def prefix(self, tokens: Any) -> PrefixKeys:
