@@ -26,6 +26,7 @@ from hybridstore.errors import (
     ObjectTooLargeError,
     PlanReleasedError,
     StoreClosedError,
+    UnknownPrefixError,
     UnknownTierError,
     UnsupportedModelError,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "ResumePlan",
     "StoreClosedError",
     "StoreConfig",
+    "UnknownPrefixError",
     "UnknownTierError",
     "UnsupportedModelError",
     "__version__",

@@ -245,9 +245,7 @@ class HybridStore:
         with self._lock:
             self._check_open()
             self._copies.drain()
-            layout = self._landing.layout(ObjectKind.PAGE, batch[0], "page")
-            for page in batch[1:]:
-                layout.check(page, "page")
+            layout = self._landing.layout(ObjectKind.PAGE, batch[0], "page", batch[1:])
             return self._landing.put_pages(prompt, first, layout.nbytes,
                                            lambda i, slot: layout.pack_into(batch[i], slot))
 
