@@ -70,10 +70,9 @@ class _Recovery(_TierState):
     def _check_record(self, key: bytes, rec: CatalogRecord) -> str | None:
         if len(key) != OBJECT_KEY_BYTES:
             return f"its key has {len(key)} bytes, not {OBJECT_KEY_BYTES}"
-        if (not 0 < rec.length <= rec.slot_length or rec.offset % ALIGN
-                or rec.offset + rec.slot_length > self.segment_bytes):
+        if not 0 < rec.length <= rec.slot_length or rec.offset % ALIGN:
             return f"its record is malformed ({rec.length} bytes in a {rec.slot_length}-byte " \
-                   f"slot at offset {rec.offset} of a {self.segment_bytes}-byte segment)"
+                   f"slot at offset {rec.offset})"
         path = self._segment_path(rec.segment)
         try:
             size = os.stat(path).st_size
