@@ -62,7 +62,7 @@ from hybridstore import HybridStore, PrefixKeys, ResumePlan
 from hybridstore.adapters.vllm.settings import GroupPlan
 from hybridstore.adapters.vllm.staging import SlotPool, StagingRegion
 from hybridstore.adapters.vllm.worker import StagedKeys
-from hybridstore.errors import CapacityError, HybridStoreError, InvalidTokensError
+from hybridstore.errors import CapacityError, HybridStoreError, UnknownPrefixError
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class HybridStoreManager(OffloadingManager):
         """The chain ending with a stored page (None: the store does not hold it)."""
         try:
             return self.store.engine_prefix([page_key], prefix=None)
-        except InvalidTokensError:     # UnknownPrefixError: not a stored page
+        except UnknownPrefixError:     # not a page the store knows
             return None
 
     def _request(self, ctx: ReqContext) -> _Request:
@@ -433,7 +433,7 @@ class HybridStoreManager(OffloadingManager):
             else:
                 try:
                     prompt = self.store.engine_prefix([before, *keys], prefix=None)
-                except InvalidTokensError:
+                except UnknownPrefixError:
                     prompt = None     # the page before was evicted meanwhile
             if prompt is None:
                 log.info("hybridstore: %d pages of request %s dropped: their prefix is not "
