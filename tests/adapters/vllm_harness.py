@@ -46,8 +46,19 @@ class Run:
     """What one request did: its block table (per group) and the connector's counts."""
 
     req: Request
-    block_ids: tuple[list[int], ...] = ()
+    tables: list[tuple[list[int], ...]] = field(default_factory=list)
     steps: int = 0
+
+    def block(self, group: int, index: int) -> int:
+        """The first GPU block the request held at logical ``index`` of ``group`` (0: none).
+
+        A Mamba (align) group frees its older blocks as the request advances, so
+        the block a load filled is read from the step that allocated it.
+        """
+        for table in self.tables:
+            if len(table[group]) > index and table[group][index]:
+                return table[group][index]
+        return 0
 
 
 @dataclass
@@ -118,7 +129,7 @@ class Engine:
 
     def run(self, rid: str, tokens: list[int], max_steps: int = 200) -> Run:
         """Run one request to the end (prefill + 2 decode tokens), as the model runner would."""
-        sp = SamplingParams(max_tokens=2)
+        sp = SamplingParams(max_tokens=2)  # the runner "samples" token 7 twice
         sp.update_from_generation_config({}, 50256)
         req = Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp,
                       pooling_params=None, block_hasher=_HASHER)
@@ -137,8 +148,8 @@ class Engine:
             meta = self.worker.build_connector_worker_meta()
             self.worker.clear_connector_metadata()
             if rid in self.sched.requests:
-                run.block_ids = tuple(list(b) for b in
-                                      self.sched.kv_cache_manager.get_block_ids(rid))
+                run.tables.append(tuple(list(b) for b in
+                                        self.sched.kv_cache_manager.get_block_ids(rid)))
             reqs = self.sched.running
             out = ModelRunnerOutput(
                 req_ids=[r.request_id for r in reqs],
@@ -158,12 +169,107 @@ class Engine:
             raise AssertionError(f"request {rid} did not finish in {max_steps} steps")
         return run
 
-    def settle(self) -> None:
-        """Wait until the manager's puts are in the store (a real engine keeps serving)."""
+    def step(self) -> None:
+        """One engine step with nothing scheduled (workers report, the manager completes)."""
+        so = self.sched.schedule()
+        md = so.kv_connector_metadata
+        self.worker.handle_preemptions(md)
+        self.worker.bind_connector_metadata(md)
+        self.worker.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={},
+                                                 slot_mapping={}))
+        sending, recving = self.worker.get_finished(so.finished_req_ids)
+        meta = self.worker.build_connector_worker_meta()
+        self.worker.clear_connector_metadata()
+        self.sched.update_from_output(so, ModelRunnerOutput(
+            req_ids=[], req_id_to_index={}, sampled_token_ids=[], logprobs=None,
+            prompt_logprobs_dict={}, pooler_output=None,
+            kv_connector_output=KVConnectorOutput(finished_sending=sending,
+                                                  finished_recving=recving,
+                                                  kv_connector_worker_meta=meta)))
+
+    def settle(self, busy: Any = None, timeout: float = 30.0) -> None:
+        """Step until every store job has been reported and put into the store, as a
+        serving engine's next steps would (``busy``: the predicate to wait on;
+        default the hybridstore manager's)."""
+        busy = busy or (lambda: self.manager.busy)
+        deadline = time.monotonic() + timeout
+        while True:
+            self.step()
+            if not busy():
+                break
+            assert time.monotonic() < deadline, "stores still in flight"
+            time.sleep(0.002)
         flush = getattr(self.manager, "flush", None)
         if flush is not None:
-            assert flush(30.0)
+            flush()
 
     def shutdown(self) -> None:
         self.worker.shutdown()
         self.sched.shutdown()
+
+
+# -- tiering (route B): vLLM's TieringOffloadingSpec with a CPU copy worker -------------------
+from vllm.v1.kv_offload.base import (CanonicalKVCaches, GPULoadStoreSpec,  # noqa: E402
+                                     OffloadingWorker, TransferResult)
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+
+
+class CPUCopyWorker(OffloadingWorker):
+    """vLLM's CPU-tier worker refuses non-CUDA platforms (``cpu/spec.py:221``); this
+    stand-in does its copies with torch on CPU, over the same ``SharedOffloadRegion``
+    worker views (``create_next_worker_view``), so the real primary tier's chunks hold
+    the bytes its secondary tier reads.  One block per chunk (``blocks_per_chunk=1``)."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, region: SharedOffloadRegion) -> None:
+        self.region = region
+        self.gpu = [t.tensor for t in kv_caches.tensors]
+        self.cpu = [region.create_next_worker_view(t.page_size_bytes) for t in kv_caches.tensors]
+        self.refs = kv_caches.group_data_refs
+        self.done: list[TransferResult] = []
+
+    def _pairs(self, gpu_spec: GPULoadStoreSpec, chunks: Any):
+        at = 0
+        for g, n in enumerate(gpu_spec.group_sizes):
+            blocks = gpu_spec.block_ids[at: at + n].tolist()
+            rows = chunks[at: at + n].tolist()
+            at += n
+            for ref in self.refs[g]:
+                yield ref.tensor_idx, blocks, rows
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        for t, blocks, rows in self._pairs(src_spec, dst_spec.block_ids):
+            for b, r in zip(blocks, rows):
+                self.cpu[t][r].copy_(self.gpu[t][b])
+        self.done.append(TransferResult(job_id, True))
+        return True
+
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
+                    ) -> bool:
+        for t, blocks, rows in self._pairs(dst_spec, src_spec.block_ids):
+            for b, r in zip(blocks, rows):
+                self.gpu[t][b].copy_(self.cpu[t][r])
+        self.done.append(TransferResult(job_id, True))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self.done = self.done, []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        return
+
+    def shutdown(self) -> None:
+        self.region.cleanup()
+
+
+class TieringCPUSpec(TieringOffloadingSpec):
+    """The real ``TieringOffloadingSpec`` (``TieringOffloadingManager``, CPU primary tier,
+    secondary tiers) with :class:`CPUCopyWorker` as its worker."""
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        assert self.blocks_per_chunk == 1
+        region = SharedOffloadRegion(engine_id=self._engine_id, num_chunks=self.num_chunks,
+                                     rank=0, kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                                     cpu_page_size=self.cpu_page_size_per_worker)
+        return CPUCopyWorker(kv_caches, region)

@@ -558,6 +558,12 @@ class HybridStoreManager(OffloadingManager):
             del self._reqs[req_id]
 
     # -- lifecycle --------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Whether stores are staged or puts queued (a key is HIT only once put)."""
+        with self._mu:
+            return bool(self._staged or self._pending_puts)
+
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until every staged put has reached the store (tests, benchmarks, shutdown)."""
         deadline = time.monotonic() + timeout

@@ -1,0 +1,188 @@
+"""hybridstore as vLLM 0.33's KV offloading medium, driven through vLLM's own code.
+
+Every test runs vLLM's real ``Scheduler`` (scheduler-role ``OffloadingConnector``
+-> ``HybridStoreSpec.get_manager``) and a worker-role ``OffloadingConnector``
+(``register_kv_caches`` -> ``HybridStoreSpec.get_worker``) over CPU tensors
+standing in for the GPU KV cache (``vllm_harness.py``).  "GPU" blocks are filled
+with random bytes before request A stores them and zeroed before request B
+loads, so equal bytes after B's load can only have come back through
+hybridstore: worker -> staging -> store (host pool / disk) -> staging -> worker.
+
+What is asserted:
+
+* full attention, and hybrid (a ``MambaSpec`` group, ``mamba_cache_mode="align"``):
+  B (A's prompt + 2 tokens) after ``reset_prefix_cache()`` loads A's 4 chunks
+  (and the Mamba state at 64) bit-exact;
+* a second engine over the same ``disk_path``, after the first shut down, hits
+  what the first stored (read back from the disk tier) and loads it bit-exact;
+* a budget of a few pages gives misses, never a failed job (vLLM asserts every
+  job's success) nor wrong bytes;
+* ``TieringOffloadingSpec`` with ``HybridStoreTier`` as the secondary tier:
+  A's chunks cascade into hybridstore; after vLLM's primary tier evicted them,
+  B's hit is a promotion from hybridstore, bit-exact;
+* models the adapter cannot map get a typed error at init.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from hybridstore.errors import ConfigError, UnsupportedModelError  # noqa: E402
+from tests.adapters.vllm_harness import BLOCK, Engine, Run  # noqa: E402
+
+CHUNKS = 4
+PROMPT = list(range(1, 1 + CHUNKS * BLOCK + 5))   # 4 whole chunks + 5 tokens
+
+
+def extra(tmp_path, **changes):
+    cfg = {"spec_name": "HybridStoreSpec", "spec_module_path": "hybridstore.adapters.vllm",
+           "block_size": BLOCK, "disk_path": str(tmp_path / "hs"), "disk_engine": "posix",
+           "host_bytes": 1 << 20, "disk_bytes": 64 << 20, "staging_bytes": 256 << 10,
+           "staging_dir": str(tmp_path)}
+    cfg.update(changes)
+    return cfg
+
+
+def loaded_equal(engine: Engine, snap, a: Run, b: Run, *, chunks: int = CHUNKS,
+                 hybrid: bool = False) -> list[bool]:
+    """Per loaded object: are B's blocks (after its load) A's blocks (when A stored them)?"""
+    same = []
+    for i in range(chunks):
+        same.append(torch.equal(snap["layer0"][a.block(0, i)], engine.kv["layer0"][b.block(0, i)]))
+    if hybrid:   # the Mamba state at the last chunk boundary
+        i = chunks - 1
+        same.append(torch.equal(snap["layer1"][a.block(1, i)], engine.kv["layer1"][b.block(1, i)]))
+    return same
+
+
+def store_a(engine: Engine, seed: int, tokens=PROMPT):
+    engine.fill_random(seed)
+    a = engine.run(f"A{seed}", tokens)
+    engine.settle()
+    return a, engine.snapshot()
+
+
+def load_b(engine: Engine, seed: int, tokens=PROMPT) -> Run:
+    engine.sched.reset_prefix_cache()
+    engine.zero()
+    return engine.run(f"B{seed}", tokens + [999, 998])
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["full-attention", "hybrid-mamba"])
+def test_store_drop_load_bit_exact(tmp_path, hybrid):
+    engine = Engine(extra(tmp_path), hybrid=hybrid)
+    try:
+        a, snap = store_a(engine, 1)
+        store = engine.manager.store
+        assert store.stats()["pages"] == CHUNKS
+        assert store.stats()["checkpoints"] == (1 if hybrid else 0)
+        b = load_b(engine, 1)
+        assert all(loaded_equal(engine, snap, a, b, hybrid=hybrid))
+        assert engine.manager.counters["loaded_keys"] == CHUNKS + hybrid
+        assert b.req.num_computed_tokens >= CHUNKS * BLOCK
+    finally:
+        engine.shutdown()
+
+
+def test_restart_hits_what_the_first_engine_stored(tmp_path):
+    first = Engine(extra(tmp_path), hybrid=True)
+    try:
+        a, snap = store_a(first, 2)
+    finally:
+        first.shutdown()
+    second = Engine(extra(tmp_path), hybrid=True)
+    try:
+        assert second.config.kv_transfer_config.engine_id != first.config.kv_transfer_config.engine_id
+        b = load_b(second, 2)
+        assert all(loaded_equal(second, snap, a, b, hybrid=True))
+        stats = second.manager.store.stats()
+        assert stats["loaded_bytes"].get("disk", 0) > 0      # the new host pool was empty
+    finally:
+        second.shutdown()
+
+
+def test_small_budget_misses_never_fails(tmp_path):
+    # room for about one prompt in DRAM and one on disk (5 objects, 4 KiB of pool each)
+    engine = Engine(extra(tmp_path, host_bytes=24 << 10, disk_bytes=24 << 10,
+                          tier_policy="write-back"), hybrid=True, num_blocks=128)
+    try:
+        stored = []
+        for seed in range(4):
+            tokens = [seed * 1000 + t for t in PROMPT]
+            stored.append((tokens, *store_a(engine, 10 + seed, tokens)))
+        hits = 0
+        for seed, (tokens, a, snap) in reversed(list(enumerate(stored))):  # newest first
+            engine.sched.reset_prefix_cache()
+            engine.zero()
+            before = engine.manager.counters["loaded_keys"]
+            b = engine.run(f"B{seed}", tokens + [999, 998])  # vLLM asserts every job succeeded
+            n = engine.manager.counters["loaded_keys"] - before
+            if n:
+                assert n == CHUNKS + 1       # a resume point is whole: 4 pages + the state
+                assert all(loaded_equal(engine, snap, a, b, hybrid=True))
+            hits += n > 0
+            engine.settle()
+        assert 0 < hits < 4
+    finally:
+        engine.shutdown()
+
+
+def tier_extra(tmp_path, **changes):
+    cfg = {"spec_name": "TieringCPUSpec", "spec_module_path": "tests.adapters.vllm_harness",
+           "block_size": BLOCK, "cpu_bytes_to_use": 6 * 4096,        # 6 primary chunks
+           "secondary_tiers": [{"type": "HybridStoreTier",
+                                "module_path": "hybridstore.adapters.vllm",
+                                "disk_path": str(tmp_path / "tier"), "disk_engine": "posix",
+                                "host_bytes": 1 << 20, "disk_bytes": 64 << 20}]}
+    cfg.update(changes)
+    return cfg
+
+
+def test_tiering_cascade_then_promotion(tmp_path):
+    from hybridstore.adapters.vllm import HybridStoreTier
+
+    engine = Engine(tier_extra(tmp_path), num_blocks=128)
+    try:
+        (tier,) = engine.manager.secondary_tiers     # vLLM's TieringOffloadingManager
+        assert isinstance(tier, HybridStoreTier)
+        busy = tier.has_pending_work
+        engine.fill_random(3)
+        a = engine.run("A", PROMPT)
+        engine.settle(busy)
+        snap = engine.snapshot()
+        assert tier.store.stats()["pages"] == CHUNKS          # the cascade reached hybridstore
+        for k in range(2):   # two other prompts push A out of the 6-chunk primary tier
+            engine.run(f"C{k}", [50_000 + 100 * k + t for t in PROMPT])
+            engine.settle(busy)
+        b = load_b(engine, 3)
+        assert all(loaded_equal(engine, snap, a, b))
+        assert tier.store.stats()["loads"] > 0                # promoted from hybridstore
+    finally:
+        engine.shutdown()
+
+
+def test_unsupported_layouts_fail_at_init(tmp_path):
+    from vllm.v1.kv_offload.config import OffloadingGroupConfig
+
+    from hybridstore.adapters.vllm import GroupPlan
+    full = OffloadingGroupConfig(tokens_per_block=16, layer_names=("a",), group_id=0)
+    mamba = OffloadingGroupConfig(tokens_per_block=16, layer_names=("m",), group_id=1,
+                                  sliding_window_size_in_chunks=1)
+    swa = dataclasses.replace(mamba, group_id=2, sliding_window_size_in_chunks=4)
+    plan = GroupPlan.of((full, mamba, dataclasses.replace(mamba, group_id=3)), 1)
+    assert plan.page_group == 0 and plan.state_groups == (1, 2)
+    with pytest.raises(UnsupportedModelError, match="sliding window of 4 chunks"):
+        GroupPlan.of((full, swa), 1)
+    with pytest.raises(UnsupportedModelError, match="exactly one full-attention"):
+        GroupPlan.of((full, dataclasses.replace(full, group_id=1)), 1)
+    with pytest.raises(UnsupportedModelError, match="exactly one full-attention"):
+        GroupPlan.of((mamba,), 1)
+    cfg = extra(tmp_path)
+    del cfg["disk_path"]
+    with pytest.raises(ConfigError, match="disk_path"):
+        Engine(cfg)
