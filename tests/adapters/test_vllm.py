@@ -32,8 +32,8 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from hybridstore.errors import ConfigError, UnsupportedModelError  # noqa: E402
-from tests.adapters.vllm_harness import BLOCK, Engine, Run  # noqa: E402
+from hybridstore.errors import ConfigError, UnsupportedModelError
+from tests.adapters.vllm_harness import BLOCK, Engine, Run
 
 CHUNKS = 4
 PROMPT = list(range(1, 1 + CHUNKS * BLOCK + 5))   # 4 whole chunks + 5 tokens
@@ -186,3 +186,104 @@ def test_unsupported_layouts_fail_at_init(tmp_path):
     del cfg["disk_path"]
     with pytest.raises(ConfigError, match="disk_path"):
         Engine(cfg)
+
+
+def test_two_workers_share_one_store_object(tmp_path):
+    """Two worker ranks (as with TP=2) and one manager, called as vLLM's connector calls
+    them (scheduler.py / worker.py): each rank's shard goes to its part of the staging
+    slot, one store object holds both, and each rank gets its own bytes back."""
+    import os
+
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+        LookupResult,
+        ReqContext,
+        make_offload_key,
+    )
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    from hybridstore.adapters.vllm import HybridStoreSpec
+
+    def config(rank: int) -> OffloadingConfig:
+        return OffloadingConfig(
+            groups=(OffloadingGroupConfig(16, ("layer0",), 0),
+                    OffloadingGroupConfig(16, ("layer1",), 1, sliding_window_size_in_chunks=1)),
+            worker_kv_bytes_per_block=1024 + 576, enable_kv_cache_events=True,
+            extra_config=extra(tmp_path), engine_id="tp2",
+            model=OffloadingModelConfig("tiny", "float16", 1024),
+            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+            parallel=OffloadingParallelConfig(rank, 2, 2, 1, 1, 1, 0, 1, None, False),
+            kv_cache_layout="LBNHC")
+
+    gen = torch.Generator().manual_seed(5)
+    kv = [[torch.randint(-128, 128, (16, n), dtype=torch.int8, generator=gen) for n in (1024, 576)]
+          for _ in range(2)]
+    saved = [[t.clone() for t in rank] for rank in kv]
+    specs = [HybridStoreSpec(config(r)) for r in range(2)]
+    manager = specs[0].get_manager()
+    workers = [spec.get_worker(CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, t.shape[1]) for t in kv[r]],
+        group_data_refs=[[CanonicalKVCacheRef(0, 1024)], [CanonicalKVCacheRef(1, 576)]]))
+        for r, spec in enumerate(specs)]
+    hashes = [os.urandom(32) for _ in range(CHUNKS)]
+    pages = [make_offload_key(h, 0) for h in hashes]
+    state = make_offload_key(hashes[-1], 1)
+
+    def context(req_id: str) -> ReqContext:
+        ctx = ReqContext(req_id)
+        for i, key in enumerate(pages):
+            ctx.set_offload_key_position(key, (i + 1) * 16)
+        ctx.set_offload_key_position(state, CHUNKS * 16)
+        return ctx
+
+    def run(job: int, submit: str, *args) -> None:
+        for w in workers:
+            assert getattr(w, submit)(job, *args)
+        for w in workers:
+            w.wait({job})
+            assert [r.success for r in w.get_finished()] == [True]
+
+    try:
+        ctx = context("A")
+        manager.on_new_request(ctx)
+        for job, (keys, gpu) in enumerate([
+                (pages, GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0], block_indices=[0, 0])),
+                ([state], GPULoadStoreSpec([5], group_sizes=[0, 1], block_indices=[0, 3]))]):
+            out = manager.prepare_store(keys, ctx)
+            assert out.keys_to_store == keys
+            run(job, "submit_store", gpu, out.store_spec)
+            manager.complete_store(keys, ctx)
+        manager.on_request_finished(ctx)
+        assert manager.flush()
+        stats = manager.store.stats()
+        assert stats["pages"] == CHUNKS and stats["checkpoints"] == 1
+        events = list(manager.take_events())
+        assert sorted(k for e in events for k in e.keys) == sorted(pages + [state])
+        for rank in kv:
+            for t in rank:
+                t.zero_()
+        ctx = context("B")
+        manager.on_new_request(ctx)
+        assert [manager.lookup(k, ctx) for k in pages + [state]] == [LookupResult.HIT] * 5
+        src = manager.prepare_load(pages + [state], ctx)
+        run(9, "submit_load", src,
+            GPULoadStoreSpec([7, 6, 8, 9, 10], group_sizes=[4, 1], block_indices=[0, 3]))
+        manager.complete_load(pages + [state], ctx)
+        manager.on_request_finished(ctx)
+        for r in range(2):
+            assert torch.equal(kv[r][0][[7, 6, 8, 9]], saved[r][0][[1, 2, 3, 4]])
+            assert torch.equal(kv[r][1][10], saved[r][1][5])
+        assert not torch.equal(saved[0][0][1], saved[1][0][1])   # the ranks' shards differ
+    finally:
+        for w in workers:
+            w.shutdown()
+        manager.shutdown()

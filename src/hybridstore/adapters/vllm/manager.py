@@ -197,7 +197,7 @@ class HybridStoreManager(OffloadingManager):
                 prompt = self._resolve(self._page_key_at(key))
                 plan = self.store.match(prompt, max_position=p) if prompt is not None else None
                 ok = plan is not None and plan.position == p
-            if not ok:
+            if plan is None or not ok:
                 if plan is not None:
                     self.store.release(plan)
                 self._forget(key)
@@ -452,6 +452,8 @@ class HybridStoreManager(OffloadingManager):
                 for s in run:
                     self._unstage(s)
         self._retry_deferred()
+        with self._mu:
+            self._maybe_drop(run[0].req_id)
 
     def _put_state(self, anchor: OffloadKey, parts: dict[int, _Staged]) -> bool:
         """Put thread: the state of all state groups at one position (False: its page is not

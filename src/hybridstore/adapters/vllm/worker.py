@@ -203,6 +203,7 @@ class HybridStoreWorker(OffloadingWorker):
         """Wait until the manager staged every slot of a load (bounded)."""
         flags = self._region.flags
         slots, tokens = staged.slots, staged.tokens
+        assert tokens is not None
         deadline = time.monotonic() + self._timeout
         pause = 1e-4
         while True:
