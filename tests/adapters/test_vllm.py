@@ -188,102 +188,171 @@ def test_unsupported_layouts_fail_at_init(tmp_path):
         Engine(cfg)
 
 
-def test_two_workers_share_one_store_object(tmp_path):
-    """Two worker ranks (as with TP=2) and one manager, called as vLLM's connector calls
-    them (scheduler.py / worker.py): each rank's shard goes to its part of the staging
-    slot, one store object holds both, and each rank gets its own bytes back."""
-    import os
+class Direct:
+    """A manager and ``world`` workers of one HybridStoreSpec, called the way vLLM's
+    connector calls them (``offloading/scheduler.py``, ``offloading/worker.py``) without
+    the Scheduler: for what the CPU harness cannot make vLLM do (several ranks, partial
+    tails).  Groups: full attention (1024 B pages) and Mamba (576 B), 16 blocks."""
 
-    from vllm.v1.kv_offload.base import (
-        CanonicalKVCacheRef,
-        CanonicalKVCaches,
-        CanonicalKVCacheTensor,
-        GPULoadStoreSpec,
-        LookupResult,
-        ReqContext,
-        make_offload_key,
-    )
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
+    def __init__(self, tmp_path, world: int) -> None:
+        from vllm.v1.kv_offload.base import (
+            CanonicalKVCacheRef,
+            CanonicalKVCaches,
+            CanonicalKVCacheTensor,
+        )
+        from vllm.v1.kv_offload.config import (
+            OffloadingCacheConfig,
+            OffloadingConfig,
+            OffloadingGroupConfig,
+            OffloadingModelConfig,
+            OffloadingParallelConfig,
+        )
 
-    from hybridstore.adapters.vllm import HybridStoreSpec
+        from hybridstore.adapters.vllm import HybridStoreSpec
 
-    def config(rank: int) -> OffloadingConfig:
-        return OffloadingConfig(
-            groups=(OffloadingGroupConfig(16, ("layer0",), 0),
-                    OffloadingGroupConfig(16, ("layer1",), 1, sliding_window_size_in_chunks=1)),
-            worker_kv_bytes_per_block=1024 + 576, enable_kv_cache_events=True,
-            extra_config=extra(tmp_path), engine_id="tp2",
-            model=OffloadingModelConfig("tiny", "float16", 1024),
-            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-            parallel=OffloadingParallelConfig(rank, 2, 2, 1, 1, 1, 0, 1, None, False),
-            kv_cache_layout="LBNHC")
+        def config(rank: int) -> OffloadingConfig:
+            return OffloadingConfig(
+                groups=(OffloadingGroupConfig(16, ("layer0",), 0),
+                        OffloadingGroupConfig(16, ("layer1",), 1,
+                                              sliding_window_size_in_chunks=1)),
+                worker_kv_bytes_per_block=1024 + 576, enable_kv_cache_events=True,
+                extra_config=extra(tmp_path), engine_id=f"direct{world}",
+                model=OffloadingModelConfig("tiny", "float16", 1024),
+                cache=OffloadingCacheConfig(tokens_per_hash=8, blocks_per_chunk=1),
+                parallel=OffloadingParallelConfig(rank, world, world, 1, 1, 1, 0, 1, None,
+                                                  False),
+                kv_cache_layout="LBNHC")
 
-    gen = torch.Generator().manual_seed(5)
-    kv = [[torch.randint(-128, 128, (16, n), dtype=torch.int8, generator=gen) for n in (1024, 576)]
-          for _ in range(2)]
-    saved = [[t.clone() for t in rank] for rank in kv]
-    specs = [HybridStoreSpec(config(r)) for r in range(2)]
-    manager = specs[0].get_manager()
-    workers = [spec.get_worker(CanonicalKVCaches(
-        tensors=[CanonicalKVCacheTensor(t, t.shape[1]) for t in kv[r]],
-        group_data_refs=[[CanonicalKVCacheRef(0, 1024)], [CanonicalKVCacheRef(1, 576)]]))
-        for r, spec in enumerate(specs)]
-    hashes = [os.urandom(32) for _ in range(CHUNKS)]
-    pages = [make_offload_key(h, 0) for h in hashes]
-    state = make_offload_key(hashes[-1], 1)
+        gen = torch.Generator().manual_seed(world)
+        self.kv = [[torch.randint(-128, 128, (16, n), dtype=torch.int8, generator=gen)
+                    for n in (1024, 576)] for _ in range(world)]
+        self.saved = [[t.clone() for t in rank] for rank in self.kv]
+        specs = [HybridStoreSpec(config(r)) for r in range(world)]
+        self.manager = specs[0].get_manager()
+        self.workers = [spec.get_worker(CanonicalKVCaches(
+            tensors=[CanonicalKVCacheTensor(t, t.shape[1]) for t in self.kv[r]],
+            group_data_refs=[[CanonicalKVCacheRef(0, 1024)], [CanonicalKVCacheRef(1, 576)]]))
+            for r, spec in enumerate(specs)]
+        self.jobs = 0
 
-    def context(req_id: str) -> ReqContext:
-        ctx = ReqContext(req_id)
-        for i, key in enumerate(pages):
-            ctx.set_offload_key_position(key, (i + 1) * 16)
-        ctx.set_offload_key_position(state, CHUNKS * 16)
-        return ctx
-
-    def run(job: int, submit: str, *args) -> None:
-        for w in workers:
+    def run(self, submit: str, *args) -> None:
+        job, self.jobs = self.jobs, self.jobs + 1
+        for w in self.workers:
             assert getattr(w, submit)(job, *args)
-        for w in workers:
+        for w in self.workers:
             w.wait({job})
             assert [r.success for r in w.get_finished()] == [True]
 
-    try:
-        ctx = context("A")
-        manager.on_new_request(ctx)
-        for job, (keys, gpu) in enumerate([
-                (pages, GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0], block_indices=[0, 0])),
-                ([state], GPULoadStoreSpec([5], group_sizes=[0, 1], block_indices=[0, 3]))]):
-            out = manager.prepare_store(keys, ctx)
-            assert out.keys_to_store == keys
-            run(job, "submit_store", gpu, out.store_spec)
-            manager.complete_store(keys, ctx)
-        manager.on_request_finished(ctx)
-        assert manager.flush()
-        stats = manager.store.stats()
-        assert stats["pages"] == CHUNKS and stats["checkpoints"] == 1
-        events = list(manager.take_events())
-        assert sorted(k for e in events for k in e.keys) == sorted(pages + [state])
-        for rank in kv:
+    def store(self, keys, ctx, gpu) -> None:
+        out = self.manager.prepare_store(keys, ctx)
+        assert out.keys_to_store == keys
+        self.run("submit_store", gpu, out.store_spec)
+        self.manager.complete_store(keys, ctx)
+
+    def load(self, keys, ctx, gpu) -> None:
+        from vllm.v1.kv_offload.base import LookupResult
+
+        assert [self.manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * len(keys)
+        src = self.manager.prepare_load(keys, ctx)
+        self.run("submit_load", src, gpu)
+        self.manager.complete_load(keys, ctx)
+
+    def zero(self) -> None:
+        for rank in self.kv:
             for t in rank:
                 t.zero_()
-        ctx = context("B")
-        manager.on_new_request(ctx)
-        assert [manager.lookup(k, ctx) for k in pages + [state]] == [LookupResult.HIT] * 5
-        src = manager.prepare_load(pages + [state], ctx)
-        run(9, "submit_load", src,
-            GPULoadStoreSpec([7, 6, 8, 9, 10], group_sizes=[4, 1], block_indices=[0, 3]))
-        manager.complete_load(pages + [state], ctx)
-        manager.on_request_finished(ctx)
-        for r in range(2):
-            assert torch.equal(kv[r][0][[7, 6, 8, 9]], saved[r][0][[1, 2, 3, 4]])
-            assert torch.equal(kv[r][1][10], saved[r][1][5])
-        assert not torch.equal(saved[0][0][1], saved[1][0][1])   # the ranks' shards differ
-    finally:
-        for w in workers:
+
+    def close(self) -> None:
+        for w in self.workers:
             w.shutdown()
-        manager.shutdown()
+        self.manager.shutdown()
+
+
+def context(req_id: str, positions):
+    from vllm.v1.kv_offload.base import ReqContext
+
+    ctx = ReqContext(req_id)
+    for key, p in positions.items():
+        ctx.set_offload_key_position(key, p)
+    return ctx
+
+
+def test_two_workers_share_one_store_object(tmp_path):
+    """Two worker ranks (as with TP=2) and one manager: each rank's shard goes to its part
+    of the staging slot, one store object holds both, each rank gets its own bytes back."""
+    import os
+
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, make_offload_key
+
+    d = Direct(tmp_path, world=2)
+    hashes = [os.urandom(32) for _ in range(CHUNKS)]
+    pages = [make_offload_key(h, 0) for h in hashes]
+    state = make_offload_key(hashes[-1], 1)
+    positions = {**{k: (i + 1) * 16 for i, k in enumerate(pages)}, state: CHUNKS * 16}
+    try:
+        ctx = context("A", positions)
+        d.manager.on_new_request(ctx)
+        d.store(pages, ctx, GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0],
+                                             block_indices=[0, 0]))
+        d.store([state], ctx, GPULoadStoreSpec([5], group_sizes=[0, 1], block_indices=[0, 3]))
+        d.manager.on_request_finished(ctx)
+        assert d.manager.flush()
+        stats = d.manager.store.stats()
+        assert stats["pages"] == CHUNKS and stats["checkpoints"] == 1
+        events = list(d.manager.take_events())
+        assert sorted(k for e in events for k in e.keys) == sorted(pages + [state])
+        d.zero()
+        ctx = context("B", positions)
+        d.manager.on_new_request(ctx)
+        d.load(pages + [state], ctx,
+               GPULoadStoreSpec([7, 6, 8, 9, 10], group_sizes=[4, 1], block_indices=[0, 3]))
+        d.manager.on_request_finished(ctx)
+        for r in range(2):
+            assert torch.equal(d.kv[r][0][[7, 6, 8, 9]], d.saved[r][0][[1, 2, 3, 4]])
+            assert torch.equal(d.kv[r][1][10], d.saved[r][1][5])
+        assert not torch.equal(d.saved[0][0][1], d.saved[1][0][1])   # the ranks' shards differ
+    finally:
+        d.close()
+
+
+def test_partial_tail(tmp_path):
+    """vLLM's partial tail (``supports_partial_tail``: tokens_per_hash 8 < 16-token Mamba
+    blocks): ``_build_partial_tail_store_jobs`` stores the attention block and the Mamba
+    state at boundary 72 under ``block_hashes[72/8 - 1]`` + group; ``_lookup_partial_tail``
+    then loads 4 chunks + the partial block + the state at 72.  In the store: a partial
+    page ending at 72 and the checkpoint at 72, beside the one at 64."""
+    import os
+
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, make_offload_key
+
+    d = Direct(tmp_path, world=1)
+    hashes = [os.urandom(32) for _ in range(CHUNKS)]
+    pages = [make_offload_key(h, 0) for h in hashes]
+    state64 = make_offload_key(hashes[-1], 1)
+    tail = os.urandom(32)
+    tail_page, tail_state = make_offload_key(tail, 0), make_offload_key(tail, 1)
+    positions = {**{k: (i + 1) * 16 for i, k in enumerate(pages)}, state64: 64,
+                 tail_page: 72, tail_state: 72}
+    try:
+        ctx = context("A", positions)
+        d.manager.on_new_request(ctx)
+        d.store(pages, ctx, GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0],
+                                             block_indices=[0, 0]))
+        d.store([state64], ctx, GPULoadStoreSpec([5], group_sizes=[0, 1], block_indices=[0, 3]))
+        d.store([tail_page, tail_state], ctx,
+                GPULoadStoreSpec([11, 12], group_sizes=[1, 1], block_indices=[4, 4]))
+        d.manager.on_request_finished(ctx)
+        assert d.manager.flush()
+        store = d.manager.store
+        prompt = store.engine_prefix([tail_page], prefix=None, length=8)
+        assert prompt.length == 72 and store.restorable(prompt) == [64, 72]
+        d.zero()
+        ctx = context("B", positions)
+        d.manager.on_new_request(ctx)
+        d.load(pages + [tail_page, tail_state], ctx,
+               GPULoadStoreSpec([7, 6, 8, 9, 10, 13], group_sizes=[5, 1], block_indices=[0, 4]))
+        d.manager.on_request_finished(ctx)
+        assert torch.equal(d.kv[0][0][[7, 6, 8, 9, 10]], d.saved[0][0][[1, 2, 3, 4, 11]])
+        assert torch.equal(d.kv[0][1][13], d.saved[0][1][12])
+    finally:
+        d.close()

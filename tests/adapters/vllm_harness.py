@@ -52,7 +52,6 @@ BLOCK = 16
 """Tokens per GPU block (and per offloaded chunk, ``block_size`` in the extra config)."""
 
 init_none_hash(sha256)
-_HASHER = get_request_block_hasher(BLOCK, sha256)
 
 
 @dataclass
@@ -83,11 +82,14 @@ class Engine:
         extra: ``kv_connector_extra_config``.
         hybrid: add a Mamba group (``MambaSpec``, ``mamba_cache_mode="align"``).
         num_blocks: GPU blocks per group.
+        hash_block: tokens per block hash (``prefix_match_unit``); below ``BLOCK`` with
+            a Mamba group, vLLM offloads partial tails (states between chunk ends).
     """
 
     extra: dict[str, Any]
     hybrid: bool = False
     num_blocks: int = 64
+    hash_block: int = BLOCK
     sched: Scheduler = field(init=False)
     worker: OffloadingConnector = field(init=False)
     kv: dict[str, torch.Tensor] = field(init=False)
@@ -99,7 +101,9 @@ class Engine:
                              enable_chunked_prefill=True, is_encoder_decoder=False)
         cc = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto",
                          enable_prefix_caching=True,
-                         **({"mamba_cache_mode": "align"} if self.hybrid else {}))
+                         **({"mamba_cache_mode": "align"} if self.hybrid else {}),
+                         **({"prefix_match_unit": self.hash_block}
+                            if self.hash_block != BLOCK else {}))
         cc.kv_cache_layout = "LBNHC"
         ktc = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                kv_connector_extra_config=dict(self.extra))
@@ -141,12 +145,13 @@ class Engine:
     def snapshot(self) -> dict[str, torch.Tensor]:
         return {ln: t.clone() for ln, t in self.kv.items()}
 
-    def run(self, rid: str, tokens: list[int], max_steps: int = 200) -> Run:
-        """Run one request to the end (prefill + 2 decode tokens), as the model runner would."""
-        sp = SamplingParams(max_tokens=2)  # the runner "samples" token 7 twice
+    def run(self, rid: str, tokens: list[int], max_steps: int = 200, decode: int = 2) -> Run:
+        """Run one request to the end (prefill + ``decode`` tokens), as the model runner would."""
+        sp = SamplingParams(max_tokens=decode)  # the runner "samples" token 7 each step
         sp.update_from_generation_config({}, 50256)
         req = Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp,
-                      pooling_params=None, block_hasher=_HASHER)
+                      pooling_params=None,
+                      block_hasher=get_request_block_hasher(self.hash_block, sha256))
         self.sched.add_request(req)
         run = Run(req)
         for step in range(max_steps):

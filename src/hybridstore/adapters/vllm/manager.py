@@ -143,10 +143,16 @@ class HybridStoreManager(OffloadingManager):
         """The full-attention key of the chunk that ends where ``key`` ends."""
         return make_offload_key(get_offload_block_hash(key), self._page_gid)
 
-    def _resolve(self, page_key: OffloadKey) -> PrefixKeys | None:
-        """The chain ending with a stored page (None: the store does not hold it)."""
+    def _block(self, end: int) -> int:
+        """The page (block) index of the page ending at token ``end``."""
+        return (end - 1) // self._page_tokens
+
+    def _resolve(self, page_key: OffloadKey, end: int) -> PrefixKeys | None:
+        """The chain of the stored page ending at ``end`` (a partial page when ``end`` is
+        inside a chunk), or None when the store does not know that page."""
         try:
-            return self.store.engine_prefix([page_key], prefix=None)
+            return self.store.engine_prefix([page_key], prefix=None,
+                                            length=end - self._block(end) * self._page_tokens)
         except UnknownPrefixError:     # not a page the store knows
             return None
 
@@ -174,27 +180,27 @@ class HybridStoreManager(OffloadingManager):
         with self._mu:
             self.counters["lookups"] += 1
             gpos, p = self._where(key, req_context)
-            tpc = self._plan.tokens_per_chunk[gpos]
-            if p is None or p % tpc or p % self._page_tokens:
-                return LookupResult.MISS   # a partial tail (not offloaded by this adapter)
+            if p is None:
+                return LookupResult.MISS
             req = self._request(req_context)
             if key in req.pins:
                 return LookupResult.HIT
             if key in self._staged:
                 return LookupResult.HIT_PENDING
-            i = p // self._page_tokens - 1
+            i = self._block(p)
             if gpos == self._plan.page_group:
-                req.chain[i] = key
+                if p % self._page_tokens == 0:
+                    req.chain[i] = key
                 if req.scan_first is None or i <= req.last_chunk:
                     req.scan_first = i
                 req.last_chunk = i
                 if i - req.scan_first + 1 + len(self._plan.state_groups) > self._load_cap:
                     return LookupResult.MISS      # the load would not fit the staging region
-                prompt = self._resolve(key)
+                prompt = self._resolve(key, p)
                 plan = self.store.match_pages(prompt, first=i) if prompt is not None else None
                 ok = plan is not None and len(plan.pages) == 1
             else:
-                prompt = self._resolve(self._page_key_at(key))
+                prompt = self._resolve(self._page_key_at(key), p)
                 plan = self.store.match(prompt, max_position=p) if prompt is not None else None
                 ok = plan is not None and plan.position == p
             if plan is None or not ok:
@@ -240,9 +246,9 @@ class HybridStoreManager(OffloadingManager):
         end = 0
         for key, slot in zip(keys, slots):
             gpos, p = self._where(key, ctx)
-            assert p is not None and p % self._page_tokens == 0, (key, p)
+            assert p is not None, key
             if gpos == self._plan.page_group:
-                pages[p // self._page_tokens - 1] = slot
+                pages[self._block(p)] = slot
             else:
                 states[gpos] = slot
             end = max(end, p)
@@ -251,7 +257,7 @@ class HybridStoreManager(OffloadingManager):
                                           if self._where(k, ctx)[0] != self._plan.page_group))
         else:
             last = max(keys, key=lambda k: self._where(k, ctx)[1] or 0)
-        prompt = self._resolve(last)
+        prompt = self._resolve(last, end)
         if prompt is None or prompt.length != end:
             raise HybridStoreError(f"the page ending at {end} is no longer held")
         state_buf = None
@@ -264,10 +270,10 @@ class HybridStoreManager(OffloadingManager):
         else:
             first = min(pages)
             plan = self.store.match_pages(prompt, first=first)
-            if len(plan.pages) != end // self._page_tokens - first:
+            if len(plan.pages) != self._block(end) + 1 - first:
                 self.store.release(plan)
-                raise HybridStoreError(f"pages {first}..{end // self._page_tokens - 1} are no "
-                                       "longer all held")
+                raise HybridStoreError(f"pages {first}..{self._block(end)} are no longer all "
+                                       "held")
         try:
             n = len(plan.pages)
             offset = plan.first_page if not states else 0
@@ -327,10 +333,10 @@ class HybridStoreManager(OffloadingManager):
             todo: list[tuple[OffloadKey, int, int]] = []
             for key in keys:
                 gpos, p = self._where(key, req_context)
-                if p is None or p % self._plan.tokens_per_chunk[gpos] or p % self._page_tokens:
-                    continue          # partial tails are not offloaded by this adapter
-                if gpos == self._plan.page_group:
-                    req.chain[p // self._page_tokens - 1] = key
+                if p is None:
+                    continue
+                if gpos == self._plan.page_group and p % self._page_tokens == 0:
+                    req.chain[self._block(p)] = key
                 if key in self._staged or self._held(key, gpos, p):
                     continue
                 todo.append((key, gpos, p))
@@ -348,7 +354,7 @@ class HybridStoreManager(OffloadingManager):
                                       store_spec=StagedKeys(slots), evicted_keys=[])
 
     def _held(self, key: OffloadKey, gpos: int, p: int) -> bool:
-        prompt = self._resolve(self._page_key_at(key))
+        prompt = self._resolve(self._page_key_at(key), p)
         if prompt is None:
             return False
         if gpos == self._plan.page_group:
@@ -369,7 +375,8 @@ class HybridStoreManager(OffloadingManager):
             # runs of consecutive chunks, each chained onto the page before it
             run: list[_Staged] = []
             for s in pages:
-                if run and s.position != run[-1].position + self._page_tokens:
+                if run and (s.position != run[-1].position + self._page_tokens
+                            or run[-1].position % self._page_tokens):
                     self._submit(self._put_pages, run, self._before(req, run, req_context))
                     run = []
                 run.append(s)
@@ -389,7 +396,7 @@ class HybridStoreManager(OffloadingManager):
                 ) -> list[OffloadKey] | OffloadKey | None:
         """What chains ``run``: None (it starts the sequence), the key of the page before
         it, or the whole chain before it (fallback)."""
-        i = run[0].position // self._page_tokens - 1
+        i = self._block(run[0].position)
         if i == 0:
             return None
         prev = req.chain.get(i - 1)
@@ -424,15 +431,20 @@ class HybridStoreManager(OffloadingManager):
                    ) -> None:
         """Put thread: the pages of one run of chunks, then retry states waiting for them."""
         keys = [s.key for s in run]
+        end = run[-1].position      # inside a chunk for a partial tail: a partial last page
         try:
             prompt = None
             if before is None:
-                prompt = self.store.engine_prefix(keys, prefix=())
+                prompt = self.store.engine_prefix(keys, prefix=(), length=end)
             elif isinstance(before, list):
-                prompt = self.store.engine_prefix(keys, prefix=before) if before else None
+                prompt = (self.store.engine_prefix(keys, prefix=before, length=end)
+                          if before else None)
             else:
+                first = self._block(run[0].position)
                 try:
-                    prompt = self.store.engine_prefix([before, *keys], prefix=None)
+                    prompt = self.store.engine_prefix(
+                        [before, *keys], prefix=None,
+                        length=end - (first - 1) * self._page_tokens)
                 except UnknownPrefixError:
                     prompt = None     # the page before was evicted meanwhile
             if prompt is None:
@@ -458,7 +470,8 @@ class HybridStoreManager(OffloadingManager):
     def _put_state(self, anchor: OffloadKey, parts: dict[int, _Staged]) -> bool:
         """Put thread: the state of all state groups at one position (False: its page is not
         held yet, the state waits in the deferred list)."""
-        prompt = self._resolve(anchor)
+        end = next(iter(parts.values())).position
+        prompt = self._resolve(anchor, end)
         if prompt is None:
             with self._mu:
                 self._deferred.append((anchor, parts))
