@@ -132,6 +132,19 @@ def test_small_budget_misses_never_fails(tmp_path):
         engine.shutdown()
 
 
+def test_small_staging_loads_what_fits(tmp_path):
+    # 6 staging slots: a load may take 3, so B loads the first 3 chunks and recomputes one
+    engine = Engine(extra(tmp_path, staging_bytes=6 * 4096))
+    try:
+        assert engine.manager._region.nslots == 6
+        a, snap = store_a(engine, 4)
+        b = load_b(engine, 4)
+        assert engine.manager.counters["loaded_keys"] == 3
+        assert all(loaded_equal(engine, snap, a, b, chunks=3))
+    finally:
+        engine.shutdown()
+
+
 def tier_extra(tmp_path, **changes):
     cfg = {"spec_name": "TieringCPUSpec", "spec_module_path": "tests.adapters.vllm_harness",
            "block_size": BLOCK, "cpu_bytes_to_use": 6 * 4096,        # 6 primary chunks

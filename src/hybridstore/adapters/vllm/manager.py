@@ -53,6 +53,7 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
     get_offload_block_hash,
     get_offload_group_idx,
     make_offload_key,
@@ -91,8 +92,6 @@ class _Request:
     """Full-attention keys this request showed us, by chunk index."""
     pins: dict[OffloadKey, ResumePlan] = field(default_factory=dict)
     """Plans pinned by lookup HITs, until the load's own plan replaces them."""
-    scan_first: int | None = None
-    last_chunk: int = -1
     finished: bool = False
 
 
@@ -115,7 +114,8 @@ class HybridStoreManager(OffloadingManager):
         self._page_tokens = plan.page_tokens
         self._page_gid = plan.group_ids[plan.page_group]
         self._slots = SlotPool(region.nslots)
-        # Stores never take the last half of the slots: a load cannot wait for them.
+        # Loads (and the HITs that promise them) never need more than half of the slots,
+        # and stores leave that half free, so a load always finds its slots at once.
         self._load_cap = max(region.nslots // 2, 1 + len(plan.state_groups))
         self._mu = threading.RLock()
         self._puts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridstore-vllm-put")
@@ -188,14 +188,11 @@ class HybridStoreManager(OffloadingManager):
             if key in self._staged:
                 return LookupResult.HIT_PENDING
             i = self._block(p)
+            if gpos == self._plan.page_group and p % self._page_tokens == 0:
+                req.chain[i] = key
+            if self._promised() >= self._load_cap:
+                return LookupResult.MISS      # its load could not be staged now: recompute
             if gpos == self._plan.page_group:
-                if p % self._page_tokens == 0:
-                    req.chain[i] = key
-                if req.scan_first is None or i <= req.last_chunk:
-                    req.scan_first = i
-                req.last_chunk = i
-                if i - req.scan_first + 1 + len(self._plan.state_groups) > self._load_cap:
-                    return LookupResult.MISS      # the load would not fit the staging region
                 prompt = self._resolve(key, p)
                 plan = self.store.match_pages(prompt, first=i) if prompt is not None else None
                 ok = plan is not None and len(plan.pages) == 1
@@ -211,6 +208,11 @@ class HybridStoreManager(OffloadingManager):
             req.pins[key] = plan
             self.counters["hits"] += 1
             return LookupResult.HIT
+
+    def _promised(self) -> int:
+        """Staging slots that loads hold or that HITs already reported will need."""
+        return (sum(len(r.pins) for r in self._reqs.values())
+                + sum(len(ld.slots) for loads in self._loads.values() for ld in loads))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         return   # the store's recency moves on match/put; GPU prefix hits are vLLM's
@@ -540,11 +542,17 @@ class HybridStoreManager(OffloadingManager):
             self._unpin(req)
             self._maybe_drop(req_context.req_id)
 
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        # A HIT's prepare_load comes in the step of its lookup; a request that was not
+        # loaded looks up again when the scheduler next tries it.
+        with self._mu:
+            for req in self._reqs.values():
+                self._unpin(req)
+
     def _unpin(self, req: _Request) -> None:
         for plan in req.pins.values():
             self.store.release(plan)
         req.pins.clear()
-        req.scan_first = None
 
     def _maybe_drop(self, req_id: str) -> None:
         """Forget a finished request once nothing of it is in flight; drop its states that
