@@ -201,51 +201,57 @@ def test_unsupported_layouts_fail_at_init(tmp_path):
         Engine(cfg)
 
 
+def direct_config(tmp_path, rank: int, world: int):
+    """An ``OffloadingConfig`` as vLLM's ``build_offloading_config`` makes it: full
+    attention (1024 B pages) + Mamba (576 B), 16-token blocks, 8 tokens per hash."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, ("layer0",), 0),
+                OffloadingGroupConfig(16, ("layer1",), 1, sliding_window_size_in_chunks=1)),
+        worker_kv_bytes_per_block=1024 + 576, enable_kv_cache_events=True,
+        extra_config=extra(tmp_path), engine_id=f"direct{world}",
+        model=OffloadingModelConfig("tiny", "float16", 1024),
+        cache=OffloadingCacheConfig(tokens_per_hash=8, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(rank, world, world, 1, 1, 1, 0, 1, None, False),
+        kv_cache_layout="LBNHC")
+
+
+def direct_worker(tmp_path, rank: int, world: int, kv):
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+    )
+
+    from hybridstore.adapters.vllm import HybridStoreSpec
+    return HybridStoreSpec(direct_config(tmp_path, rank, world)).get_worker(CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, t.shape[1]) for t in kv],
+        group_data_refs=[[CanonicalKVCacheRef(0, 1024)], [CanonicalKVCacheRef(1, 576)]]))
+
+
 class Direct:
     """A manager and ``world`` workers of one HybridStoreSpec, called the way vLLM's
     connector calls them (``offloading/scheduler.py``, ``offloading/worker.py``) without
     the Scheduler: for what the CPU harness cannot make vLLM do (several ranks, partial
-    tails).  Groups: full attention (1024 B pages) and Mamba (576 B), 16 blocks."""
+    tails, a worker in another process)."""
 
-    def __init__(self, tmp_path, world: int) -> None:
-        from vllm.v1.kv_offload.base import (
-            CanonicalKVCacheRef,
-            CanonicalKVCaches,
-            CanonicalKVCacheTensor,
-        )
-        from vllm.v1.kv_offload.config import (
-            OffloadingCacheConfig,
-            OffloadingConfig,
-            OffloadingGroupConfig,
-            OffloadingModelConfig,
-            OffloadingParallelConfig,
-        )
-
+    def __init__(self, tmp_path, world: int, workers: list | None = None) -> None:
         from hybridstore.adapters.vllm import HybridStoreSpec
-
-        def config(rank: int) -> OffloadingConfig:
-            return OffloadingConfig(
-                groups=(OffloadingGroupConfig(16, ("layer0",), 0),
-                        OffloadingGroupConfig(16, ("layer1",), 1,
-                                              sliding_window_size_in_chunks=1)),
-                worker_kv_bytes_per_block=1024 + 576, enable_kv_cache_events=True,
-                extra_config=extra(tmp_path), engine_id=f"direct{world}",
-                model=OffloadingModelConfig("tiny", "float16", 1024),
-                cache=OffloadingCacheConfig(tokens_per_hash=8, blocks_per_chunk=1),
-                parallel=OffloadingParallelConfig(rank, world, world, 1, 1, 1, 0, 1, None,
-                                                  False),
-                kv_cache_layout="LBNHC")
 
         gen = torch.Generator().manual_seed(world)
         self.kv = [[torch.randint(-128, 128, (16, n), dtype=torch.int8, generator=gen)
                     for n in (1024, 576)] for _ in range(world)]
         self.saved = [[t.clone() for t in rank] for rank in self.kv]
-        specs = [HybridStoreSpec(config(r)) for r in range(world)]
-        self.manager = specs[0].get_manager()
-        self.workers = [spec.get_worker(CanonicalKVCaches(
-            tensors=[CanonicalKVCacheTensor(t, t.shape[1]) for t in self.kv[r]],
-            group_data_refs=[[CanonicalKVCacheRef(0, 1024)], [CanonicalKVCacheRef(1, 576)]]))
-            for r, spec in enumerate(specs)]
+        self.workers = workers if workers is not None else [
+            direct_worker(tmp_path, r, world, self.kv[r]) for r in range(world)]
+        self.manager = HybridStoreSpec(direct_config(tmp_path, 0, world)).get_manager()
         self.jobs = 0
 
     def run(self, submit: str, *args) -> None:
@@ -369,3 +375,80 @@ def test_partial_tail(tmp_path):
         assert torch.equal(d.kv[0][1][13], d.saved[0][1][12])
     finally:
         d.close()
+
+
+def _serve_worker(conn, tmp_path, kv) -> None:
+    """A worker process: vLLM's worker-role connector would call these on its worker."""
+    worker = direct_worker(tmp_path, 0, 1, kv)
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        op, job, args = msg
+        getattr(worker, op)(job, *args)
+        worker.wait({job})
+        conn.send([r.success for r in worker.get_finished()])
+    worker.shutdown()
+
+
+class RemoteWorker:
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.results: list = []
+
+    def submit_store(self, job, *args) -> bool:
+        self.conn.send(("submit_store", job, args))
+        return True
+
+    def submit_load(self, job, *args) -> bool:
+        self.conn.send(("submit_load", job, args))
+        return True
+
+    def wait(self, jobs) -> None:
+        from vllm.v1.kv_offload.base import TransferResult
+
+        self.results = [TransferResult(j, ok) for j, ok in zip(jobs, self.conn.recv())]
+
+    def get_finished(self):
+        done, self.results = self.results, []
+        return done
+
+    def shutdown(self) -> None:
+        self.conn.send(None)
+
+
+def test_worker_in_another_process(tmp_path):
+    """The scheduler's manager and a worker in a separate process meet only in the
+    staging file (and the store's disk): store, drop, load across the process boundary."""
+    import multiprocessing as mp
+    import os
+
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, make_offload_key
+
+    kv = [torch.randint(-128, 128, (16, n), dtype=torch.int8).share_memory_() for n in (1024, 576)]
+    saved = [t.clone() for t in kv]
+    ours, theirs = mp.get_context("fork").Pipe()
+    proc = mp.get_context("fork").Process(target=_serve_worker, args=(theirs, tmp_path, kv))
+    proc.start()      # before the manager starts its threads
+    assert ours.recv() == "ready"
+    d = Direct(tmp_path, world=1, workers=[RemoteWorker(ours)])
+    hashes = [os.urandom(32) for _ in range(CHUNKS)]
+    pages = [make_offload_key(h, 0) for h in hashes]
+    state = make_offload_key(hashes[-1], 1)
+    positions = {**{k: (i + 1) * 16 for i, k in enumerate(pages)}, state: CHUNKS * 16}
+    try:
+        ctx = context("A", positions)
+        d.store(pages, ctx, GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0],
+                                             block_indices=[0, 0]))
+        d.store([state], ctx, GPULoadStoreSpec([5], group_sizes=[0, 1], block_indices=[0, 3]))
+        d.manager.on_request_finished(ctx)
+        assert d.manager.flush()
+        for t in kv:
+            t.zero_()
+        ctx = context("B", positions)
+        d.load(pages + [state], ctx,
+               GPULoadStoreSpec([7, 6, 8, 9, 10], group_sizes=[4, 1], block_indices=[0, 3]))
+        assert torch.equal(kv[0][[7, 6, 8, 9]], saved[0][[1, 2, 3, 4]])
+        assert torch.equal(kv[1][10], saved[1][5])
+    finally:
+        d.close()
+        proc.join(30)
+    assert proc.exitcode == 0
