@@ -330,6 +330,15 @@ def test_two_workers_share_one_store_object(tmp_path):
             assert torch.equal(d.kv[r][0][[7, 6, 8, 9]], d.saved[r][0][[1, 2, 3, 4]])
             assert torch.equal(d.kv[r][1][10], d.saved[r][1][5])
         assert not torch.equal(d.saved[0][0][1], d.saved[1][0][1])   # the ranks' shards differ
+        # chunks 0-1 are GPU prefix-cache hits: vLLM loads chunks 2-3 and the state at 64
+        ctx = context("C", positions)
+        d.manager.on_new_request(ctx)
+        d.load(pages[2:] + [state], ctx,
+               GPULoadStoreSpec([11, 12, 13], group_sizes=[2, 1], block_indices=[2, 3]))
+        d.manager.on_request_finished(ctx)
+        for r in range(2):
+            assert torch.equal(d.kv[r][0][[11, 12]], d.saved[r][0][[3, 4]])
+            assert torch.equal(d.kv[r][1][13], d.saved[r][1][5])
     finally:
         d.close()
 
