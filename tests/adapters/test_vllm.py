@@ -85,6 +85,9 @@ def test_store_drop_load_bit_exact(tmp_path, hybrid):
         assert all(loaded_equal(engine, snap, a, b, hybrid=hybrid))
         assert engine.manager.counters["loaded_keys"] == CHUNKS + hybrid
         assert b.req.num_computed_tokens >= CHUNKS * BLOCK
+        engine.settle()
+        engine.sched.reset_prefix_cache(reset_connector=True)   # OffloadingManager.reset_cache
+        assert store.stats()["pages"] == 0 and store.stats()["checkpoints"] == 0
     finally:
         engine.shutdown()
 
@@ -301,7 +304,7 @@ def test_two_workers_share_one_store_object(tmp_path):
     of the staging slot, one store object holds both, each rank gets its own bytes back."""
     import os
 
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec, make_offload_key
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, make_offload_key
 
     d = Direct(tmp_path, world=2)
     hashes = [os.urandom(32) for _ in range(CHUNKS)]
@@ -339,6 +342,15 @@ def test_two_workers_share_one_store_object(tmp_path):
         for r in range(2):
             assert torch.equal(d.kv[r][0][[11, 12]], d.saved[r][0][[3, 4]])
             assert torch.equal(d.kv[r][1][13], d.saved[r][1][5])
+        # evicted (as under pressure): lookups miss and announce each removal once
+        for tier in ("host", "disk"):
+            d.manager.store.evict(1 << 40, tier=tier)
+        ctx = context("D", positions)
+        assert {d.manager.lookup(k, ctx) for k in pages + [state]} == {LookupResult.MISS}
+        removed = [k for e in d.manager.take_events() if e.removed for k in e.keys]
+        assert sorted(removed) == sorted(pages + [state])
+        assert {d.manager.lookup(k, ctx) for k in pages + [state]} == {LookupResult.MISS}
+        assert not list(d.manager.take_events())
     finally:
         d.close()
 
