@@ -10,9 +10,10 @@ hybridstore: worker -> staging -> store (host pool / disk) -> staging -> worker.
 
 What is asserted:
 
-* full attention, and hybrid (a ``MambaSpec`` group, ``mamba_cache_mode="align"``):
-  B (A's prompt + 2 tokens) after ``reset_prefix_cache()`` loads A's 4 chunks
-  (and the Mamba state at 64) bit-exact;
+* full attention, and hybrid (one or two ``MambaSpec`` groups,
+  ``mamba_cache_mode="align"``): B (A's prompt + 2 tokens) after
+  ``reset_prefix_cache()`` loads A's 4 chunks (and each group's Mamba state at 64,
+  one store checkpoint) bit-exact;
 * a second engine over the same ``disk_path``, after the first shut down, hits
   what the first stored (read back from the disk tier) and loads it bit-exact;
 * a budget of a few pages gives misses, never a failed job (vLLM asserts every
@@ -49,14 +50,17 @@ def extra(tmp_path, **changes):
 
 
 def loaded_equal(engine: Engine, snap, a: Run, b: Run, *, chunks: int = CHUNKS,
-                 hybrid: bool = False) -> list[bool]:
-    """Per loaded object: are B's blocks (after its load) A's blocks (when A stored them)?"""
+                 hybrid: int = 0) -> list[bool]:
+    """Per loaded object: are B's blocks (after its load) A's blocks (when A stored them)?
+    Pages of the attention group (layer0), then each Mamba group's state at the last
+    chunk boundary (layer1, layer2, ...)."""
     same = []
     for i in range(chunks):
         same.append(torch.equal(snap["layer0"][a.block(0, i)], engine.kv["layer0"][b.block(0, i)]))
-    if hybrid:   # the Mamba state at the last chunk boundary
+    for g in range(1, 1 + int(hybrid)):
         i = chunks - 1
-        same.append(torch.equal(snap["layer1"][a.block(1, i)], engine.kv["layer1"][b.block(1, i)]))
+        ln = f"layer{g}"
+        same.append(torch.equal(snap[ln][a.block(g, i)], engine.kv[ln][b.block(g, i)]))
     return same
 
 
@@ -73,14 +77,15 @@ def load_b(engine: Engine, seed: int, tokens=PROMPT) -> Run:
     return engine.run(f"B{seed}", tokens + [999, 998])
 
 
-@pytest.mark.parametrize("hybrid", [False, True], ids=["full-attention", "hybrid-mamba"])
+@pytest.mark.parametrize("hybrid", [0, 1, 2],
+                         ids=["full-attention", "hybrid-mamba", "two-mamba-groups"])
 def test_store_drop_load_bit_exact(tmp_path, hybrid):
     engine = Engine(extra(tmp_path), hybrid=hybrid)
     try:
         a, snap = store_a(engine, 1)
         store = engine.manager.store
         assert store.stats()["pages"] == CHUNKS
-        assert store.stats()["checkpoints"] == (1 if hybrid else 0)
+        assert store.stats()["checkpoints"] == (1 if hybrid else 0)   # all groups' states: one
         b = load_b(engine, 1)
         assert all(loaded_equal(engine, snap, a, b, hybrid=hybrid))
         assert engine.manager.counters["loaded_keys"] == CHUNKS + hybrid
@@ -93,16 +98,16 @@ def test_store_drop_load_bit_exact(tmp_path, hybrid):
 
 
 def test_restart_hits_what_the_first_engine_stored(tmp_path):
-    first = Engine(extra(tmp_path), hybrid=True)
+    first = Engine(extra(tmp_path), hybrid=1)
     try:
         a, snap = store_a(first, 2)
     finally:
         first.shutdown()
-    second = Engine(extra(tmp_path), hybrid=True)
+    second = Engine(extra(tmp_path), hybrid=1)
     try:
         assert second.config.kv_transfer_config.engine_id != first.config.kv_transfer_config.engine_id
         b = load_b(second, 2)
-        assert all(loaded_equal(second, snap, a, b, hybrid=True))
+        assert all(loaded_equal(second, snap, a, b, hybrid=1))
         stats = second.manager.store.stats()
         assert stats["loaded_bytes"].get("disk", 0) > 0      # the new host pool was empty
     finally:
@@ -112,7 +117,7 @@ def test_restart_hits_what_the_first_engine_stored(tmp_path):
 def test_small_budget_misses_never_fails(tmp_path):
     # room for about one prompt in DRAM and one on disk (5 objects, 4 KiB of pool each)
     engine = Engine(extra(tmp_path, host_bytes=24 << 10, disk_bytes=24 << 10,
-                          tier_policy="write-back"), hybrid=True, num_blocks=128)
+                          tier_policy="write-back"), hybrid=1, num_blocks=128)
     try:
         stored = []
         for seed in range(4):
@@ -127,7 +132,7 @@ def test_small_budget_misses_never_fails(tmp_path):
             n = engine.manager.counters["loaded_keys"] - before
             if n:
                 assert n == CHUNKS + 1       # a resume point is whole: 4 pages + the state
-                assert all(loaded_equal(engine, snap, a, b, hybrid=True))
+                assert all(loaded_equal(engine, snap, a, b, hybrid=1))
             hits += n > 0
             engine.settle()
         assert 0 < hits < 4

@@ -80,14 +80,14 @@ class Engine:
 
     Args:
         extra: ``kv_connector_extra_config``.
-        hybrid: add a Mamba group (``MambaSpec``, ``mamba_cache_mode="align"``).
+        hybrid: add that many Mamba groups (``MambaSpec``, ``mamba_cache_mode="align"``).
         num_blocks: GPU blocks per group.
         hash_block: tokens per block hash (``prefix_match_unit``); below ``BLOCK`` with
             a Mamba group, vLLM offloads partial tails (states between chunk ends).
     """
 
     extra: dict[str, Any]
-    hybrid: bool = False
+    hybrid: int = 0
     num_blocks: int = 64
     hash_block: int = BLOCK
     sched: Scheduler = field(init=False)
@@ -111,8 +111,8 @@ class Engine:
                                       kv_transfer_config=ktc, device_config=DeviceConfig("cpu"))
         groups = [KVCacheGroupSpec(["layer0"], FullAttentionSpec(
             block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16))]
-        if self.hybrid:
-            groups.append(KVCacheGroupSpec(["layer1"], MambaSpec(
+        for g in range(int(self.hybrid)):    # hybrid=2: two Mamba groups (as Qwen3-Next has 3)
+            groups.append(KVCacheGroupSpec([f"layer{g + 1}"], MambaSpec(
                 block_size=BLOCK, shapes=((4, 8), (2, 8, 8)), dtypes=(torch.float16, torch.float32),
                 mamba_cache_mode="align")))
         self.groups = groups
