@@ -170,7 +170,7 @@ def test_one_damaged_catalog_record_costs_that_object_only(tmp_path, damage, cap
 
 
 def test_a_damaged_layout_record_costs_the_objects_of_its_kind(tmp_path, caplog):
-    cfg, tokens, pages = _written(tmp_path)
+    cfg, tokens, _ = _written(tmp_path)
     _damage(tmp_path, lambda cat: cat.put_info("layout.state", b"{not json"))
     with HybridStore(cfg) as store:
         prompt = store.prefix(tokens)

@@ -210,3 +210,27 @@ def test_restorable_agrees_with_match(state_pages, held, query):
         plan = s.match(prompt)
         assert plan.position == (points[-1] if points else 0)
         s.release(plan)
+
+
+@pytest.mark.parametrize("policy", ["lru", "histate", "flashstates"])
+def test_attention_only_eviction_takes_tails_first_and_keeps_heads(policy):
+    """With no checkpoints every page is reclaimable; a put or a resume touches the whole
+    path, and ties go deepest first, so what survives eviction is always a prefix from
+    block 0 (evicting a head page would make every page after it useless)."""
+    with HybridStore(StoreConfig(block_size=B, host_bytes=1 << 20, policy=policy)) as s:
+        a = sglang_chain(list(range(40)))                   # 10 pages
+        s.put_kv(s.engine_prefix(a[:6]), [page(i) for i in range(6)])
+        plan = s.match_pages(s.engine_prefix(a))            # a later request resumes...
+        s.release(plan)
+        s.put_kv(s.engine_prefix(a[6:], prefix=a[:6]), [page(i) for i in range(6, 10)])  # ...extends
+        b = sglang_chain(list(range(1000, 1040)))
+        s.put_kv(s.engine_prefix(b), [page(i) for i in range(10)])
+        held = []
+        for _ in range(14):                                 # one page at a time
+            assert s.evict(1, tier="host") > 0
+            runs = [s.present_pages(s.engine_prefix(chain)) for chain in (a, b)]
+            # every page still held is usable: it lies in a leading run from block 0
+            assert sum(runs) == s.stats()["tiers"]["host"]["objects"]
+            held.append(runs)
+        assert held[-1] == [0, 6]                           # a (older) went first, tail first
+        assert [r[0] for r in held[:10]] == list(range(9, -1, -1))

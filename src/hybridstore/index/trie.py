@@ -297,6 +297,20 @@ class HybridIndex:
         self._clock += n
         return np.arange(t + 1, t + n + 1, dtype=np.int64)
 
+    def _touch_path(self, path: np.ndarray, new: int) -> None:
+        """Mark the pages of a path from block 0 used now (the newest of ``new`` ticks, one
+        per new page, for all of them).
+
+        A page is useless without its ancestors, so a parent must never look older
+        than its child: a put touches the whole path, as a resume does, and
+        least-recently-used orders break ties deepest first
+        (:func:`~hybridstore.policy.base.lru_order`), taking a prompt's tail first
+        and its head last (vLLM's block pool frees a request's blocks in reverse for
+        the same reason).  Otherwise an attention-only prompt, whose pages no
+        checkpoint holds, would lose its head first, and with it every page after it.
+        """
+        self._atime[path] = self._ticks(new)[-1]
+
     def now(self) -> int:
         """The index's logical clock (advances on every put and hit)."""
         return self._clock
@@ -436,7 +450,7 @@ class HybridIndex:
         if tier is not None:
             self._tiers[nids] |= TIER_BITS[tier]
         self._nbytes[nids] = nbytes
-        self._atime[nids] = self._ticks(len(nids))
+        self._touch_path(ids[:stop], stop - first)
         bases = np.empty(len(nids), np.int64)
         bases[0] = ids[first - 1] if first > 0 else ROOT
         bases[1:] = nids[:-1]
@@ -840,9 +854,9 @@ class HybridIndex:
     def _pin(self, prompt: PrefixKeys, pages: np.ndarray, position: int,
              ck: Checkpoint | None, walked: int, first: int = 0) -> ResumePlan:
         plan_id = next(self._plan_ids)
-        t = self._tick()
         B = self.block_size
         n = len(pages)
+        t = self._tick()
         if n:
             self._pins[pages] += 1
             self._atime[pages] = t
@@ -884,11 +898,12 @@ class HybridIndex:
         return ids.astype(np.int64, copy=False)
 
     def page_table(self, tier: str) -> dict[str, np.ndarray]:
-        """Columns of the pages held by ``tier``: ids, atime, deps, pins, nbytes, tiers."""
+        """Columns of the pages held by ``tier``: ids, atime, deps, pins, nbytes, tiers, block."""
         live = self.node_ids()
         sel = live[(self._tiers[live] & TIER_BITS[tier]) != 0] if live.size else live
         return {"ids": sel, "atime": self._atime[sel], "deps": self._deps[sel],
-                "pins": self._pins[sel], "nbytes": self._nbytes[sel], "tiers": self._tiers[sel]}
+                "pins": self._pins[sel], "nbytes": self._nbytes[sel], "tiers": self._tiers[sel],
+                "block": self._block[sel]}
 
     def page_columns(self, ids: np.ndarray,
                      names: tuple[str, ...] = ("tiers", "nbytes")) -> dict[str, np.ndarray]:

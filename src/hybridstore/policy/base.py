@@ -115,6 +115,15 @@ class EvictionPolicy(ABC):
         """
 
 
+def lru_order(pages: dict[str, np.ndarray], mask: np.ndarray) -> list[int]:
+    """Ids of the pages ``mask`` selects from a tier's page table, least recently used
+    first and, among pages used at the same time, the deepest first: a put or a resume
+    touches a prompt's whole path at once, so this takes its tail before its head (a
+    page is useless without the pages before it)."""
+    ids = pages["ids"][mask]
+    return ids[np.lexsort((-pages["block"][mask], pages["atime"][mask]))].tolist()
+
+
 def reclaimable_pages(index: HybridIndex, atime: np.ndarray,
                       deps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Split a tier's reclaimable pages (no retained checkpoint needs them) in two.

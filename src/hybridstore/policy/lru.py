@@ -24,7 +24,7 @@ import numpy as np
 
 from hybridstore.index.trie import HybridIndex
 from hybridstore.objects import TIER_BITS, ObjectKind
-from hybridstore.policy.base import EvictionPolicy, Victim, reclaimable_pages
+from hybridstore.policy.base import EvictionPolicy, Victim, lru_order, reclaimable_pages
 
 
 class LRUEviction(EvictionPolicy):
@@ -45,7 +45,7 @@ class LRUEviction(EvictionPolicy):
             pages = {name: col[offer] for name, col in pages.items()}
         old, young = reclaimable_pages(index, pages["atime"], pages["deps"])
         ids, atime = pages["ids"], pages["atime"]
-        for nid in ids[old][np.argsort(atime[old], kind="stable")].tolist():
+        for nid in lru_order(pages, old):
             yield Victim(ObjectKind.PAGE, nid)
         # Merge the needed pages with the checkpoints lazily, by last use: eviction
         # usually stops long before the end of the list.
@@ -57,5 +57,5 @@ class LRUEviction(EvictionPolicy):
             (ck.atime, ObjectKind.STATE, ck.key) for ck in index.checkpoints() if ck.tiers & bit)
         for _, kind_, ref in heapq.merge(rest_pages, states, key=lambda t: t[0]):
             yield Victim(kind_, ref)
-        for nid in ids[young][np.argsort(atime[young], kind="stable")].tolist():
+        for nid in lru_order(pages, young):
             yield Victim(ObjectKind.PAGE, nid)

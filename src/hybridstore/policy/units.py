@@ -42,7 +42,7 @@ import numpy as np
 from hybridstore.errors import ConfigError
 from hybridstore.index.trie import Checkpoint, HybridIndex
 from hybridstore.objects import TIER_BITS, ObjectKind
-from hybridstore.policy.base import EvictionPolicy, Victim, reclaimable_pages
+from hybridstore.policy.base import EvictionPolicy, Victim, lru_order, reclaimable_pages
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -156,11 +156,11 @@ class UnitEviction(EvictionPolicy):
 
     def _ranked(self, index: HybridIndex, tier: str, kind: ObjectKind | None) -> Iterator[Victim]:
         pages = index.page_table(tier)
-        ids, atime, deps = pages["ids"], pages["atime"], pages["deps"]
+        atime, deps = pages["atime"], pages["deps"]
         free, young = reclaimable_pages(index, atime, deps)   # young: offered last
         if kind == ObjectKind.STATE:    # pages are not wanted: skip the page-only phases
             free[:] = young[:] = False
-        for nid in ids[free][np.argsort(atime[free], kind="stable")].tolist():
+        for nid in lru_order(pages, free):
             yield Victim(ObjectKind.PAGE, nid)
 
         units = units_of(index, tier)
@@ -204,10 +204,10 @@ class UnitEviction(EvictionPolicy):
                 seq += 1
 
         shared = deps > 0 if kind != ObjectKind.STATE else np.zeros_like(free)
-        for nid in ids[shared][np.argsort(atime[shared], kind="stable")].tolist():
+        for nid in lru_order(pages, shared):
             if nid not in offered:
                 yield Victim(ObjectKind.PAGE, nid)
-        for nid in ids[young][np.argsort(atime[young], kind="stable")].tolist():
+        for nid in lru_order(pages, young):
             yield Victim(ObjectKind.PAGE, nid)
 
     def rescored(self, index: HybridIndex, unit: HybridUnit, ctx: Any) -> None:  # noqa: B027
