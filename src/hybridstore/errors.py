@@ -31,6 +31,15 @@ class InvalidTokensError(HybridStoreError, ValueError):
     """Token ids (or block ids) that are not a 1-D sequence of ids in [0, 2**32)."""
 
 
+class UnknownPrefixError(InvalidTokensError):
+    """Engine page keys whose chain from position 0 is neither given nor known to the store.
+
+    An engine hands the store chained page hashes (SGLang, vLLM); a page's place
+    in its sequence comes from the keys before it (``prefix``) or, when those
+    are not passed, from the index, which knows it only for pages it holds.
+    """
+
+
 class UnknownTierError(HybridStoreError, KeyError):
     """A tier name that this store does not have."""
 

@@ -33,6 +33,13 @@ All arithmetic is on uint64 with wraparound::
 
     namespace_root(ns) = blake2b(utf8(ns), digest_size=16, person=b"hybridstore-v1")
 
+    engine_key(root, e) = blake2b(e, digest_size=16, key=root, person=b"hybridstore-eng")
+
+Engines (SGLang, vLLM) hand the store their own chained page hashes instead of
+token ids; :func:`engine_keys` maps each to a 128-bit key directly.  Those
+hashes are already chained (equal hash, equal prefix), so no chaining is added;
+keying the map with the namespace root keeps namespaces apart.
+
 A sequence is cut into blocks of ``block_size`` tokens (the last one may be
 partial); block 0's parent is the namespace root and block k's parent is
 block k-1's key, so a key names the whole prefix up to the end of its block.
@@ -66,6 +73,7 @@ __all__ = [
     "bytes_to_key",
     "chain_hash_ids",
     "chain_hash_tokens",
+    "engine_keys",
     "key_to_bytes",
     "keys_to_bytes",
     "namespace_root",
@@ -116,6 +124,40 @@ def namespace_root(namespace: str | bytes) -> bytes:
             f"namespace must be str or bytes, got {type(namespace).__name__}; "
             "pass the tenant name as a string")
     return hashlib.blake2b(data, digest_size=HASH_BYTES, person=_PERSON).digest()
+
+
+_ENGINE_PERSON = b"hybridstore-eng"
+
+
+def engine_keys(engine: Any, root: bytes) -> np.ndarray:
+    """Index keys of an engine's chained page hashes, a ``(n, 2)`` uint64 array.
+
+    Args:
+        engine: the hashes in order: ``bytes`` (vLLM: block hash + group index)
+            or ``str`` (SGLang: 64 hex digits; any other string is taken as UTF-8).
+        root: the namespace root (:func:`namespace_root`), the map's key.
+
+    Raises:
+        InvalidTokensError: a hash is empty or neither ``str`` nor bytes-like.
+    """
+    out = bytearray(HASH_BYTES * len(engine))
+    for i, e in enumerate(engine):
+        if isinstance(e, str):
+            try:
+                raw = bytes.fromhex(e)
+            except ValueError:
+                raw = e.encode("utf-8")
+        elif isinstance(e, (bytes, bytearray, memoryview)):
+            raw = bytes(e)
+        else:
+            raise InvalidTokensError(
+                f"engine page key {i} is a {type(e).__name__}; pass the engine's hashes as "
+                "str (SGLang) or bytes (vLLM)")
+        if not raw:
+            raise InvalidTokensError(f"engine page key {i} is empty")
+        out[i * HASH_BYTES:(i + 1) * HASH_BYTES] = hashlib.blake2b(
+            raw, digest_size=HASH_BYTES, key=root, person=_ENGINE_PERSON).digest()
+    return np.frombuffer(bytes(out), dtype="<u8").astype(np.uint64).reshape(-1, 2)
 
 
 def key_to_bytes(row: Any) -> bytes:

@@ -97,6 +97,34 @@ class PrefixKeys:
         ids = K.chain_hash_ids(block_ids, root, last_tokens=last, block_size=block_size)
         return cls(block_size=block_size, length=length, root=root, keys=ids, tokens=None)
 
+    @classmethod
+    def from_engine_keys(cls, engine: Sequence[object], *, block_size: int, root: bytes,
+                         length: int | None = None,
+                         before: np.ndarray | None = None) -> PrefixKeys:
+        """A prompt given as an engine's chained page hashes (SGLang, vLLM).
+
+        Args:
+            engine: one hash per page, in order from the page after ``before``
+                (``str`` or ``bytes``; :func:`~hybridstore.index.keys.engine_keys`).
+            block_size: tokens per page.
+            root: namespace root key (it keys the map from engine hash to index key).
+            length: prompt length in tokens; defaults to a whole number of pages.
+                When it ends inside the last page, that page is partial.
+            before: index keys (``(m, 2)`` uint64) of the pages before
+                ``engine[0]``, from position 0 (resolved from the index).
+        """
+        ids = K.engine_keys(engine, root)
+        if before is not None and len(before):
+            ids = np.concatenate([np.asarray(before, np.uint64).reshape(-1, 2), ids])
+        n = int(ids.shape[0])
+        if length is None:
+            length = n * block_size
+        if not (n - 1) * block_size < length <= n * block_size and not (n == 0 and length == 0):
+            raise InvalidTokensError(
+                f"{n} pages of {block_size} tokens cannot describe a {length}-token prompt; "
+                "pass one key per (full or final partial) page")
+        return cls(block_size=block_size, length=length, root=root, keys=ids, tokens=None)
+
     # -- keys -----------------------------------------------------------------------
     @property
     def nblocks(self) -> int:

@@ -126,6 +126,8 @@ class ResumePlan:
                         ``page_ids`` as a tuple)
     ``kv_tokens``       how far the prompt's KV pages are known to the index
                         (the branch point where it leaves cached context)
+    ``first_page``      block of ``pages[0]`` (0, but for a page range pinned by
+                        :meth:`HybridIndex.pin_pages`)
     ==================  ==========================================================
     """
 
@@ -138,6 +140,7 @@ class ResumePlan:
     pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), compare=False,
                               repr=False)   # the pages' node ids (read-only int64)
     kv_tokens: int = 0
+    first_page: int = 0
 
     @property
     def page_ids(self) -> tuple[int, ...]:
@@ -151,7 +154,8 @@ class ResumePlan:
         n = len(self.page_blob) // 16
         if not n:
             return ()
-        return (self.block_size,) * (n - 1) + (self.position - (n - 1) * self.block_size,)
+        return (self.block_size,) * (n - 1) + (
+            self.position - (self.first_page + n - 1) * self.block_size,)
 
     @property
     def page_keys(self) -> tuple[bytes, ...]:
@@ -727,35 +731,88 @@ class HybridIndex:
         possibly a page that only begins with the prompt's tokens).  The plan
         pins its pages and checkpoint until :meth:`release`.
         """
-        limit = prompt.length if max_position is None else min(max_position, prompt.length)
         arr = self._walk_ids(prompt)
+        for p, j, ck, cover in self._resume_points(prompt, arr, max_position):
+            pages = np.empty(j + 1, np.int64)
+            pages[:j] = arr[:j]
+            pages[j] = cover
+            return self._pin(prompt, pages, p, ck, len(arr))
+        return self._pin(prompt, np.zeros(0, np.int64), 0, None, len(arr))
+
+    def restorable(self, prompt: PrefixKeys, max_position: int | None = None) -> list[int]:
+        """Every position where ``prompt`` has a complete resume point, ascending.
+
+        The positions :meth:`match` considers (its answer is the last one);
+        nothing is pinned.  An engine that intersects resume points across
+        ranks (SGLang's ``restorable_prefix_pages``) needs all of them.
+        """
+        arr = self._walk_ids(prompt)
+        return sorted(p for p, _, _, _ in self._resume_points(prompt, arr, max_position))
+
+    def _resume_points(self, prompt: PrefixKeys, arr: np.ndarray, max_position: int | None
+                       ) -> Iterator[tuple[int, int, Checkpoint, int]]:
+        """Complete resume points of ``prompt``, deepest first: ``(position, block,
+        checkpoint, cover page id)``; ``arr`` is the prompt's walked path."""
+        limit = prompt.length if max_position is None else min(max_position, prompt.length)
         walked = len(arr)
         B = self.block_size
         missing = np.flatnonzero(self._tiers[arr] == 0)
         first_missing = int(missing[0]) if missing.size else walked
         top = min(first_missing, prompt.nblocks - 1, (limit - 1) // B if limit > 0 else -1)
-        if top >= 0:
-            # The base of block j is the page of block j-1 (the root for j = 0); only
-            # bases some checkpoint hangs on are visited, deepest first.
-            bases = np.empty(top + 1, np.int64)
-            bases[0] = ROOT
-            bases[1:] = arr[:top]
-            for j in np.flatnonzero(self._based[bases])[::-1].tolist():
-                waiting = self._by_base[int(bases[j])]
-                for ck in sorted(waiting, key=lambda c: -c.offset):
-                    p = j * B + ck.offset
-                    if p > limit or not ck.tiers:
-                        continue
-                    if prompt.key_at(p) != ck.key:
-                        continue
-                    cover = self._present_cover(ck, int(arr[j]) if j < walked else -1)
-                    if cover < 0:
-                        continue
-                    pages = np.empty(j + 1, np.int64)
-                    pages[:j] = arr[:j]
-                    pages[j] = cover
-                    return self._pin(prompt, pages, p, ck, walked)
-        return self._pin(prompt, np.zeros(0, np.int64), 0, None, walked)
+        if top < 0:
+            return
+        # The base of block j is the page of block j-1 (the root for j = 0); only
+        # bases some checkpoint hangs on are visited, deepest first.
+        bases = np.empty(top + 1, np.int64)
+        bases[0] = ROOT
+        bases[1:] = arr[:top]
+        for j in np.flatnonzero(self._based[bases])[::-1].tolist():
+            waiting = self._by_base[int(bases[j])]
+            for ck in sorted(waiting, key=lambda c: -c.offset):
+                p = j * B + ck.offset
+                if p > limit or not ck.tiers:
+                    continue
+                if prompt.key_at(p) != ck.key:
+                    continue
+                cover = self._present_cover(ck, int(arr[j]) if j < walked else -1)
+                if cover < 0:
+                    continue
+                yield p, j, ck, cover
+
+    def held_run(self, prompt: PrefixKeys) -> int:
+        """How many leading blocks of ``prompt`` have a page some tier holds."""
+        arr = self._walk_ids(prompt)
+        missing = np.flatnonzero(self._tiers[arr] == 0)
+        return int(missing[0]) if missing.size else len(arr)
+
+    def pin_pages(self, prompt: PrefixKeys, first: int, stop: int) -> ResumePlan:
+        """Pin the held pages of blocks ``[first, stop)`` (clipped at the leading held
+        run) without a checkpoint: the plan of a page-only load (attention-only
+        models, an engine fetching a range of pages).
+
+        Raises:
+            InvalidTokensError: ``first`` is negative or past ``stop``.
+        """
+        if not 0 <= first <= stop:
+            raise InvalidTokensError(f"page range [{first}, {stop}) is empty or negative; "
+                                     "pass 0 <= first <= stop")
+        arr = self._walk_ids(prompt)
+        missing = np.flatnonzero(self._tiers[arr] == 0)
+        held = int(missing[0]) if missing.size else len(arr)
+        stop = min(stop, held)
+        if stop <= first:
+            return self._pin(prompt, np.zeros(0, np.int64), 0, None, len(arr), first)
+        pages = np.array(arr[first:stop], np.int64)
+        return self._pin(prompt, pages, prompt.block_end(stop - 1), None, len(arr), first)
+
+    def path_keys(self, nid: int) -> np.ndarray:
+        """Keys (``(n, 2)`` uint64) of the pages from block 0 down to node ``nid``."""
+        ids = self._path(nid)[::-1]
+        return np.stack([self._klo[ids], self._khi[ids]], axis=1).astype(np.uint64)
+
+    def page_block(self, nid: int) -> int:
+        """Block number of page node ``nid``."""
+        return int(self._block[nid])
 
     def _walk_ids(self, prompt: PrefixKeys) -> np.ndarray:
         """Ids of the prompt's leading blocks the index knows, an int64 array (one
@@ -781,7 +838,7 @@ class HybridIndex:
         return -1
 
     def _pin(self, prompt: PrefixKeys, pages: np.ndarray, position: int,
-             ck: Checkpoint | None, walked: int) -> ResumePlan:
+             ck: Checkpoint | None, walked: int, first: int = 0) -> ResumePlan:
         plan_id = next(self._plan_ids)
         t = self._tick()
         B = self.block_size
@@ -795,11 +852,12 @@ class HybridIndex:
             ck.atime = t
         self._plans[plan_id] = (pages, ck.key if ck else None)
         # Every page but the last is the prompt's own block; the last may be a cover.
-        blob = prompt.keys[: n - 1].astype("<u8").tobytes() + self.node_key(int(pages[-1])) if n else b""
+        blob = (prompt.keys[first: first + n - 1].astype("<u8").tobytes()
+                + self.node_key(int(pages[-1]))) if n else b""
         pages.flags.writeable = False
         return ResumePlan(position=position, length=prompt.length, page_blob=blob,
                           state_key=ck.key if ck else None, plan_id=plan_id, block_size=B,
-                          pages=pages, kv_tokens=min(walked * B, prompt.length))
+                          pages=pages, kv_tokens=min(walked * B, prompt.length), first_page=first)
 
     def release(self, plan: ResumePlan) -> None:
         """Drop the pins of ``plan``; raises PlanReleasedError when done twice."""

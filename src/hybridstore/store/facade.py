@@ -40,9 +40,11 @@ from hybridstore.backends.base import Tier
 from hybridstore.backends.host import HostPool
 from hybridstore.config import StoreConfig
 from hybridstore.errors import (
+    InvalidTokensError,
     MisalignedPageError,
     PlanReleasedError,
     StoreClosedError,
+    UnknownPrefixError,
     UnknownTierError,
 )
 from hybridstore.index import keys as hashing
@@ -174,6 +176,51 @@ class HybridStore:
         """A prompt given as already-hashed block ids (as traces carry them)."""
         return PrefixKeys.from_block_ids(block_ids, block_size=self.config.block_size,
                                          root=self._root, length=length)
+
+    def engine_prefix(self, keys: Sequence[Any], *, prefix: Sequence[Any] | None = (),
+                      length: int | None = None) -> PrefixKeys:
+        """A sequence given as an engine's chained page hashes instead of token ids.
+
+        SGLang's HiCache hands its storage backend one 64-hex SHA-256 chain hash per
+        page; vLLM's offloading connector one block hash (+ group index) per chunk.
+        Either names a whole prefix, so pages are keyed by it, and a state by the
+        hash of the page it ends (``put_state(prompt, state, position=p)`` at a page
+        end ``p``).  The result goes to every call that takes token ids.
+
+        Args:
+            keys: the hashes of consecutive pages (``str`` or ``bytes``).
+            prefix: the hashes of the pages before ``keys[0]``, from position 0
+                (``()``: ``keys[0]`` is the sequence's first page).  ``None``:
+                not known; the store finds ``keys[0]`` among the pages it holds
+                and takes the chain before it from its index.
+            length: tokens in the sequence; defaults to a whole number of pages
+                (a shorter length makes the last page partial).
+
+        Raises:
+            UnknownPrefixError: ``prefix`` is ``None`` and the store holds no page
+                under ``keys[0]`` (nothing can be placed or found for ``keys``).
+            InvalidTokensError: a hash is neither ``str`` nor bytes, or ``length``
+                does not fit the pages.
+        """
+        B = self.config.block_size
+        if prefix is not None:
+            return PrefixKeys.from_engine_keys([*prefix, *keys], block_size=B, root=self._root,
+                                               length=length)
+        if not len(keys):
+            raise UnknownPrefixError("engine_prefix(prefix=None) needs at least one key to resolve")
+        head = hashing.keys_to_bytes(hashing.engine_keys(keys[:1], self._root))[0]
+        with self._lock:
+            nid = self.index.find_node(head)
+            if nid < 0:
+                raise UnknownPrefixError(
+                    "the first engine key is not a page this store holds, so its place in the "
+                    "sequence is unknown; pass the keys of the pages before it as prefix= "
+                    "(SGLang: set hicache_storage_pass_prefix_keys)")
+            before = self.index.path_keys(nid)[:-1]
+        if length is not None:
+            length += len(before) * B
+        return PrefixKeys.from_engine_keys(keys, block_size=B, root=self._root, length=length,
+                                           before=before)
 
     # -- put ----------------------------------------------------------------------------
     def put_kv(self, tokens: Any, pages: Any) -> int:
@@ -336,6 +383,52 @@ class HybridStore:
             self._counters["hit_tokens"] += plan.position
             self._counters["query_tokens"] += prompt.length
             return plan
+
+    def match_pages(self, tokens: Any, *, first: int = 0, stop: int | None = None) -> ResumePlan:
+        """Pin the held pages of blocks ``[first, stop)`` without a checkpoint.
+
+        For models with no recurrent layers, and for engines that fetch a range
+        of pages (SGLang's page calls).  The run ends at the first page no tier
+        holds.  :meth:`load` restores the plan's pages (its ``state`` is
+        ``None``); :meth:`release` it after.
+
+        Args:
+            tokens: token ids or a :class:`PrefixKeys` (e.g. :meth:`engine_prefix`).
+            first: the first block to pin (``plan.first_page``).
+            stop: one past the last block; defaults to the prompt's last block.
+        """
+        prompt = self.prefix(tokens)
+        if first < 0 or (stop is not None and stop < first):
+            raise InvalidTokensError(f"page range [{first}, {stop}) is negative or reversed; "
+                                     "pass 0 <= first <= stop")
+        end = prompt.nblocks if stop is None else min(stop, prompt.nblocks)
+        with self._lock:
+            self._check_open()
+            self._copies.drain()
+            plan = self.index.pin_pages(prompt, first, max(end, first))
+            self._counters["matches"] += 1
+            return plan
+
+    def present_pages(self, tokens: Any) -> int:
+        """How many leading pages of a prompt some tier holds (its KV hit, in pages)."""
+        prompt = self.prefix(tokens)
+        with self._lock:
+            self._check_open()
+            self._copies.drain()
+            return self.index.held_run(prompt)
+
+    def restorable(self, tokens: Any, *, max_position: int | None = None) -> list[int]:
+        """Every position where a prompt can resume, ascending; nothing is pinned.
+
+        A position ``p`` is listed when some tier holds every page of ``[0, p)``
+        and the checkpoint at ``p`` (what :meth:`match` requires; its answer is the
+        last entry).  SGLang's ``restorable_prefix_pages`` is this list in pages.
+        """
+        prompt = self.prefix(tokens)
+        with self._lock:
+            self._check_open()
+            self._copies.drain()
+            return self.index.restorable(prompt, max_position)
 
     def release(self, plan: ResumePlan) -> None:
         """Drop the plan's pins (each plan is released exactly once)."""
