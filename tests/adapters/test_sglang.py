@@ -18,10 +18,9 @@ import torch
 if importlib.util.find_spec("sglang") is None:   # not importorskip: sglang/__init__ is skipped
     pytest.skip("SGLang is not installed (pip install --no-deps sglang)", allow_module_level=True)
 
-from tests.adapters.sglang_harness import Engine, Written, build_engine, sgl  # noqa: E402
-
-from hybridstore.adapters.sglang_config import RankIdentity, SGLangSettings  # noqa: E402
-from hybridstore.errors import ConfigError  # noqa: E402
+from hybridstore.adapters.sglang_config import RankIdentity, SGLangSettings
+from hybridstore.errors import ConfigError
+from tests.adapters.sglang_harness import Engine, Written, build_engine, sgl
 
 PS = 4   # tokens per page
 
@@ -319,7 +318,7 @@ def test_replicated_kv_non_writer_rank_writes_only_its_states(engine_modules, tm
         gen = torch.Generator().manual_seed(37)
         keys = e.hashes(tokens(gen, 2))
         slots, _ = e.fill(2, gen)
-        mslot, sbytes = e.fill_state(gen)
+        mslot, _ = e.fill_state(gen)
         info = hs.HiCacheStorageExtraInfo(prefix_keys=[])
         assert b.batch_set_v1(keys, slots, info) == [True, True]      # accepted, not stored
         assert b.store.stats()["pages"] == 0
@@ -328,6 +327,10 @@ def test_replicated_kv_non_writer_rank_writes_only_its_states(engine_modules, tm
         assert b.batch_set_v2(state, hs.HiCacheStorageExtraInfo(prefix_keys=keys[:1])) == {
             hs.PoolName.MAMBA: [True]}
         assert b.store.stats()["checkpoints"] == 1
+        back = e.mamba_host.alloc(1)
+        state[0].host_indices = back
+        assert b.batch_get_v2(state, hs.HiCacheStorageExtraInfo(prefix_keys=keys[:1])) == {
+            hs.PoolName.MAMBA: [False]}          # its pages are the writer's: no resume point here
         b.close()
     finally:
         e.close()
