@@ -5,10 +5,12 @@
 behind the same real ``HybridCacheController`` (``sglang_harness``): a store is
 ``write_storage`` of ``pages`` host pages until the backup ack, a load is
 ``prefetch_from_storage`` of the same prompt pumped to completion, and every load
-is checked bit for bit.  The rates count the time spent inside the backend's
-calls (``batch_set*`` for a store; ``batch_exists*`` and ``batch_get*`` for a
-load), as the controller makes them; the controller's own queueing and tree work
-around them is the same for every backend and is left out.  Warm numbers on one
+is checked bit for bit.  The rates count the time the controller spends in its
+page functions (``page_set_func`` for a store; ``page_get_func`` for a load:
+the backend's ``batch_set``/``batch_get`` plus the controller's own copies between
+flat pages and the host pool on the legacy path, or ``batch_set_v1`` /
+``batch_get_v1``) and in the backend's ``batch_exists``; the controller's queueing
+and tree work around them is the same for every backend and is left out.  Warm numbers on one
 machine (the OS page cache holds ``HiCacheFile``'s files; hybridstore serves loads
 from its DRAM tier and writes its SSD tier behind); cold and restart figures are
 ``hybridstore bench engines``' job.
@@ -27,8 +29,8 @@ import torch
 
 from tests.adapters.sglang_harness import build_engine
 
-STORE_CALLS = ("batch_set", "batch_set_v1", "batch_set_v2")
-LOAD_CALLS = ("batch_exists", "batch_exists_v2", "batch_get", "batch_get_v1", "batch_get_v2")
+STORE_CALLS = ("page_set_func",)
+LOAD_CALLS = ("batch_exists", "page_get_func")
 
 BACKENDS = {
     "hybridstore": {"backend_name": "hybridstore", "module_path": "hybridstore.adapters.sglang",
@@ -38,12 +40,13 @@ BACKENDS = {
 }
 
 
-def _time_calls(backend: Any, names: tuple[str, ...]) -> dict[str, float]:
-    """Wrap the backend's methods (instance attributes: the controller calls through the
-    instance) so that the seconds spent in each are summed into the returned dict."""
-    spent: dict[str, float] = {}
+def _time_calls(obj: Any, names: tuple[str, ...],
+                spent: dict[str, float] | None = None) -> dict[str, float]:
+    """Wrap methods of ``obj`` (as instance attributes: the controller calls them through
+    the instance) so that the seconds spent in each are summed into ``spent``."""
+    spent = {} if spent is None else spent
     for name in names:
-        method = getattr(backend, name)
+        method = getattr(obj, name)
 
         def timed(*args: Any, _m: Any = method, _n: str = name, **kw: Any) -> Any:
             t0 = time.perf_counter()
@@ -52,7 +55,7 @@ def _time_calls(backend: Any, names: tuple[str, ...]) -> dict[str, float]:
             finally:
                 spent[_n] = spent.get(_n, 0.0) + time.perf_counter() - t0
 
-        setattr(backend, name, timed)
+        setattr(obj, name, timed)
     return spent
 
 
@@ -73,7 +76,8 @@ def measure(backend: str, path: str, *, pages: int = 32, rounds: int = 4, page_s
         cfg["interface_v1"] = 1
     e = build_engine(cfg, page_size=page_size, tokens=pages * page_size, host_ratio=rounds + 2.0,
                      kv_layers=kv_layers, kv_heads=kv_heads, head_dim=head_dim)
-    spent = _time_calls(e.backend, STORE_CALLS + LOAD_CALLS)
+    spent = _time_calls(e.controller, ("page_set_func", "page_get_func"))
+    _time_calls(e.backend, ("batch_exists",), spent)
     try:
         gen = torch.Generator().manual_seed(1)
         store_s, load_s, nbytes = [], [], 0

@@ -71,7 +71,12 @@ from hybridstore.adapters.sglang_config import (
     SGLangSettings,
     store_config,
 )
-from hybridstore.adapters.sglang_pages import KVPages, layout_tag, state_bytes
+from hybridstore.adapters.sglang_pages import (
+    KVPages,
+    PageViews,
+    layout_tag,
+    state_bytes,
+)
 from hybridstore.errors import UnknownPrefixError
 
 __all__ = ["HybridStoreHiCache"]
@@ -245,8 +250,9 @@ class HybridStoreHiCache(HiCacheStorage):
             return miss
 
     # -- KV pages -----------------------------------------------------------------------
-    def _set_pages(self, store: HybridStore, keys: Sequence[str], pages: list[Any],
+    def _set_pages(self, store: HybridStore, keys: Sequence[str], pages: list[Any] | PageViews,
                    extra_info: HiCacheStorageExtraInfo | None) -> bool:
+        """Store ``pages`` (a list of per-page entries, or one page-major batch) under ``keys``."""
         if not keys:
             return True
         if not self.rank.writer:
@@ -255,7 +261,10 @@ class HybridStoreHiCache(HiCacheStorage):
         if prompt is None:
             return False
         t0 = time.perf_counter()
-        store.put_kv(prompt, pages)
+        if isinstance(pages, dict):
+            store.put_kv_batch(prompt, pages)
+        else:
+            store.put_kv(prompt, pages)
         kv = self._kv
         assert kv is not None
         self._counters.record("backup", len(keys), len(keys) * kv.nbytes, time.perf_counter() - t0)
@@ -263,9 +272,10 @@ class HybridStoreHiCache(HiCacheStorage):
         return True
 
     def _get_pages(self, store: HybridStore, keys: Sequence[str],
-                   targets: Callable[[int], list[Any]],
+                   targets: Callable[[int], list[Any] | PageViews],
                    extra_info: HiCacheStorageExtraInfo | None) -> int:
-        """Load the leading held run of ``keys`` into ``targets(n)``; returns n."""
+        """Load the leading held run of ``keys`` into ``targets(n)`` (per-page entries or
+        one page-major batch); returns n."""
         if not keys:
             return 0
         prompt = self._prompt(store, keys, extra_info, write=False)
@@ -309,7 +319,9 @@ class HybridStoreHiCache(HiCacheStorage):
         kv = self._kv
         assert kv is not None
         slots = self._slots(host_indices, len(keys))
-        ok = self._set_pages(store, keys, [kv.read(s) for s in slots], extra_info)
+        batch = kv.run_views(slots)
+        pages = batch if batch is not None else [kv.read(s) for s in slots]
+        ok = self._set_pages(store, keys, pages, extra_info)
         return [ok] * len(keys)
 
     def _get_v1(self, store: HybridStore, keys: Sequence[str], host_indices: torch.Tensor,
@@ -318,8 +330,11 @@ class HybridStoreHiCache(HiCacheStorage):
         assert kv is not None
         slots = self._slots(host_indices, len(keys))
         scratch: list[tuple[int, torch.Tensor]] = []
+        batch = kv.run_views(slots)
 
-        def targets(n: int) -> list[Any]:
+        def targets(n: int) -> list[Any] | PageViews:
+            if batch is not None:
+                return batch
             out = []
             for s in slots[:n]:
                 views, buf = kv.targets(s)
