@@ -197,21 +197,22 @@ def test_restorable_prefix_pages_are_the_page_ends_with_a_state(built, engine_mo
 
 @pytest.mark.parametrize("mamba", [False, True], ids=["mha", "mamba"])
 def test_sglang_fault_injector_leaves_the_engine_consistent(built, monkeypatch, mamba):
-    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.3")
+    # each backend call fails with p = 0.2 (a Mamba round trip makes 5 calls: 1/3 get through)
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.2")
     monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", "0.002")
     e = built(extra(interface_v1=1), mamba=mamba)
     assert type(e.backend).__name__ == "HiCacheStorageFailureInjector"
     gen = torch.Generator().manual_seed(19)
-    full = 0
-    for _ in range(10):
+    hit_pages = []
+    for _ in range(24):
         toks = tokens(gen, 4)
         w = e.write(toks, gen, prefix_keys=[])
         r = e.prefetch(toks, timeout=10)
         n = assert_hit_exact(r, w, full=False)
         if mamba and r["state"] is not None:
             assert n == 4 and torch.equal(r["state"], w.state)
-        full += n == 4
-    assert full > 0                              # some round trips made it through
+        hit_pages.append(n)
+    assert 4 in hit_pages and min(hit_pages) < 4   # both outcomes happened (P(not) < 1e-4)
     assert adapter(e).store_stats()["errors"] == 0
 
 
