@@ -156,6 +156,24 @@ def test_a_small_budget_evicts_into_misses_never_errors_or_wrong_bytes(built):
     assert a.store.stats()["evictions"] > 0 and a.store_stats()["errors"] == 0
 
 
+@pytest.mark.parametrize(("policy", "checkpoint_policy", "tier_policy"), [
+    ("histate", "keep-all", "asymmetric"), ("flashstates", "flashstates", "write-through"),
+    ("marconi", "keep-all", "partition"), ("lru-refresh", "keep-all", "write-back")])
+def test_hybridstore_policies_apply_through_sglang(built, tmp_path, policy, checkpoint_policy,
+                                                   tier_policy):
+    # a DRAM tier for ~3 of 8 prompts over an SSD tier for all: DRAM evicts, SSD serves
+    e = built(extra(tmp_path, interface_v1=1, host_bytes=64 << 10, policy=policy,
+                    checkpoint_policy=checkpoint_policy, tier_policy=tier_policy), mamba=True)
+    gen = torch.Generator().manual_seed(14)
+    written = [e.write(tokens(gen, 4), gen, prefix_keys=[]) for _ in range(8)]
+    for w in written:
+        r = e.prefetch(w.tokens)
+        assert_hit_exact(r, w)
+        assert torch.equal(r["state"], w.state)
+    stats = adapter(e).store.stats()
+    assert stats["evictions"] > 0 and stats["tiers"]["disk"]["bytes_read"] > 0
+
+
 def test_restorable_prefix_pages_are_the_page_ends_with_a_state(built, engine_modules):
     hs = engine_modules.hs
     e = built(extra(interface_v1=1), mamba=True)
