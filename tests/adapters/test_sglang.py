@@ -213,12 +213,13 @@ def test_restorable_prefix_pages_are_the_page_ends_with_a_state(built, engine_mo
     assert res.kv_hit_pages == 6 and res.restorable_prefix_pages == [1, 2, 3, 4, 5, 6]
 
 
-@pytest.mark.parametrize("mamba", [False, True], ids=["mha", "mamba"])
-def test_sglang_fault_injector_leaves_the_engine_consistent(built, monkeypatch, mamba):
+@pytest.mark.parametrize(("mamba", "v1"), [(False, True), (True, True), (True, False)],
+                         ids=["mha-v1", "mamba-v1", "mamba-legacy"])
+def test_sglang_fault_injector_leaves_the_engine_consistent(built, monkeypatch, mamba, v1):
     # each backend call fails with p = 0.2 (a Mamba round trip makes 5 calls: 1/3 get through)
     monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.2")
     monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", "0.002")
-    e = built(extra(interface_v1=1), mamba=mamba)
+    e = built(extra(interface_v1=int(v1)), mamba=mamba)
     assert type(e.backend).__name__ == "HiCacheStorageFailureInjector"
     gen = torch.Generator().manual_seed(19)
     hit_pages = []
