@@ -390,6 +390,12 @@ def test_get_stats_feeds_sglangs_storage_metrics_collector(built):
     assert adapter(e).get_stats().backup_pgs == []                  # drained
 
 
+@pytest.mark.parametrize("bad", [{"disk_pth": "/x"}, {"page_size": 8}], ids=["unknown-key", "page-size"])
+def test_a_bad_extra_config_fails_sglangs_attach(engine_modules, bad):
+    with pytest.raises(ConfigError):
+        build_engine(extra(**bad), page_size=PS)
+
+
 def test_extra_config_keys_and_rank_identity():
     s = SGLangSettings.from_extra_config({"backend_name": "hybridstore", "interface_v1": 1,
                                           "file_storage_path": "/x", "host_bytes": "2MiB"})

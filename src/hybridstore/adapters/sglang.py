@@ -77,7 +77,7 @@ from hybridstore.adapters.sglang_pages import (
     layout_tag,
     state_bytes,
 )
-from hybridstore.errors import UnknownPrefixError
+from hybridstore.errors import ConfigError, UnknownPrefixError
 
 __all__ = ["HybridStoreHiCache"]
 
@@ -174,13 +174,7 @@ class HybridStoreHiCache(HiCacheStorage):
                         "miss and SGLang's MIN over ranks gives no L3 hits yet",
                         self.rank.tp_size)
 
-    # -- registration -------------------------------------------------------------------
-    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        super().register_mem_pool_host(mem_pool_host)
-
-    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        super().register_mem_host_pool_v2(host_pool, host_pool_name)
-
+    # -- registration (SGLang's base class keeps the pools) ------------------------------
     def on_host_pools_registered(self) -> None:
         """Open the rank's store now that the page size and layouts are known."""
         self._open()
@@ -202,7 +196,7 @@ class HybridStoreHiCache(HiCacheStorage):
                 raise RuntimeError("no KV host pool registered yet")
             kv = KVPages(pool)
             if self.settings.page_size is not None and self.settings.page_size != kv.page_size:
-                raise ValueError(f"extra config page_size={self.settings.page_size} but SGLang's "
+                raise ConfigError(f"extra config page_size={self.settings.page_size} but SGLang's "
                                  f"host pool has page_size={kv.page_size}; drop the key or match it")
             cfg = store_config(self.settings, self.rank, block_size=kv.page_size,
                                layout=layout_tag(pool, self._state_pool()))
