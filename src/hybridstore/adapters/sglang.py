@@ -14,18 +14,16 @@ SGLang keeps the GPU <-> pinned-host copies (its L2); the backend moves pages
 between SGLang's host pools and the store.  The calls and the threads they come
 from (``managers/cache_controller.py``, ``hybrid_cache/hybrid_cache_controller.py``):
 
-====================================  ============================  ============================
-SGLang call                           thread                        store
-====================================  ============================  ============================
-``batch_set`` / ``batch_set_v1``      backup                        ``put_kv`` (pages keyed by
-                                                                    SGLang's page hashes)
-``batch_set_v2`` (``MAMBA``)          backup (before the KV pages)  ``put_state`` at the page end
-``batch_exists`` / ``batch_exists_v2``  prefetch, scheduler         ``present_pages`` /
-                                                                    ``restorable``
-``batch_get`` / ``batch_get_v1``      prefetch_io_aux               ``match_pages`` + ``load``
-``batch_get_v2`` (``MAMBA``)          prefetch_io_aux               ``match`` + ``load``
-``clear`` / ``close`` / ``get_stats``   scheduler                   drop the rank's store / close
-====================================  ============================  ============================
+* ``batch_set`` / ``batch_set_v1`` (backup thread): ``put_kv`` / ``put_kv_batch``,
+  pages keyed by SGLang's page hashes;
+* ``batch_set_v2`` with ``MAMBA`` (backup, before the node's KV pages):
+  ``put_state`` at the end of the page the key names;
+* ``batch_exists`` / ``batch_exists_v2`` (prefetch and scheduler threads):
+  ``present_pages`` / ``restorable``;
+* ``batch_get`` / ``batch_get_v1`` (prefetch_io_aux): ``match_pages`` + ``load``;
+* ``batch_get_v2`` with ``MAMBA`` (prefetch_io_aux): ``match`` + ``load``;
+* ``clear`` / ``close`` / ``get_stats`` (scheduler): drop the rank's store /
+  close it / SGLang's ``StorageMetrics``.
 
 Keys: SGLang hands over chained 64-hex SHA-256 page hashes, never token ids.
 The store places a page by the hashes of every page before it: SGLang passes
