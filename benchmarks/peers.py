@@ -23,24 +23,17 @@ Every adapter has the same four operations on the same token ids:
                           first; returns the tokens evicted
 ========================  ===================================================
 
-Importing SGLang's radix cache needs two shims (:func:`import_sglang_radix`):
-``sglang/__init__.py`` (the frontend language: aiohttp, transformers patches)
-is skipped by registering the package without running it, and the modules
-``triton`` and ``torchvision``, when not installed (a CPU-only torch has
-neither), are stood in for during that import by SGLang's own stub
-(``sglang._platform_stubs._MockModule``, what SGLang uses where Triton is
-missing).  The stubs are removed again afterwards.  Neither is called by the
-radix cache: they are imported at module level by GPU kernels and multimodal
-model configs on its import path.
+Importing SGLang's radix cache needs the library's CPU shims
+(:func:`hybridstore.adapters.cpu_shims.import_sglang`): ``sglang/__init__.py``
+is skipped, and ``triton`` / ``torchvision``, when not installed (a CPU-only
+torch has neither), are stood in for during that import by SGLang's own stub.
+Neither is called by the radix cache.
 """
 
 from __future__ import annotations
 
 import gc
 import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import logging
 import sys
 import types
@@ -50,11 +43,10 @@ from typing import Any
 
 import numpy as np
 
+from hybridstore.adapters.cpu_shims import import_sglang, stubbed_modules
+
 __all__ = ["PeerUnavailable", "SGLangRadix", "VllmBlockPool", "import_sglang_radix",
            "import_vllm_prefix", "init_vllm_none_hash", "sglang_version", "vllm_hash_functions"]
-
-_STUBBED = ("triton", "torchvision")
-
 
 class PeerUnavailable(RuntimeError):
     """A peer could not be imported or built here; the message says why."""
@@ -67,85 +59,22 @@ def _reason(e: BaseException) -> str:
 # ---------------------------------------------------------------------------------
 # imports
 # ---------------------------------------------------------------------------------
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves SGLang's ``_MockModule`` for ``triton.*`` / ``torchvision.*`` while active."""
-
-    def __init__(self, names: tuple[str, ...], stubs: types.ModuleType) -> None:
-        self.names = names
-        self.stubs = stubs
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname.split(".")[0] in self.names:
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec: Any) -> types.ModuleType:
-        mod = self.stubs._MockModule(spec.name)
-        if spec.name == "triton":   # what SGLang's stub sets on its Triton
-            mod.__version__ = "3.0.0"
-            mod.cdiv = self.stubs._cdiv
-            mod.next_power_of_2 = self.stubs._next_power_of_2
-            mod.Config = self.stubs._Config
-        return mod
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
-
-
-def _register_without_init(package: str) -> None:
-    """Make ``package`` importable as a package without running its ``__init__``."""
-    if package in sys.modules:
-        return
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise PeerUnavailable(f"{package} is not installed (pip install --no-deps {package})")
-    mod = types.ModuleType(package)
-    mod.__path__ = list(spec.submodule_search_locations)
-    mod.__spec__ = importlib.machinery.ModuleSpec(package, None, is_package=True)
-    mod.__spec__.submodule_search_locations = mod.__path__
-    sys.modules[package] = mod
-
-
 def import_sglang_radix() -> tuple[types.ModuleType, types.ModuleType, list[str]]:
     """``(radix_cache, base_prefix_cache, stubbed)``: SGLang's radix cache modules.
+
+    Imported through :func:`hybridstore.adapters.cpu_shims.import_sglang` (the CPU shims).
 
     Raises:
         PeerUnavailable: SGLang or one of the modules on that import path is
             missing (the message names it).
     """
+    rc_name, base_name = "sglang.srt.mem_cache.radix_cache", "sglang.srt.mem_cache.base_prefix_cache"
     try:
-        if "sglang.srt.mem_cache.radix_cache" not in sys.modules:
-            import torch._dynamo  # noqa: F401 - settles torch's "has triton" before the stub
-            import torch.utils._triton as torch_triton
-
-            torch_triton.has_triton_package()
-            torch_triton.has_triton()
-            try:  # let transformers record "no torchvision" before the stub exists
-                import transformers.utils.import_utils as tiu
-
-                tiu.is_torchvision_available()
-            except ImportError:
-                pass
-            _register_without_init("sglang")
-            stubs = importlib.import_module("sglang._platform_stubs")
-            missing = tuple(n for n in _STUBBED if importlib.util.find_spec(n) is None)
-            finder = _StubFinder(missing, stubs)
-            sys.meta_path.insert(0, finder)
-            try:
-                with warnings.catch_warnings(), _quiet_loggers():
-                    warnings.simplefilter("ignore")
-                    importlib.import_module("sglang.srt.mem_cache.radix_cache")
-            finally:
-                sys.meta_path.remove(finder)
-                for name in [m for m in sys.modules if m.split(".")[0] in missing]:
-                    del sys.modules[name]
-            sys.modules["sglang"].__dict__["_hybridstore_stubbed"] = list(missing)
+        fresh = rc_name not in sys.modules
+        mods = import_sglang([rc_name, base_name])
+        if fresh:
             _freeze()
-        rc = sys.modules["sglang.srt.mem_cache.radix_cache"]
-        base = sys.modules["sglang.srt.mem_cache.base_prefix_cache"]
-        return rc, base, list(sys.modules["sglang"].__dict__.get("_hybridstore_stubbed", []))
-    except PeerUnavailable:
-        raise
+        return mods[rc_name], mods[base_name], stubbed_modules()
     except Exception as e:  # noqa: BLE001 - any import failure makes the peer unavailable
         raise PeerUnavailable(_reason(e)) from e
 
