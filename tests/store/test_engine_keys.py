@@ -234,3 +234,33 @@ def test_attention_only_eviction_takes_tails_first_and_keeps_heads(policy):
             held.append(runs)
         assert held[-1] == [0, 6]                           # a (older) went first, tail first
         assert [r[0] for r in held[:10]] == list(range(9, -1, -1))
+
+
+def test_load_skips_the_pages_the_engine_holds(tmp_path):
+    """``skip_pages``: a state-only restore (SGLang's Mamba ``batch_get_v2``) and a resume
+    after the engine's own prefix hit (vLLM) read only what is missing, from disk too."""
+    cfg = StoreConfig(block_size=B, host_bytes=1 << 20, disk_path=str(tmp_path / "hs"),
+                      disk_bytes=16 << 20, tier_policy="write-through")
+    keys = vllm_chain(list(range(24)))
+    with HybridStore(cfg) as s:
+        prompt = s.engine_prefix(keys)
+        s.put_kv(prompt, [page(i) for i in range(6)])
+        s.put_state(prompt, state(6))
+        s.flush()
+        s.evict(1 << 30, tier="host")
+        plan = s.match(prompt)
+        try:
+            read0 = s.tiers["disk"].stats()["bytes_read"]
+            pages, st_ = s.load(plan, skip_pages=6).result()
+            assert pages == [None] * 6 and np.array_equal(st_, state(6))
+            assert s.tiers["disk"].stats()["bytes_read"] - read0 == state(6).nbytes
+            batch = np.zeros((6, 64), np.uint8)
+            sbuf = np.zeros(48, np.uint8)
+            s.load(plan, into=(batch, sbuf), skip_pages=4).result()
+            assert not batch[:4].any()
+            assert np.array_equal(batch[4], page(4)) and np.array_equal(batch[5], page(5))
+            assert np.array_equal(sbuf, state(6))
+            with pytest.raises(InvalidTokensError):
+                s.load(plan, skip_pages=7)
+        finally:
+            s.release(plan)

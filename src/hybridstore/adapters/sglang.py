@@ -432,8 +432,8 @@ class HybridStoreHiCache(HiCacheStorage):
             try:
                 ok = plan.position == p and plan.state_key is not None
                 if ok:
-                    # TODO(core): a state-only load; this one reads the plan's pages too
-                    _, state = store.load(plan).result()
+                    # SGLang already holds the pages (it loads them first): the state only
+                    _, state = store.load(plan, skip_pages=len(plan.pages)).result()
                     pool.set_from_flat_data_page(int(slot), torch.as_tensor(state))
             finally:
                 store.release(plan)

@@ -514,7 +514,7 @@ class HybridStore:
             return {name: (n, self.tiers[name].read_seconds(n)) for name, n in sizes.items()}
 
     def load(self, plan: ResumePlan, into: tuple[Any, Any] | None = None, *,
-             skip_tiers: Sequence[str] = ()) -> Future:
+             skip_tiers: Sequence[str] = (), skip_pages: int = 0) -> Future:
         """Restore the plan's pages and checkpoint.
 
         Args:
@@ -531,6 +531,9 @@ class HybridStore:
                 not read (their slot in the result is ``None``, their ``into``
                 buffer untouched): an engine passes ``("device",)`` for what is
                 already resident in its own GPU memory.
+            skip_pages: the plan's first pages not to read, the same way (the
+                engine already holds them); ``len(plan.pages)`` restores only the
+                checkpoint.  Their pins are kept until :meth:`release`.
 
         Returns:
             A future of ``(pages, state)``: the pages covering
@@ -547,7 +550,11 @@ class HybridStore:
             for name in skip_tiers:
                 if name not in TIER_BITS:
                     raise UnknownTierError(f"unknown tier {name!r} in skip_tiers; tiers are {list(TIER_BITS)}")
-            jobs, sources = self._loader.prepare(plan, skip_tiers)
+            if (isinstance(skip_pages, bool) or not isinstance(skip_pages, (int, np.integer))
+                    or not 0 <= skip_pages <= len(plan.pages)):
+                raise InvalidTokensError(f"skip_pages must be an int in 0..{len(plan.pages)} (the "
+                                         f"plan's pages), got {skip_pages!r}")
+            jobs, sources = self._loader.prepare(plan, skip_tiers, int(skip_pages))
             try:
                 fut = self._io.submit(self._loader.run, plan, jobs, sources, into, targets)
             except BaseException:

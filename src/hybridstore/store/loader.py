@@ -86,12 +86,17 @@ class Loader:
             out.append(self.layouts[ObjectKind.STATE].targets(state_buf))
         return out
 
-    def prepare(self, plan: ResumePlan, skip: Sequence[str]) -> tuple[list[Job], list[str | None]]:
-        """The objects of ``plan`` and the tier each is read from (``None``: skipped), with
-        their slots pinned on ``zero_copy`` tiers until :meth:`release_sources`."""
+    def prepare(self, plan: ResumePlan, skip: Sequence[str],
+                skip_pages: int = 0) -> tuple[list[Job], list[str | None]]:
+        """The objects of ``plan`` and the tier each is read from (``None``: skipped, as
+        are its first ``skip_pages`` pages), with their slots pinned on ``zero_copy`` tiers
+        until :meth:`release_sources`."""
         page_keys = KeyBatch.of(ObjectKind.PAGE, plan.page_blob).keys()
         jobs: list[Job] = [(okey, ObjectKind.PAGE) for okey in page_keys]
         sources = self._page_sources(plan, page_keys, skip)
+        if skip_pages:
+            self.release_sources(jobs[:skip_pages], sources[:skip_pages])
+            sources[:skip_pages] = [None] * min(skip_pages, len(sources))
         if plan.state_key is not None:
             try:
                 jobs.append((object_key(ObjectKind.STATE, plan.state_key), ObjectKind.STATE))

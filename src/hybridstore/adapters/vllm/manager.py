@@ -288,7 +288,9 @@ class HybridStoreManager(OffloadingManager):
                     if scratch is None:
                         scratch = np.empty(self._nbytes(self._plan.page_group), np.uint8)
                     bufs.append(scratch)
-            fut = self.store.load(plan, into=(bufs, state_buf))
+            # the pages vLLM already has are a leading run: not read at all
+            held = (min(pages) - offset) if pages else n
+            fut = self.store.load(plan, into=(bufs, state_buf), skip_pages=max(held, 0))
         except BaseException:
             self.store.release(plan)
             raise
