@@ -7,6 +7,11 @@
   HiCache storage backend (``--hicache-storage-backend dynamic``; settings in
   :mod:`~hybridstore.adapters.sglang_config`, host-pool bytes in
   :mod:`~hybridstore.adapters.sglang_pages`; ``docs/engines/sglang.md``).
+* :mod:`hybridstore.adapters.vllm` — :class:`HybridStoreSpec`, vLLM's
+  ``OffloadingConnector`` medium (a manager in the scheduler process, workers in
+  each worker process, meeting in a shared staging file and the store's durable SSD
+  tier), and :class:`HybridStoreTier`, an SSD tier beneath vLLM's own DRAM tier
+  (``TieringOffloadingSpec``); ``docs/engines/vllm.md``.
 * :mod:`hybridstore.adapters.cpu_shims` — :func:`import_sglang`: SGLang's cache
   modules on a CPU-only machine (tests, benchmarks).
 
