@@ -27,7 +27,15 @@ class MisalignedPageError(HybridStoreError, ValueError):
     """
 
 
-class InvalidTokensError(HybridStoreError, ValueError):
+class InvalidArgumentError(HybridStoreError, ValueError, TypeError):
+    """An argument of the wrong type or out of range (a position, a count, a plan).
+
+    Both a ``ValueError`` and a ``TypeError``, so callers that catch either keep
+    working.
+    """
+
+
+class InvalidTokensError(InvalidArgumentError):
     """Token ids (or block ids) that are not a 1-D sequence of ids in [0, 2**32)."""
 
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridstore import HybridStore, StoreConfig
-from hybridstore.errors import InvalidTokensError, UnknownPrefixError
+from hybridstore.errors import InvalidArgumentError, InvalidTokensError, UnknownPrefixError
 
 B = 4
 
@@ -260,7 +260,7 @@ def test_load_skips_the_pages_the_engine_holds(tmp_path):
             assert not batch[:4].any()
             assert np.array_equal(batch[4], page(4)) and np.array_equal(batch[5], page(5))
             assert np.array_equal(sbuf, state(6))
-            with pytest.raises(InvalidTokensError):
+            with pytest.raises(InvalidArgumentError):
                 s.load(plan, skip_pages=7)
         finally:
             s.release(plan)

@@ -42,6 +42,7 @@ from hybridstore.backends.host import HostPool
 from hybridstore.config import StoreConfig
 from hybridstore.errors import (
     CatalogError,
+    InvalidArgumentError,
     InvalidTokensError,
     MisalignedPageError,
     NamespaceError,
@@ -60,6 +61,7 @@ from hybridstore.policy import admission_policy, eviction_policy
 from hybridstore.policy.base import AdmissionPolicy, EvictionPolicy, PlacementPolicy
 from hybridstore.policy.placement import RequestEnd
 from hybridstore.policy.tiering import tier_policy
+from hybridstore.store import args
 from hybridstore.store.copies import TierCopies
 from hybridstore.store.evictor import Evictor
 from hybridstore.store.landing import LAYOUT_INFO, Landing
@@ -228,8 +230,12 @@ class HybridStore:
     def prefix_from_block_ids(self, block_ids: Sequence[int] | np.ndarray,
                               length: int | None = None) -> PrefixKeys:
         """A prompt given as already-hashed block ids (as traces carry them)."""
+        if not isinstance(block_ids, (Sequence, np.ndarray)) or isinstance(block_ids, (str, bytes)):
+            raise InvalidTokensError(f"block_ids must be a sequence of ints, got "
+                                     f"{type(block_ids).__name__}")
         return PrefixKeys.from_block_ids(block_ids, block_size=self.config.block_size,
-                                         root=self._root, length=length)
+                                         root=self._root,
+                                         length=args.optional_whole(length, "length"))
 
     def engine_prefix(self, keys: Sequence[Any], *, prefix: Sequence[Any] | None = (),
                       length: int | None = None) -> PrefixKeys:
@@ -257,9 +263,11 @@ class HybridStore:
                 does not fit the pages.
         """
         B = self.config.block_size
+        keys = args.key_list(keys, "keys")
+        length = args.optional_whole(length, "length")
         if prefix is not None:
-            return PrefixKeys.from_engine_keys([*prefix, *keys], block_size=B, root=self._root,
-                                               length=length)
+            return PrefixKeys.from_engine_keys([*args.key_list(prefix, "prefix"), *keys],
+                                               block_size=B, root=self._root, length=length)
         if not len(keys):
             raise UnknownPrefixError("engine_prefix(prefix=None) needs at least one key to resolve")
         head = hashing.keys_to_bytes(hashing.engine_keys(keys[:1], self._root))[0]
@@ -293,6 +301,8 @@ class HybridStore:
         """
         prompt = self.prefix(tokens)
         batch = list(pages) if isinstance(pages, (list, tuple)) else [pages]
+        if not batch:
+            raise MisalignedPageError("put_kv got no pages; pass one page or a list of them")
         first = self._landing.first_block(prompt, len(batch))
         with self._lock:
             self._check_open()
@@ -330,7 +340,7 @@ class HybridStore:
         """
         prompt = self.prefix(tokens)
         rows = batch_rows(batch)
-        n = rows if count is None else count
+        n = rows if count is None else args.whole(count, "count")
         if not 0 < n <= rows:
             raise MisalignedPageError(f"count={count} pages, but the batch has {rows} rows; "
                                       "pass 1 <= count <= rows")
@@ -368,6 +378,7 @@ class HybridStore:
         """
         prompt = self.prefix(tokens)
         B = self.config.block_size
+        end = args.whole(end, "end")
         if not 0 < end <= prompt.length or (end % B and end != prompt.length):
             raise MisalignedPageError(
                 f"a page must end at a multiple of block_size={B} or at the prompt's end "
@@ -396,7 +407,7 @@ class HybridStore:
             declined it).
         """
         prompt = self.prefix(tokens)
-        p = self._landing.state_position(prompt, position)
+        p = self._landing.state_position(prompt, args.optional_whole(position, "position"))
         with self._lock:
             self._check_open()
             self._copies.drain()
@@ -407,7 +418,7 @@ class HybridStore:
     def put_state_sized(self, tokens: Any, *, nbytes: int, position: int | None = None) -> bool:
         """Record a checkpoint by size only (accounting tiers: the trace simulator)."""
         prompt = self.prefix(tokens)
-        p = self._landing.state_position(prompt, position)
+        p = self._landing.state_position(prompt, args.optional_whole(position, "position"))
         with self._lock:
             self._check_open()
             self._copies.drain()
@@ -423,6 +434,7 @@ class HybridStore:
                 must compute the last token's logits pass ``len - 1``).
         """
         prompt = self.prefix(tokens)
+        max_position = args.optional_whole(max_position, "max_position")
         with self._lock:
             self._check_open()
             self._copies.drain()
@@ -450,6 +462,8 @@ class HybridStore:
             stop: one past the last block; defaults to the prompt's last block.
         """
         prompt = self.prefix(tokens)
+        first = args.whole(first, "first")
+        stop = args.optional_whole(stop, "stop")
         if first < 0 or (stop is not None and stop < first):
             raise InvalidTokensError(f"page range [{first}, {stop}) is negative or reversed; "
                                      "pass 0 <= first <= stop")
@@ -477,6 +491,7 @@ class HybridStore:
         last entry).  SGLang's ``restorable_prefix_pages`` is this list in pages.
         """
         prompt = self.prefix(tokens)
+        max_position = args.optional_whole(max_position, "max_position")
         with self._lock:
             self._check_open()
             self._copies.drain()
@@ -484,6 +499,7 @@ class HybridStore:
 
     def release(self, plan: ResumePlan) -> None:
         """Drop the plan's pins (each plan is released exactly once)."""
+        plan = args.plan(plan)
         with self._lock:
             self.index.release(plan)
 
@@ -494,6 +510,7 @@ class HybridStore:
         ``read_seconds`` models its path into engine memory (HiState eq. 2:
         ``X / B_H2D`` from DRAM, ``X / B_SSD + X / B_H2D`` from SSD).
         """
+        plan = args.plan(plan)
         with self._lock:
             if not self.index.is_live(plan):
                 raise PlanReleasedError(f"plan {plan.plan_id} was released; match again first")
@@ -542,19 +559,18 @@ class HybridStore:
             ``into`` the filled buffers are returned (the batch itself for a
             page-major batch).
         """
+        plan = args.plan(plan)
+        skip_tiers = args.tier_names(skip_tiers, "skip_tiers")
+        skip_pages = args.whole(skip_pages, "skip_pages", high=len(plan.pages))
+        if into is not None and (not isinstance(into, (tuple, list)) or len(into) != 2):
+            raise InvalidArgumentError("into must be a (pages, state_buffers) pair; pass None "
+                                       "for new arrays")
         with self._lock:
             self._check_open()
             if not self.index.is_live(plan):
                 raise PlanReleasedError(f"plan {plan.plan_id} was released; match again before load")
             targets = self._loader.check_into(plan, into) if into is not None else None
-            for name in skip_tiers:
-                if name not in TIER_BITS:
-                    raise UnknownTierError(f"unknown tier {name!r} in skip_tiers; tiers are {list(TIER_BITS)}")
-            if (isinstance(skip_pages, bool) or not isinstance(skip_pages, (int, np.integer))
-                    or not 0 <= skip_pages <= len(plan.pages)):
-                raise InvalidTokensError(f"skip_pages must be an int in 0..{len(plan.pages)} (the "
-                                         f"plan's pages), got {skip_pages!r}")
-            jobs, sources = self._loader.prepare(plan, skip_tiers, int(skip_pages))
+            jobs, sources = self._loader.prepare(plan, skip_tiers, skip_pages)
             try:
                 fut = self._io.submit(self._loader.run, plan, jobs, sources, into, targets)
             except BaseException:
@@ -570,16 +586,18 @@ class HybridStore:
         Returns:
             Bytes freed (may be less when pinned or needed objects remain).
         """
+        nbytes = args.whole(nbytes, "nbytes")
+        tier = args.tier_name(tier, list(self.tiers))
         with self._lock:
             self._check_open()
-            if tier not in self.tiers:
-                raise UnknownTierError(f"this store has no {tier!r} tier; it has {list(self.tiers)}")
             self._copies.drain()
             return self._evictor.evict(tier, nbytes)
 
     # -- engine helpers -------------------------------------------------------------
     def checkpoint_positions(self, *, cached: int, length: int, anchors: Sequence[int] = ()) -> list[int]:
         """Positions of a new segment ``(cached, length]`` where the engine should capture states."""
+        cached, length = args.whole(cached, "cached"), args.whole(length, "length")
+        anchors = args.positions(anchors, "anchors")
         with self._lock:
             return self._placement.positions(cached=cached, length=length, anchors=anchors,
                                              stats=self.residence)

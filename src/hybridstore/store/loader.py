@@ -78,6 +78,10 @@ class Loader:
             if plan.state_key is not None:
                 out.append(self.layouts[ObjectKind.STATE].targets(state_buf))
             return out
+        if not isinstance(page_bufs, (list, tuple)):
+            raise LayoutMismatchError(
+                f"into's pages are a {type(page_bufs).__name__}; pass a list of page buffers "
+                "or one page-major batch (a tensor, array or dict of them)")
         if len(page_bufs) < n:
             raise LayoutMismatchError(
                 f"into has {len(page_bufs)} page buffers; the plan restores {n}")

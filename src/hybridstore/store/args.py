@@ -1,0 +1,72 @@
+"""Checks of the public API's arguments: a wrong type or range is a typed error
+(:class:`~hybridstore.errors.InvalidArgumentError`) that says what to pass, raised before
+anything changes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hybridstore.errors import InvalidArgumentError, UnknownTierError
+from hybridstore.index.trie import ResumePlan
+from hybridstore.objects import TIER_BITS
+
+
+def whole(value: Any, what: str, *, low: int = 0, high: int | None = None) -> int:
+    """``value`` as an int in ``[low, high]`` (a Python or numpy integer, not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgumentError(f"{what} must be an int, got {type(value).__name__} "
+                                   f"{value!r:.40}")
+    n = int(value)
+    if n < low or (high is not None and n > high):
+        span = f"{low}..{high}" if high is not None else f">= {low}"
+        raise InvalidArgumentError(f"{what} must be {span}, got {n}")
+    return n
+
+
+def optional_whole(value: Any, what: str, *, low: int = 0) -> int | None:
+    """:func:`whole`, or ``None``."""
+    return None if value is None else whole(value, what, low=low)
+
+
+def plan(value: Any) -> ResumePlan:
+    """A :class:`ResumePlan` (what :meth:`~hybridstore.HybridStore.match` returns)."""
+    if not isinstance(value, ResumePlan):
+        raise InvalidArgumentError(f"expected a ResumePlan from match() or match_pages(), got "
+                                   f"{type(value).__name__}")
+    return value
+
+
+def tier_name(value: Any, tiers: Sequence[str], what: str = "tier") -> str:
+    """A tier name this store has."""
+    if not isinstance(value, str) or value not in tiers:
+        raise UnknownTierError(f"this store has no {what} {value!r:.40}; it has {list(tiers)}")
+    return value
+
+
+def tier_names(value: Any, what: str) -> tuple[str, ...]:
+    """A sequence of known tier names (of any store)."""
+    if isinstance(value, str) or not isinstance(value, (Sequence, set, frozenset)):
+        raise InvalidArgumentError(f"{what} must be a sequence of tier names, got "
+                                   f"{type(value).__name__}")
+    for name in value:
+        tier_name(name, list(TIER_BITS), f"tier in {what}")
+    return tuple(value)
+
+
+def positions(value: Any, what: str) -> list[int]:
+    """A sequence of token positions (ints >= 0)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise InvalidArgumentError(f"{what} must be a sequence of token positions, got "
+                                   f"{type(value).__name__}")
+    return [whole(v, f"{what}[{i}]") for i, v in enumerate(value)]
+
+
+def key_list(value: Any, what: str) -> list[Any]:
+    """A sequence of engine page hashes (each checked where it is hashed)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise InvalidArgumentError(f"{what} must be a sequence of page hashes (str or bytes), "
+                                   f"got {type(value).__name__}")
+    return list(value)
