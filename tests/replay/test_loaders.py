@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -365,3 +366,42 @@ def test_canonical_header_block_size_is_validated(tmp_path: Path) -> None:
                                    "block_size": size}) + "\n")
         with pytest.raises(TraceFormatError, match="block_size"):
             load_canonical(bad)
+
+
+def _mutants(raw: bytes, name: str) -> Iterator[tuple[str, bytes]]:
+    """Damaged copies of a trace file: what a user's broken download or editor produces."""
+    text = raw.decode()
+    yield f"trunc-{name}", raw[: len(raw) // 3]
+    yield f"latin1-{name}", b"\xff\xfe" + raw[:200]
+    yield f"zst-cut-{name}.zst", zstandard.ZstdCompressor().compress(raw)[:60]
+    yield f"zst-junk-{name}.zst", b"\x28\xb5\x2f\xfd" + bytes(range(200))
+    for key in ('"t"', '"in"', '"out"', '"block_size"', '"think_time"', '"hash_ids"'):
+        yield f"str-{key.strip(chr(34))}-{name}", text.replace(f"{key}:", f'{key}: "zz", "_":', 1).encode()
+    yield f"neg-{name}", text.replace('"in": ', '"in": -', 3).encode()
+    yield f"nan-{name}", text.replace('"t": ', '"t": NaN, "_": ', 2).encode()
+    yield f"huge-{name}", text.replace('"in": ', '"in": 999999999999999', 1).encode()
+    yield f"events-{name}", text.replace('"hash_ids": [', '"hash_ids": [{"a": 1}, ', 1).encode()
+
+
+def test_damaged_trace_files_raise_trace_format_errors(tmp_path: Path) -> None:
+    """Issue 13, item 6: ~27% of malformed trace files raised untyped errors
+    (UnicodeDecodeError, ZstdError, ZeroDivisionError, ValueError ...)."""
+    samples = Path(__file__).parents[2] / "src" / "hybridstore" / "replay" / "samples" / "weka"
+    files = sorted(samples.glob("*.json*"))[:3]
+    assert files
+    untyped, tried = [], 0
+    for f in files:
+        raw = f.read_bytes()
+        if f.name.endswith(".zst"):
+            raw = zstandard.ZstdDecompressor().decompress(raw, max_output_size=1 << 26)
+        for name, data in _mutants(raw, f.name.removesuffix(".zst")):
+            path = tmp_path / name
+            path.write_bytes(data)
+            tried += 1
+            try:
+                load(str(path))
+            except TraceFormatError:
+                pass
+            except Exception as e:  # noqa: BLE001 - anything untyped is the defect
+                untyped.append(f"{name}: {type(e).__name__}: {e}")
+    assert tried >= 30 and not untyped, untyped

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -58,15 +59,21 @@ _PROGRESS_MIN_FILES = 4
 # -- files ----------------------------------------------------------------------------
 @contextlib.contextmanager
 def _open_text(path: Path) -> Iterator[IO[str]]:
-    """Open ``path`` for text reading, decompressing ``.zst`` as a stream."""
-    with open(path, "rb") as raw:
-        if path.name.endswith(".zst"):
-            reader = zstandard.ZstdDecompressor().stream_reader(raw)
-            with io.TextIOWrapper(reader, encoding="utf-8") as text:
-                yield text
-        else:
-            with io.TextIOWrapper(raw, encoding="utf-8") as text:
-                yield text
+    """Open ``path`` for text reading, decompressing ``.zst`` as a stream; bytes that are
+    not UTF-8 (or not zstd) raise :class:`TraceFormatError` from the reading body."""
+    try:
+        with open(path, "rb") as raw:
+            if path.name.endswith(".zst"):
+                reader = zstandard.ZstdDecompressor().stream_reader(raw)
+                with io.TextIOWrapper(reader, encoding="utf-8") as text:
+                    yield text
+            else:
+                with io.TextIOWrapper(raw, encoding="utf-8") as text:
+                    yield text
+    except (UnicodeDecodeError, zstandard.ZstdError) as e:
+        raise TraceFormatError(f"{path}: not a UTF-8 text trace"
+                               f"{' compressed with zstd' if path.name.endswith('.zst') else ''}"
+                               f" ({type(e).__name__}: {e})") from e
 
 
 @contextlib.contextmanager
@@ -140,6 +147,21 @@ def _count(value: Any, where: str, what: str, limit: int = MAX_TRACE_TOKENS) -> 
     return n
 
 
+def _seconds(value: Any, where: str, what: str) -> float:
+    """A trace's time field as a finite float (``None``/missing reads 0)."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TraceFormatError(f"{where}: {what} must be a number, got {value!r:.40}")
+    try:
+        t = float(value)
+    except (ValueError, OverflowError):
+        raise TraceFormatError(f"{where}: {what} must be a number, got {value!r:.40}") from None
+    if not math.isfinite(t):
+        raise TraceFormatError(f"{where}: {what} must be finite, got {value!r:.40}")
+    return t
+
+
 def _block_size(value: Any, where: str) -> int:
     bs = _count(value, where, "block_size", MAX_BLOCK_SIZE)
     if bs < 1:
@@ -190,9 +212,10 @@ def _weka_stream(builder: SessionBuilder, rows: list[dict[str, Any]], base_t: fl
             raise TraceFormatError(
                 f"{where}: request with in={n_in} has {len(ids)} hash_ids; WEKA ids cover "
                 f"the {n_in // bs} full blocks of {bs} tokens")
-        builder.add(arrival_s=base_t + float(_field(r, "t", where)), input_tokens=n_in,
+        builder.add(arrival_s=base_t + _seconds(_field(r, "t", where), where, "t"),
+                    input_tokens=n_in,
                     output_tokens=_count(r.get("out"), where, "out"), block_ids=ids,
-                    think_s=float(r.get("think_time") or 0.0),
+                    think_s=_seconds(r.get("think_time"), where, "think_time"),
                     anchors=first_anchors if i == 0 else (), inherit_anchors=True)
     return builder.build()
 
@@ -231,7 +254,8 @@ def _weka_sessions(doc: dict[str, Any], path: Path) -> tuple[int, list[Session]]
         agent = f"{tid}/{entry.get('agent_id') or len(sessions)}"
         for sid, model, rows in _split_models(agent, _field(entry, "requests", where), model_of):
             b = SessionBuilder(sid, model, bs, parent=tid)
-            sessions.append(_weka_stream(b, rows, float(_field(entry, "t", where)), salt_for,
+            sessions.append(_weka_stream(b, rows, _seconds(_field(entry, "t", where), where, "t"),
+                                         salt_for,
                                          _prompt_anchors(entry), where))
     return bs, [s for s in sessions if s.requests]
 
@@ -333,7 +357,7 @@ def load_mooncake(path: PathLike, *, model: str = "kimi", block_size: int = 512,
         if len(ids) != -(-n_in // block_size):
             raise TraceFormatError(f"{where}: {len(ids)} hash_ids for input_length {n_in}; "
                                    f"expected ceil({n_in}/{block_size})")
-        rows.append((float(_field(obj, "timestamp", where)) / 1000.0, n_in,
+        rows.append((_seconds(_field(obj, "timestamp", where), where, "timestamp") / 1000.0, n_in,
                      _count(obj.get("output_length"), where, "output_length"), ids))
     system = _system_ids(rows, system_fanout, max_system_blocks)
     salt = salt_of("mooncake", _stem(path), model)
@@ -371,6 +395,8 @@ def _ts(value: str, where: str) -> float:
 def _round_times(row: dict[str, Any], where: str) -> tuple[float | None, float | None, list]:
     """``(request time, last event time, input events)`` of a round."""
     events = row.get("timing_events") or []
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise TraceFormatError(f"{where}: timing_events must be a list of objects")
     times = [_ts(e["timestamp"], where) for e in events if e.get("timestamp")]
     inputs = [e for e in events if e.get("event_type") in _INPUT_EVENTS]
     in_times = [_ts(e["timestamp"], where) for e in inputs if e.get("timestamp")]
@@ -453,7 +479,8 @@ def load_tracelab(path: PathLike, *, block_size: int = 64, name: str | None = No
         by_session.setdefault(str(_field(obj, "session_id", f"{path}:{n}")), []).append(obj)
     sessions: list[Session] = []
     for sid, rows in by_session.items():
-        rows.sort(key=lambda r: int(_field(r, "round_index", f"{path} {sid}")))
+        rows.sort(key=lambda r: _count(_field(r, "round_index", f"{path} {sid}"),
+                                       f"{path} {sid}", "round_index"))
         idx = [r["round_index"] for r in rows]
         if len(set(idx)) != len(idx):
             raise TraceFormatError(f"{path}: session {sid} repeats a round_index")
@@ -540,13 +567,15 @@ def load_canonical(path: PathLike) -> Trace:
         anchors = (prev.anchors[:ak] if ak else ()) + tuple(obj.get("anchors") or ())
         if _count(_field(obj, "index", where), where, "index") != len(reqs):
             raise TraceFormatError(f"{where}: session {sid!r} expects request {len(reqs)} here")
-        reqs.append(Request(session=sid, index=len(reqs), arrival_s=float(obj["arrival_s"]),
+        reqs.append(Request(session=sid, index=len(reqs), arrival_s=_seconds(_field(obj, "arrival_s", where),
+                                                                    where, "arrival_s"),
                             input_tokens=_count(_field(obj, "input_tokens", where), where,
                                                 "input_tokens"),
                             output_tokens=_count(_field(obj, "output_tokens", where), where,
                                                  "output_tokens"),
                             block_size=bs, block_ids=ids,
-                            think_s=float(obj.get("think_s", 0.0)), anchors=anchors,
+                            think_s=_seconds(obj.get("think_s"), where, "think_s"),
+                            anchors=anchors,
                             model=str(obj.get("model", "")), parent=obj.get("parent"),
                             tags=tuple(obj.get("tags") or ())))
     return Trace(name=str(header.get("name") or _stem(path)), block_size=bs,

@@ -84,7 +84,7 @@ def salted_ids(local_ids: Any, salt: int) -> np.ndarray:
     Returns:
         A read-only uint64 array.
     """
-    x = np.array(local_ids, dtype=np.uint64)
+    x = _as_ids(local_ids).copy()
     x ^= np.uint64(salt)
     mix64(x)
     x.setflags(write=False)
