@@ -68,6 +68,12 @@ class CapacityError(HybridStoreError, MemoryError):
     """An object does not fit in a tier, even after eviction."""
 
 
+class DiskFullError(CapacityError):
+    """The file system under the disk tier is full (``ENOSPC``/``EDQUOT``) before the
+    tier's budget is: the store makes room on the tier as for any full tier, or the
+    object is not written there."""
+
+
 class ObjectTooLargeError(CapacityError):
     """An object is larger than a tier's whole budget (or its largest slot)."""
 

@@ -220,3 +220,54 @@ def test_a_segment_truncated_under_a_running_store_costs_the_objects_past_its_en
         store.release(plan)
         assert all(np.array_equal(a, b) for a, b in zip(got, pages))
         assert np.array_equal(st, state + 1)
+
+
+def test_a_full_file_system_makes_room_on_the_disk_tier_and_stores_nothing_half(tmp_path,
+                                                                                 monkeypatch):
+    """Issue 13, item 4: with disk_bytes above the free space, every put raised
+    BackendIOError yet stored its pages, and the store never evicted its own disk objects.
+    Now ENOSPC is a DiskFullError (a CapacityError): the store makes room on the tier,
+    puts succeed, and everything the disk tier holds loads bit-exact."""
+    import errno
+
+    from hybridstore.backends.disk import tier as disk_tier
+
+    real = disk_tier._preallocate
+    made = []
+
+    def preallocate(fd, nbytes):              # the device holds 3 segments, the budget 64
+        if len(made) >= 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        made.append(nbytes)
+        real(fd, nbytes)
+
+    monkeypatch.setattr(disk_tier, "_preallocate", preallocate)
+    cfg = StoreConfig(block_size=B, host_bytes=256 << 10, disk_path=str(tmp_path / "hs"),
+                      disk_bytes=64 << 20, disk_segment_bytes=1 << 20,
+                      tier_policy="write-through")
+    rng = np.random.default_rng(7)
+    kept = {}
+    with HybridStore(cfg) as store:
+        for r in range(30):
+            tokens = np.arange(r * 1000, r * 1000 + 4 * B)
+            pages = [rng.integers(0, 256, 65536, dtype=np.uint8) for _ in range(4)]
+            assert store.put_kv(tokens, pages) == 4          # never raises
+            assert store.put_state(tokens, np.full(500, r, np.uint8))
+            store.flush()
+            kept[r] = (tokens, pages)
+        assert store.stats()["evictions"] > 0
+        assert len(os.listdir(tmp_path / "hs")) <= 3 + 2     # segments, lock, catalog
+        disk = store.tiers["disk"]
+        assert disk.stats()["objects"] > 0
+        store.evict(1 << 40, "host")
+        hits = 0
+        for r, (tokens, pages) in kept.items():
+            plan = store.match(tokens)
+            if plan.position:
+                got, st = store.load(plan).result()
+                assert all(np.array_equal(a, b) for a, b in zip(got, pages))
+                assert np.array_equal(st, np.full(500, r, np.uint8))
+                hits += 1
+            store.release(plan)
+        assert hits >= 3                                      # the newest prompts stay
+        assert store.evict(1 << 20, tier="disk") > 0

@@ -26,7 +26,7 @@ from hybridstore.backends.disk.reader import _ReadPath
 from hybridstore.backends.disk.recovery import _lock_directory, _Recovery
 from hybridstore.backends.disk.writer import _WritePath
 from hybridstore.backends.engines import ALIGN, Engine, fsync_path, select_engine
-from hybridstore.errors import BackendIOError, ConfigError
+from hybridstore.errors import BackendIOError, ConfigError, DiskFullError
 from hybridstore.objects import ObjectKey
 
 log = logging.getLogger("hybridstore.backends.disk")
@@ -269,6 +269,15 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
                 os.close(fd)
             fsync_path(self.path)
         except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                try:
+                    os.unlink(path)        # nothing may stay of a refused segment
+                except OSError:
+                    pass
+                raise DiskFullError(f"the file system under {self.path} is full: no room for a "
+                                    f"{nbytes}-byte segment ({e.strerror}) within the tier's "
+                                    f"{self._capacity}-byte budget; lower disk_bytes to what the "
+                                    "device can hold") from e
             raise BackendIOError(f"cannot create segment {path} of {nbytes} bytes: {e.strerror}; "
                                  "free space on the device or lower disk_bytes") from e
         self._files[segment] = self.engine.open(path)
