@@ -39,3 +39,34 @@ def test_missing_extra_error_is_typed():
     assert exc.extra == "replay" and exc.name == "matplotlib"
     # A module no extra brings is not ours to explain.
     assert MissingExtraError.of(ModuleNotFoundError("x", name="numpy")) is None
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["replay", "/no/such/trace.json"], "no such trace"),
+    (["replay", "--policy", "nope"], "unknown preset"),
+    (["replay", "--model", "nope"], "unknown model"),
+    (["replay", "--scale", "0"], "--scale"),
+    (["replay", "--gpu-gib", "nan"], "--gpu-gib"),
+    (["replay", "--host-gib", "-1"], "--host-gib"),
+    (["replay", "--max-requests", "-1"], "--max-requests"),
+    (["replay", "--live-sessions", "0"], "--live-sessions"),
+    (["replay", "--json", "/no/such/dir/r.json"], "cannot write"),
+    (["replay", "--plot", "."], "cannot write"),
+    (["demo", "--scale", "-2"], "--scale"),
+])
+def test_bad_arguments_get_one_line_and_exit_2_before_any_work(argv, says, capsys):
+    """Issue 13, item 8: tracebacks with exit 1, `--max-requests -1` exiting 0, and an
+    unwritable --json failing only after the whole replay."""
+    import time
+
+    from hybridstore.cli import main
+
+    t0 = time.perf_counter()
+    try:
+        code = main(argv)
+    except SystemExit as e:              # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert says in err and "Traceback" not in err
+    assert time.perf_counter() - t0 < 5        # checked before the traces load / the replay runs

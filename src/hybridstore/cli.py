@@ -8,10 +8,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from hybridstore.errors import MissingExtraError
+from hybridstore.errors import HybridStoreError, MissingExtraError
+
+
+def _number(kind: type, *, low: float, strict: bool) -> Callable[[str], float]:
+    """An argparse type: a finite ``kind`` above ``low`` (``strict``) or at least ``low``."""
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n int' if kind is int else ' number'}"
+                                             ) from None
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"{text} must be {'>' if strict else '>='} {low:g}")
+        return value
+    return parse
+
+
+_POSITIVE = _number(float, low=0, strict=True)
+_NON_NEGATIVE = _number(float, low=0, strict=False)
+_COUNT = _number(int, low=1, strict=False)
+
+
+def _check_outputs(parser: argparse.ArgumentParser, *paths: str | None) -> None:
+    """Fail at once (exit 2) when an output file cannot be written, not after the work."""
+    for path in paths:
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            parser.error(f"cannot write {path!r}: {'it is a directory' if os.path.isdir(path) else 'its directory does not exist or is not writable'}")
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            parser.error(f"cannot write {path!r}: permission denied")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -34,18 +67,24 @@ def _replay(args: argparse.Namespace) -> int:
     from hybridstore.replay.report import plot, print_table, summarize, write_json
     from hybridstore.replay.samples import weka_sample
     from hybridstore.replay.sim import ReplayConfig, replay
+    from hybridstore.replay.model_presets import model_preset
+    from hybridstore.replay.systems import preset
     from hybridstore.replay.trace import merge
 
-    specs = args.trace or [str(weka_sample())]
-    traces = [load(spec) for spec in specs]
-    trace = traces[0] if len(traces) == 1 else merge(traces)
+    # everything that can be checked is checked before the traces load
+    policy = args.policy or (DATA_POLICIES if args.data else DEFAULT_POLICIES)
+    names = [n.strip() for n in policy.split(",") if n.strip()]
+    for name in names:
+        preset(name)
+    model_preset(args.model)
     scale = args.scale if args.scale is not None else (DATA_SCALE if args.data else 1.0)
     cfg = ReplayConfig(model=args.model, live_sessions=args.live_sessions, gpu_gib=args.gpu_gib,
                        host_gib=args.host_gib, disk_gib=args.disk_gib, seed=args.seed,
                        token_level=not args.block_level, max_requests=args.max_requests,
                        scale=scale, data=args.data, data_dir=args.data_dir)
-    policy = args.policy or (DATA_POLICIES if args.data else DEFAULT_POLICIES)
-    names = [n.strip() for n in policy.split(",") if n.strip()]
+    specs = args.trace or [str(weka_sample())]
+    traces = [load(spec) for spec in specs]
+    trace = traces[0] if len(traces) == 1 else merge(traces)
     # the objects: real bytes (unlimited presets: sizes, as the reference) or sizes only
     plane_for = data_planes(cfg.data_dir) if cfg.data else None
     runs = replay(trace, names, cfg, plane_for=plane_for, progress=not args.no_progress)
@@ -86,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="one agent session with context mutations on a small real "
                                        "Qwen3-Next: per turn tokens reused vs recomputed, time saved")
     demo.add_argument("--disk-path", default=None, help="SSD tier directory (default: a temp dir)")
-    demo.add_argument("--scale", type=float, default=1.0, help="multiply every message length")
+    demo.add_argument("--scale", type=_POSITIVE, default=1.0, help="multiply every message length")
     demo.add_argument("--json", default=None, help="also write the per-turn rows as JSON")
     demo.add_argument("--plot", default=None, help="also draw the per-turn figures as a PNG")
     demo.set_defaults(func=_demo)
@@ -99,12 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"comma-separated presets (default: {DEFAULT_POLICIES}; with --data: "
                           "unlimited,vllm-disk,histate)")
     rep.add_argument("--model", default="qwen3.5-9b", help="model preset (replay/model_presets.py)")
-    rep.add_argument("--live-sessions", type=int, default=24)
-    rep.add_argument("--gpu-gib", type=float, default=45.0)
-    rep.add_argument("--host-gib", type=float, default=96.0)
-    rep.add_argument("--disk-gib", type=float, default=150.0)
+    rep.add_argument("--live-sessions", type=_COUNT, default=24)
+    rep.add_argument("--gpu-gib", type=_NON_NEGATIVE, default=45.0)
+    rep.add_argument("--host-gib", type=_NON_NEGATIVE, default=96.0)
+    rep.add_argument("--disk-gib", type=_NON_NEGATIVE, default=150.0)
     rep.add_argument("--seed", type=int, default=0)
-    rep.add_argument("--max-requests", type=int, default=None)
+    rep.add_argument("--max-requests", type=_COUNT, default=None)
     rep.add_argument("--block-level", action="store_true",
                      help="match at block boundaries only (no synthesized token ids)")
     rep.add_argument("--json", default=None, help="write the summary JSON here")
@@ -114,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "restore next to the modeled one (docs/replay.md, data mode)")
     rep.add_argument("--data-dir", default=None,
                      help="with --data: where the disk tier's files go (default: a temp dir)")
-    rep.add_argument("--scale", type=float, default=None,
+    rep.add_argument("--scale", type=_POSITIVE, default=None,
                      help="divide KV, checkpoint and budget bytes by this (hit rates are kept; "
                           "default 1, with --data 128)")
     rep.add_argument("--no-progress", action="store_true")
@@ -138,8 +177,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and args.func is not _bench_moved:  # a moved bench gets its message whatever its flags
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    _check_outputs(parser, getattr(args, "json", None), getattr(args, "plot", None))
     try:
         return int(args.func(args))
+    except HybridStoreError as exc:          # bad input (a trace, a policy name, ...): one line
+        print(f"hybridstore {args.command}: {exc}", file=sys.stderr)
+        return 2
     except ModuleNotFoundError as exc:
         missing = MissingExtraError.of(exc)
         if missing is None:
