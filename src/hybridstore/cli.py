@@ -64,10 +64,10 @@ def _demo(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from hybridstore.replay.bytes_plane import DATA_POLICIES, DATA_SCALE, data_planes
     from hybridstore.replay.loaders import load
+    from hybridstore.replay.model_presets import model_preset
     from hybridstore.replay.report import plot, print_table, summarize, write_json
     from hybridstore.replay.samples import weka_sample
     from hybridstore.replay.sim import ReplayConfig, replay
-    from hybridstore.replay.model_presets import model_preset
     from hybridstore.replay.systems import preset
     from hybridstore.replay.trace import merge
 
