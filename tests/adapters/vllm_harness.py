@@ -156,16 +156,7 @@ class Engine:
         run = Run(req)
         for step in range(max_steps):
             so = self.sched.schedule()
-            md = so.kv_connector_metadata
-            self.worker.handle_preemptions(md)
-            self.worker.bind_connector_metadata(md)
-            self.worker.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={},
-                                                     slot_mapping={}))
-            if so.total_num_scheduled_tokens > 0:
-                self.worker.wait_for_save()
-            sending, recving = self.worker.get_finished(so.finished_req_ids)
-            meta = self.worker.build_connector_worker_meta()
-            self.worker.clear_connector_metadata()
+            connector_output = self._worker_step(so)
             if rid in self.sched.requests:
                 run.tables.append(tuple(list(b) for b in
                                         self.sched.kv_cache_manager.get_block_ids(rid)))
@@ -174,10 +165,7 @@ class Engine:
                 req_ids=[r.request_id for r in reqs],
                 req_id_to_index={r.request_id: i for i, r in enumerate(reqs)},
                 sampled_token_ids=[[7] for _ in reqs], logprobs=None, prompt_logprobs_dict={},
-                pooler_output=None,
-                kv_connector_output=KVConnectorOutput(finished_sending=sending,
-                                                      finished_recving=recving,
-                                                      kv_connector_worker_meta=meta))
+                pooler_output=None, kv_connector_output=connector_output)
             self.sched.update_from_output(so, out)
             run.steps = step + 1
             if not self.sched.requests:
@@ -191,20 +179,26 @@ class Engine:
     def step(self) -> None:
         """One engine step with nothing scheduled (workers report, the manager completes)."""
         so = self.sched.schedule()
+        self.sched.update_from_output(so, ModelRunnerOutput(
+            req_ids=[], req_id_to_index={}, sampled_token_ids=[], logprobs=None,
+            prompt_logprobs_dict={}, pooler_output=None,
+            kv_connector_output=self._worker_step(so)))
+
+    def _worker_step(self, so: Any) -> Any:
+        """The worker-role connector's part of one step, as vLLM's model runner drives it
+        (``handle_preemptions`` ... ``build_connector_worker_meta``)."""
         md = so.kv_connector_metadata
         self.worker.handle_preemptions(md)
         self.worker.bind_connector_metadata(md)
         self.worker.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={},
                                                  slot_mapping={}))
+        if so.total_num_scheduled_tokens > 0:
+            self.worker.wait_for_save()
         sending, recving = self.worker.get_finished(so.finished_req_ids)
         meta = self.worker.build_connector_worker_meta()
         self.worker.clear_connector_metadata()
-        self.sched.update_from_output(so, ModelRunnerOutput(
-            req_ids=[], req_id_to_index={}, sampled_token_ids=[], logprobs=None,
-            prompt_logprobs_dict={}, pooler_output=None,
-            kv_connector_output=KVConnectorOutput(finished_sending=sending,
-                                                  finished_recving=recving,
-                                                  kv_connector_worker_meta=meta)))
+        return KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+                                 kv_connector_worker_meta=meta)
 
     def settle(self, busy: Any = None, timeout: float = 30.0) -> None:
         """Step until every store job has been reported and put into the store, as a

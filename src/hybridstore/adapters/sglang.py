@@ -394,16 +394,27 @@ class HybridStoreHiCache(HiCacheStorage):
                            lambda store: self._get_v1(store, keys, host_indices, extra_info))
 
     # -- v2: several pools --------------------------------------------------------------
-    def _set_states(self, store: HybridStore, *, t: PoolTransfer,
-                    extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
+    def _state_transfer(self, store: HybridStore, t: PoolTransfer,
+                        extra_info: HiCacheStorageExtraInfo | None, *, write: bool
+                        ) -> tuple[Any, PrefixKeys, int] | None:
+        """``(state pool, prompt, block of the first key)`` of a MAMBA transfer, or ``None``
+        when it cannot be served (no pool, malformed slots, an unplaceable chain)."""
         keys = list(t.keys or [])
         pool = self._state_pool()
         if pool is None or t.host_indices is None or t.host_indices.numel() != len(keys):
-            return [False] * len(keys)
-        prompt = self._prompt(store, keys, extra_info, write=True)
+            return None
+        prompt = self._prompt(store, keys, extra_info, write=write)
         if prompt is None:
-            return [False] * len(keys)
-        B, first = prompt.block_size, prompt.nblocks - len(keys)
+            return None
+        return pool, prompt, prompt.nblocks - len(keys)
+
+    def _set_states(self, store: HybridStore, *, t: PoolTransfer,
+                    extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
+        found = self._state_transfer(store, t, extra_info, write=True)
+        if found is None:
+            return [False] * len(t.keys or [])
+        pool, prompt, first = found
+        B = prompt.block_size
         out = []
         t0, nbytes = time.perf_counter(), 0
         for i, slot in enumerate(t.host_indices.tolist()):
@@ -417,14 +428,11 @@ class HybridStoreHiCache(HiCacheStorage):
 
     def _get_states(self, store: HybridStore, *, t: PoolTransfer,
                     extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
-        keys = list(t.keys or [])
-        pool = self._state_pool()
-        if pool is None or t.host_indices is None or t.host_indices.numel() != len(keys):
-            return [False] * len(keys)
-        prompt = self._prompt(store, keys, extra_info, write=False)
-        if prompt is None:
-            return [False] * len(keys)
-        B, first = prompt.block_size, prompt.nblocks - len(keys)
+        found = self._state_transfer(store, t, extra_info, write=False)
+        if found is None:
+            return [False] * len(t.keys or [])
+        pool, prompt, first = found
+        B = prompt.block_size
         out = []
         for i, slot in enumerate(t.host_indices.tolist()):
             p = (first + i + 1) * B

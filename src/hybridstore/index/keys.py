@@ -117,15 +117,18 @@ def namespace_root(namespace: str | bytes) -> bytes:
     Raises:
         InvalidTokensError: ``namespace`` is neither ``str`` nor bytes-like.
     """
-    if isinstance(namespace, str):
-        data = namespace.encode("utf-8")
-    elif isinstance(namespace, (bytes, bytearray, memoryview)):
-        data = bytes(namespace)
-    else:
-        raise InvalidTokensError(
-            f"namespace must be str or bytes, got {type(namespace).__name__}; "
-            "pass the tenant name as a string")
+    data = _utf8_or_bytes(namespace, "namespace must be str or bytes",
+                          "pass the tenant name as a string")
     return hashlib.blake2b(data, digest_size=HASH_BYTES, person=_PERSON).digest()
+
+
+def _utf8_or_bytes(value: Any, what: str, fix: str) -> bytes:
+    """A ``str`` (as UTF-8) or bytes-like value as bytes; InvalidTokensError otherwise."""
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise InvalidTokensError(f"{what}, got {type(value).__name__}; {fix}")
 
 
 _ENGINE_PERSON = b"hybridstore-eng"
@@ -157,14 +160,8 @@ def engine_keys(engine: Any, root: bytes) -> np.ndarray:
     digest = xxhash.xxh3_128_digest
     parts = []
     for i, e in enumerate(engine):
-        if isinstance(e, str):
-            raw: bytes = e.encode("utf-8")
-        elif isinstance(e, (bytes, bytearray, memoryview)):
-            raw = bytes(e)
-        else:
-            raise InvalidTokensError(
-                f"engine page key {i} is a {type(e).__name__}; pass the engine's hashes as "
-                "str (SGLang) or bytes (vLLM)")
+        raw = _utf8_or_bytes(e, f"engine page key {i} must be str or bytes",
+                             "pass the engine's hashes as str (SGLang) or bytes (vLLM)")
         if not raw:
             raise InvalidTokensError(f"engine page key {i} is empty")
         parts.append(digest(raw, seed=seed))

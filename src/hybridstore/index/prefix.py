@@ -27,6 +27,18 @@ from hybridstore.errors import InvalidTokensError
 from hybridstore.index import keys as K
 
 
+def _fitted_length(n: int, block_size: int, length: int | None, what: str, each: str) -> int:
+    """The length of a prompt of ``n`` blocks (all full when ``length`` is ``None``; else
+    the last may be partial), checked."""
+    if length is None:
+        return n * block_size
+    if not (n - 1) * block_size < length <= n * block_size and not (n == 0 and length == 0):
+        raise InvalidTokensError(
+            f"{n} {what} of {block_size} tokens cannot describe a {length}-token prompt; "
+            f"pass one {each} per (full or final partial) block")
+    return length
+
+
 class PathCache:
     """Node ids of a prompt's leading blocks in one index: ``ids[:n]`` (scratch), valid
     as of the index's free generation ``frees`` (ids freed since may name other pages)."""
@@ -87,12 +99,7 @@ class PrefixKeys:
                 is partial.
         """
         n = len(block_ids)
-        if length is None:
-            length = n * block_size
-        if not (n - 1) * block_size < length <= n * block_size and not (n == 0 and length == 0):
-            raise InvalidTokensError(
-                f"{n} block ids of {block_size} tokens cannot describe a {length}-token prompt; "
-                "pass one id per (full or final partial) block")
+        length = _fitted_length(n, block_size, length, "block ids", "id")
         last = length - (n - 1) * block_size if n else None
         ids = K.chain_hash_ids(block_ids, root, last_tokens=last, block_size=block_size)
         return cls(block_size=block_size, length=length, root=root, keys=ids, tokens=None)
@@ -116,13 +123,7 @@ class PrefixKeys:
         ids = K.engine_keys(engine, root)
         if before is not None and len(before):
             ids = np.concatenate([np.asarray(before, np.uint64).reshape(-1, 2), ids])
-        n = int(ids.shape[0])
-        if length is None:
-            length = n * block_size
-        if not (n - 1) * block_size < length <= n * block_size and not (n == 0 and length == 0):
-            raise InvalidTokensError(
-                f"{n} pages of {block_size} tokens cannot describe a {length}-token prompt; "
-                "pass one key per (full or final partial) page")
+        length = _fitted_length(int(ids.shape[0]), block_size, length, "pages", "key")
         return cls(block_size=block_size, length=length, root=root, keys=ids, tokens=None)
 
     # -- keys -----------------------------------------------------------------------
