@@ -394,58 +394,54 @@ class HybridStoreHiCache(HiCacheStorage):
                            lambda store: self._get_v1(store, keys, host_indices, extra_info))
 
     # -- v2: several pools --------------------------------------------------------------
-    def _state_transfer(self, store: HybridStore, t: PoolTransfer,
-                        extra_info: HiCacheStorageExtraInfo | None, *, write: bool
-                        ) -> tuple[Any, PrefixKeys, int] | None:
-        """``(state pool, prompt, block of the first key)`` of a MAMBA transfer, or ``None``
-        when it cannot be served (no pool, malformed slots, an unplaceable chain)."""
+    def _each_state(self, store: HybridStore, t: PoolTransfer,
+                    extra_info: HiCacheStorageExtraInfo | None, *, write: bool,
+                    one: Callable[[Any, PrefixKeys, int, int], bool]) -> list[bool]:
+        """``one(state pool, prompt, host slot, position)`` for each key of a MAMBA transfer
+        (the state at the end of that key's page); all misses when the transfer cannot be
+        served (no pool, malformed slots, an unplaceable chain)."""
         keys = list(t.keys or [])
         pool = self._state_pool()
         if pool is None or t.host_indices is None or t.host_indices.numel() != len(keys):
-            return None
+            return [False] * len(keys)
         prompt = self._prompt(store, keys, extra_info, write=write)
         if prompt is None:
-            return None
-        return pool, prompt, prompt.nblocks - len(keys)
+            return [False] * len(keys)
+        B, first = prompt.block_size, prompt.nblocks - len(keys)
+        return [bool(one(pool, prompt, int(slot), (first + i + 1) * B))
+                for i, slot in enumerate(t.host_indices.tolist())]
 
     def _set_states(self, store: HybridStore, *, t: PoolTransfer,
                     extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
-        found = self._state_transfer(store, t, extra_info, write=True)
-        if found is None:
-            return [False] * len(t.keys or [])
-        pool, prompt, first = found
-        B = prompt.block_size
-        out = []
         t0, nbytes = time.perf_counter(), 0
-        for i, slot in enumerate(t.host_indices.tolist()):
-            state = state_bytes(pool, int(slot))
-            ok = store.put_state(prompt, state, position=(first + i + 1) * B)
+
+        def one(pool: Any, prompt: PrefixKeys, slot: int, p: int) -> bool:
+            nonlocal nbytes
+            state = state_bytes(pool, slot)
+            ok = store.put_state(prompt, state, position=p)
             nbytes += state.numel() if ok else 0
-            out.append(bool(ok))
+            return ok
+
+        out = self._each_state(store, t, extra_info, write=True, one=one)
         self._counters.record("backup", sum(out), nbytes, time.perf_counter() - t0)
         self._counters.add("states_stored", sum(out))
         return out
 
     def _get_states(self, store: HybridStore, *, t: PoolTransfer,
                     extra_info: HiCacheStorageExtraInfo | None) -> list[bool]:
-        found = self._state_transfer(store, t, extra_info, write=False)
-        if found is None:
-            return [False] * len(t.keys or [])
-        pool, prompt, first = found
-        B = prompt.block_size
-        out = []
-        for i, slot in enumerate(t.host_indices.tolist()):
-            p = (first + i + 1) * B
+        def one(pool: Any, prompt: PrefixKeys, slot: int, p: int) -> bool:
             plan = store.match(prompt, max_position=p)
             try:
-                ok = plan.position == p and plan.state_key is not None
-                if ok:
-                    # SGLang already holds the pages (it loads them first): the state only
-                    _, state = store.load(plan, skip_pages=len(plan.pages)).result()
-                    pool.set_from_flat_data_page(int(slot), torch.as_tensor(state))
+                if plan.position != p or plan.state_key is None:
+                    return False
+                # SGLang already holds the pages (it loads them first): the state only
+                _, state = store.load(plan, skip_pages=len(plan.pages)).result()
+                pool.set_from_flat_data_page(slot, torch.as_tensor(state))
+                return True
             finally:
                 store.release(plan)
-            out.append(bool(ok))
+
+        out = self._each_state(store, t, extra_info, write=False, one=one)
         self._counters.add("states_loaded", sum(out))
         return out
 
