@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import odirect
+from hybridstore.bench import odirect
 from benchmarks.ssd.rows import ObjectSet, npy_offset
 from hybridstore.backends.engines import fsync_path
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import odirect
-from benchmarks.odirect import IoJob
+from hybridstore.bench import odirect
+from hybridstore.bench.odirect import IoJob
 from benchmarks.ssd.availability import (
     block_device,
     cuda_available,
@@ -24,7 +24,7 @@ from benchmarks.ssd.availability import (
     kvikio_state,
     versions,
 )
-from benchmarks.ssd.device import device_matrix, measure_device
+from hybridstore.bench.device import device_matrix, measure_device
 from benchmarks.ssd.host import bench_host
 from benchmarks.ssd.paths import (
     DaliPath,

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from benchmarks import odirect
-from benchmarks.odirect import IoJob
+from hybridstore.bench import odirect
+from hybridstore.bench.odirect import IoJob
 from benchmarks.ssd.paths import (
     FilePath,
     NumpyPath,
