@@ -1,0 +1,66 @@
+"""Cold reads of buffered files: drop a directory's pages from the OS page cache, and check.
+
+``posix_fadvise(POSIX_FADV_DONTNEED)`` after ``fdatasync`` on every file under a
+directory (:func:`hybridstore.bench.odirect.drop_page_cache`), with the share of
+those files' pages still resident measured by ``mincore``
+(:func:`hybridstore.bench.odirect.cached_fraction`) before and after, on a sample
+of the files.  The drop is advisory: a file system or a hypervisor may keep the
+pages, which is why the result says what was left.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hybridstore.bench import odirect
+
+__all__ = ["drop_dir", "files_under"]
+
+_SAMPLE = 64
+
+
+def files_under(root: str) -> list[str]:
+    """Every regular file under ``root`` (sorted)."""
+    out = []
+    for d, _, names in os.walk(root):
+        out.extend(os.path.join(d, n) for n in names)
+    return sorted(p for p in out if os.path.isfile(p))
+
+
+def _resident(paths: list[str]) -> float | None:
+    """Byte-weighted share of ``paths``' pages in the page cache (``None``: mincore failed)."""
+    got, total = 0.0, 0
+    for p in paths:
+        try:
+            size = os.path.getsize(p)
+        except OSError:
+            continue
+        frac = odirect.cached_fraction(p)
+        if frac is None:
+            return None
+        got += frac * size
+        total += size
+    return got / total if total else 0.0
+
+
+def drop_dir(root: str) -> dict[str, Any]:
+    """Evict every file under ``root`` from the page cache; what was resident before and after.
+
+    Returns:
+        ``{"files", "bytes", "resident_before", "resident_after", "dropped"}`` where the
+        residencies are shares (0..1) of a sample of up to 64 files (largest first), and
+        ``dropped`` says whether at most 5% was left.
+    """
+    paths = files_under(root)
+    sizes = {p: os.path.getsize(p) for p in paths}
+    sample = sorted(paths, key=lambda p: -sizes[p])[:_SAMPLE]
+    before = _resident(sample)
+    for p in paths:
+        try:
+            odirect.drop_page_cache(p)
+        except OSError:
+            pass
+    after = _resident(sample)
+    return {"files": len(paths), "bytes": sum(sizes.values()), "resident_before": before,
+            "resident_after": after, "dropped": None if after is None else after <= 0.05}

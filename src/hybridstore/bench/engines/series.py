@@ -1,0 +1,102 @@
+"""Timings of one (section, backend, operation, cache state) and their row; paired ratios.
+
+A :class:`Series` collects, per repetition, the wall seconds and bytes of every
+batch (or job) it timed.  Its row reports, over repetitions, the median
+throughput (pages/s and GB/s of that repetition's batches: bytes / summed
+seconds), and p50/p99 of the per-batch latencies over all repetitions.
+:func:`paired_ratios` divides our throughput by the built-in backend's *of the
+same repetition* (they run back to back, in rotated order) and reports the
+median of those quotients: the machine is shared and noisy, and a ratio taken
+inside one repetition cancels most of that noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridstore.bench.common import median, percentile
+
+__all__ = ["Series", "paired_ratios"]
+
+
+@dataclass
+class Series:
+    """One row: ``engine``/``backend``/``op``/``cache`` at one geometry and batch size."""
+
+    section: str
+    engine: str
+    backend: str
+    op: str
+    cache: str
+    geometry: str
+    object_bytes: int
+    batch: int
+    note: str = ""
+    reps: dict[int, list[tuple[float, int, int]]] = field(default_factory=dict)
+    latencies: list[float] = field(default_factory=list)
+    checks: list[bool] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, str, str, str, str, int]:
+        return (self.section, self.engine, self.op, self.cache, self.geometry, self.batch)
+
+    def add(self, rep: int, seconds: float, nbytes: int, objects: int,
+            latency: float | None = None) -> None:
+        """One timed batch (or job) of ``objects`` objects, ``nbytes`` bytes in all.
+
+        ``seconds`` counts toward the repetition's throughput; ``latency`` (default
+        ``seconds``) toward p50/p99 (concurrent jobs: their share of the wall time,
+        and each job's own submit-to-finish time).
+        """
+        self.reps.setdefault(rep, []).append((seconds, nbytes, objects))
+        self.latencies.append(seconds if latency is None else latency)
+
+    def rep_gbps(self) -> dict[int, float]:
+        return {r: sum(b for _, b, _ in xs) / max(sum(s for s, _, _ in xs), 1e-12) / 1e9
+                for r, xs in self.reps.items()}
+
+    def row(self) -> dict[str, Any]:
+        per_rep = list(self.reps.values())
+        lat = self.latencies or [float("nan")]
+        gbps = list(self.rep_gbps().values()) or [float("nan")]
+        pps = [sum(o for _, _, o in xs) / max(sum(s for s, _, _ in xs), 1e-12) for xs in per_rep]
+        out: dict[str, Any] = {
+            "section": self.section, "engine": self.engine, "backend": self.backend,
+            "op": self.op, "cache": self.cache, "geometry": self.geometry,
+            "object_bytes": self.object_bytes, "batch_objects": self.batch,
+            "batch_bytes": self.object_bytes * self.batch,
+            "reps": len(per_rep), "batches_per_rep": len(per_rep[0]) if per_rep else 0,
+            "bytes_per_rep": sum(b for _, b, _ in per_rep[0]) if per_rep else 0,
+            "objects_per_rep": sum(o for _, _, o in per_rep[0]) if per_rep else 0,
+            "gbps": median(gbps), "objects_per_s": median(pps or [float("nan")]),
+            "p50_ms": percentile(lat, 50) * 1e3, "p99_ms": percentile(lat, 99) * 1e3,
+            "bit_exact": all(self.checks) if self.checks else None,
+        }
+        if self.note:
+            out["note"] = self.note
+        out.update(self.extra)
+        return out
+
+
+def paired_ratios(series: list[Series], ours: str, theirs: str) -> list[dict[str, Any]]:
+    """``ours / theirs`` GB/s of the same repetition, median over repetitions, per matching row."""
+    by_key: dict[tuple[Any, ...], dict[str, Series]] = {}
+    for s in series:
+        by_key.setdefault(s.key, {})[s.backend] = s
+    out = []
+    for key, pair in by_key.items():
+        a, b = pair.get(ours), pair.get(theirs)
+        if a is None or b is None:
+            continue
+        ga, gb = a.rep_gbps(), b.rep_gbps()
+        qs = [ga[r] / gb[r] for r in ga if r in gb and gb[r] > 0]
+        if not qs:
+            continue
+        section, engine, op, cache, geometry, batch = key
+        out.append({"section": section, "engine": engine, "op": op, "cache": cache,
+                    "geometry": geometry, "batch_objects": batch, "ours": ours, "theirs": theirs,
+                    "ratio": median(qs), "ratio_min": min(qs), "ratio_max": max(qs),
+                    "reps": len(qs)})
+    return out
