@@ -1,0 +1,156 @@
+"""What the vLLM adapter reads from ``kv_connector_extra_config`` and ``OffloadingConfig``.
+
+vLLM hands every offloading spec one untyped ``extra_config`` dict (the
+``kv_connector_extra_config`` of ``--kv-transfer-config``); this module turns it
+into one frozen, validated :class:`VllmSettings` and decides how vLLM's KV cache
+groups map onto a :class:`~hybridstore.HybridStore`:
+
+=========================  ===========================================  ==================
+extra-config key           meaning                                      default
+=========================  ===========================================  ==================
+``disk_path``              the store's SSD directory (lmdb catalog +    required
+                           segment files); durable across restarts
+``disk_bytes``             SSD budget (int or ``"64GiB"``)              ``64GiB``
+``host_bytes``             pinned-DRAM pool budget                      ``1GiB``
+``policy``                 eviction policy (``hybridstore.policy``)     ``"lru"``
+``checkpoint_policy``      which Mamba states are kept                  ``"keep-all"``
+``tier_policy``            DRAM/SSD placement                           ``"write-through"``
+``disk_engine``            ``auto`` / ``kvikio`` / ``posix``            ``"auto"``
+``io_threads``             disk I/O threads                             ``8``
+``namespace``              extra tenant tag mixed into every key        ``""``
+``staging_bytes``          shared staging region (scheduler <->         ``256MiB``
+                           workers), rounded down to whole slots
+``staging_dir``            where the staging file lives                 ``/dev/shm``
+``load_timeout_s``         how long a worker waits for staged bytes     ``120``
+=========================  ===========================================  ==================
+
+vLLM's own keys (``spec_name``, ``spec_module_path``, ``block_size`` or
+``blocks_per_chunk``, ``offload_prompt_only``, ...) pass through untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hybridstore.config import StoreConfig, parse_bytes
+from hybridstore.errors import ConfigError, UnsupportedModelError
+
+_STORE_KEYS = ("disk_bytes", "host_bytes", "policy", "checkpoint_policy", "tier_policy",
+               "disk_engine", "io_threads")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupPlan:
+    """How vLLM's offloaded KV cache groups map onto one store.
+
+    Attributes:
+        page_group: position (in ``OffloadingConfig.groups``) of the one
+            full-attention group; its chunks are the store's KV pages.
+        state_groups: positions of the Mamba (one-chunk window) groups; their
+            blocks at one chunk boundary together form the store's checkpoint
+            at that position.
+        group_ids: vLLM's KV cache group id of every position (the 4-byte
+            suffix of an offload key).
+        tokens_per_chunk: tokens of one offloaded chunk, per position.
+    """
+
+    page_group: int
+    state_groups: tuple[int, ...]
+    group_ids: tuple[int, ...]
+    tokens_per_chunk: tuple[int, ...]
+
+    @classmethod
+    def of(cls, groups: Any, blocks_per_chunk: int) -> GroupPlan:
+        """Classify ``OffloadingConfig.groups``.
+
+        Raises:
+            UnsupportedModelError: no full-attention group, more than one, or a
+                sliding-window group wider than one chunk (its window of
+                several chunks is not a prefix page nor a single state).
+        """
+        full, states = [], []
+        for pos, g in enumerate(groups):
+            window = g.sliding_window_size_in_chunks
+            if window is None:
+                full.append(pos)
+            elif window == 1:
+                states.append(pos)
+            else:
+                raise UnsupportedModelError(
+                    f"KV cache group {g.group_id} is a sliding window of {window} chunks; the "
+                    "hybridstore vLLM adapter keeps full-attention pages and one-chunk (Mamba) "
+                    "states only. Use vLLM's CPUOffloadingSpec for this model.")
+        if len(full) != 1:
+            raise UnsupportedModelError(
+                f"the hybridstore vLLM adapter needs exactly one full-attention KV cache group, "
+                f"this model has {len(full)} (groups {[groups[p].group_id for p in full]}); "
+                "its pages are the store's prefix pages. Use vLLM's CPUOffloadingSpec for "
+                "this model.")
+        return cls(page_group=full[0], state_groups=tuple(states),
+                   group_ids=tuple(g.group_id for g in groups),
+                   tokens_per_chunk=tuple(g.tokens_per_block * blocks_per_chunk for g in groups))
+
+    @property
+    def page_tokens(self) -> int:
+        """Tokens per store page (the full-attention chunk)."""
+        return self.tokens_per_chunk[self.page_group]
+
+    def position_of(self, group_id: int) -> int:
+        """Position in ``OffloadingConfig.groups`` of vLLM group ``group_id``."""
+        return self.group_ids.index(group_id)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VllmSettings:
+    """The adapter's settings, read once from ``kv_connector_extra_config``.
+
+    Attributes:
+        store: the store's configuration (block size = the full-attention chunk).
+        staging_path: the shared staging file scheduler and workers map.
+        staging_bytes: its size budget.
+        load_timeout_s: how long a worker waits for the manager to stage a load.
+    """
+
+    store: StoreConfig
+    staging_path: str
+    staging_bytes: int
+    load_timeout_s: float
+
+    @classmethod
+    def from_config(cls, config: Any, plan: GroupPlan) -> VllmSettings:
+        """Settings for one engine from its ``OffloadingConfig``.
+
+        The store namespace names everything that fixes the byte layout of a
+        page (model, cache dtype, parallel layout, chunk size, per-worker
+        bytes), never the engine id: a restarted engine must find its keys.
+        """
+        extra: Mapping[str, Any] = config.extra_config
+        disk_path = extra.get("disk_path")
+        if not disk_path:
+            raise ConfigError("kv_connector_extra_config needs 'disk_path': the directory of "
+                              "hybridstore's SSD tier (it survives restarts), e.g. /nvme/hs")
+        par = config.parallel
+        tag = "|".join(str(x) for x in (
+            "vllm", config.model.name, config.model.dtype, f"ws{par.world_size}",
+            f"tp{par.tp_size}", f"pp{par.pp_size}", f"pcp{par.pcp_size}", f"dcp{par.dcp_size}",
+            f"chunk{plan.page_tokens}",
+            f"kv{config.worker_kv_bytes_per_block}", config.kv_cache_layout,
+            "canonical" if config.canonical_layout else "direct", extra.get("namespace", "")))
+        kwargs: dict[str, Any] = {}
+        for key in _STORE_KEYS:
+            if key in extra:
+                value = extra[key]
+                kwargs[key] = parse_bytes(value) if key.endswith("_bytes") else value
+        store = StoreConfig(block_size=plan.page_tokens, namespace=tag, disk_path=str(disk_path),
+                            **kwargs)
+        engine = re.sub(r"[^A-Za-z0-9_.-]", "_", str(config.engine_id))
+        staging_dir = str(extra.get("staging_dir") or
+                          ("/dev/shm" if os.path.isdir("/dev/shm") else disk_path))
+        return cls(store=store,
+                   staging_path=os.path.join(staging_dir, f"hybridstore-vllm-{engine}.staging"),
+                   staging_bytes=parse_bytes(extra.get("staging_bytes", 256 << 20)),
+                   load_timeout_s=float(extra.get("load_timeout_s", 120.0)))

@@ -1,0 +1,224 @@
+"""``HybridStoreTier``: hybridstore as the SSD tier beneath vLLM's own DRAM tier.
+
+::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 68719476736, "block_size": 64,
+        "secondary_tiers": [{"type": "HybridStoreTier",
+          "module_path": "hybridstore.adapters.vllm", "disk_path": "/nvme/hs",
+          "disk_bytes": "1TiB"}]}}'
+
+vLLM's ``TieringOffloadingManager`` (``vllm/v1/kv_offload/tiering/manager.py``)
+keeps its pinned CPU primary tier and its GPU<->CPU worker; this tier lives in
+the scheduler process only and copies whole primary chunks (``primary_kv_view``
+rows: every worker's bytes of one key) to and from a
+:class:`~hybridstore.HybridStore` on a thread pool: a store cascades each chunk
+vLLM's primary tier completed, a load promotes chunks back into primary slots.
+
+Every chunk is one store page keyed by its offload key alone
+(``store.engine_prefix([key], prefix=())``): the tier sees chunks, not requests
+in order, and the primary tier decides what is stored and promoted, so the
+store here is a durable, checksummed, size-bounded chunk store (eviction by
+``policy`` over pages); Mamba states and dependency-aware eviction apply through
+:class:`~hybridstore.adapters.vllm.HybridStoreSpec` only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Collection, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, ClassVar
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from hybridstore import HybridStore, PrefixKeys, ResumePlan, StoreConfig
+from hybridstore.config import parse_bytes
+from hybridstore.errors import ConfigError, HybridStoreError
+
+log = logging.getLogger(__name__)
+
+_STORE_KEYS = ("disk_bytes", "host_bytes", "policy", "tier_policy", "disk_engine", "io_threads")
+
+
+class HybridStoreTier(SecondaryTierManager):
+    """A vLLM secondary tier over one :class:`~hybridstore.HybridStore` (scheduler process).
+
+    Args:
+        offloading_spec: vLLM's ``TieringOffloadingSpec``.
+        primary_kv_view: the primary tier's chunks, ``(num_chunks, chunk_bytes)``.
+        tier_type: the tier's type name.
+        backpressure_detector: vLLM's, passed through.
+        disk_path: the store's SSD directory (required).
+        **store_settings: ``disk_bytes``, ``host_bytes``, ``policy``,
+            ``tier_policy``, ``disk_engine``, ``io_threads``, ``namespace``,
+            ``threads`` (copy threads, 2).
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: Any = None, *, disk_path: str | None = None,
+                 **store_settings: Any) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        if not disk_path:
+            raise ConfigError("the HybridStoreTier entry of secondary_tiers needs 'disk_path'")
+        self._primary = np.asarray(primary_kv_view)      # view[c] of a memoryview cannot slice
+        config = offloading_spec.config
+        par = config.parallel
+        chunk = offloading_spec.tokens_per_block[0] * offloading_spec.blocks_per_chunk
+        namespace = "|".join(str(x) for x in (
+            "vllm-tier", config.model.name, config.model.dtype, f"ws{par.world_size}",
+            f"tp{par.tp_size}", f"pp{par.pp_size}", f"chunk{chunk}",
+            f"bytes{self._primary.shape[1]}", store_settings.pop("namespace", "")))
+        threads = int(store_settings.pop("threads", 2))
+        kwargs: dict[str, Any] = {}
+        for key in _STORE_KEYS:
+            if key in store_settings:
+                value = store_settings.pop(key)
+                kwargs[key] = parse_bytes(value) if key.endswith("_bytes") else value
+        if store_settings:
+            raise ConfigError(f"HybridStoreTier does not know {sorted(store_settings)}; it takes "
+                              f"disk_path, namespace, threads and {list(_STORE_KEYS)}")
+        self.store = HybridStore(StoreConfig(block_size=chunk, namespace=namespace,
+                                             disk_path=str(disk_path), **kwargs))
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hybridstore-tier")
+        self._mu = threading.Lock()
+        self._jobs: dict[int, Future] = {}
+        self._finished: list[JobResult] = []
+        self._storing: dict[OffloadKey, int] = {}
+        self._pins: dict[tuple[str, OffloadKey], ResumePlan] = {}
+
+    def _prompt(self, key: OffloadKey) -> PrefixKeys:
+        return self.store.engine_prefix([key], prefix=())
+
+    # -- lookup -----------------------------------------------------------------------------
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        with self._mu:
+            if key in self._storing:
+                return LookupResult.RETRY
+            pin = (req_context.req_id, key)
+            if pin in self._pins:
+                return LookupResult.HIT
+        plan = self.store.match_pages(self._prompt(key))
+        if len(plan.pages) != 1:
+            self.store.release(plan)
+            return LookupResult.MISS
+        with self._mu:
+            self._pins[pin] = plan        # held until the promotion reads it
+        return LookupResult.HIT
+
+    # -- jobs -------------------------------------------------------------------------------
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        with self._mu:
+            for key in keys:
+                self._storing[key] = self._storing.get(key, 0) + 1
+        self._submit(job_metadata, self._store, keys)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        job = job_metadata
+        with self._mu:
+            plans = [self._pins.pop((job.req_context.req_id, k), None) for k in job.keys]
+        self._submit(job, self._load, plans)
+
+    def _submit(self, job: TransferJob, fn: Any, extra: Any) -> None:
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                done, nbytes = fn(job, extra)
+                result = JobResult(job.job_id, len(done) == len(job.keys), successful_keys=done,
+                                   transfer_time=time.perf_counter() - t0, transfer_bytes=nbytes)
+            except Exception:
+                log.exception("HybridStoreTier: job %d failed", job.job_id)
+                result = JobResult(job.job_id, False, successful_keys=[])
+            with self._mu:
+                self._finished.append(result)
+                self._jobs.pop(job.job_id, None)
+
+        with self._mu:
+            self._jobs[job.job_id] = self._pool.submit(run)
+
+    def _store(self, job: TransferJob, keys: list[OffloadKey]) -> tuple[list[OffloadKey], int]:
+        done, nbytes = [], 0
+        try:
+            for key, c in zip(keys, job.chunk_ids.tolist()):
+                prompt = self._prompt(key)
+                try:
+                    if not self.store.present_pages(prompt):
+                        self.store.put_kv(prompt, self._primary[c])
+                        nbytes += self._primary.shape[1]
+                    done.append(key)
+                except HybridStoreError:
+                    log.exception("HybridStoreTier: cannot store a chunk")
+        finally:
+            with self._mu:
+                for key in keys:
+                    left = self._storing[key] - 1
+                    if left:
+                        self._storing[key] = left
+                    else:
+                        del self._storing[key]
+        return done, nbytes
+
+    def _load(self, job: TransferJob, plans: list[ResumePlan | None]
+              ) -> tuple[list[OffloadKey], int]:
+        done, nbytes = [], 0
+        for key, c, plan in zip(list(job.keys), job.chunk_ids.tolist(), plans):
+            if plan is None:     # promoted without a lookup of ours in this request
+                plan = self.store.match_pages(self._prompt(key))
+            try:
+                if len(plan.pages) == 1:
+                    self.store.load(plan, into=([self._primary[c]], None)).result()
+                    done.append(key)
+                    nbytes += self._primary.shape[1]
+            except HybridStoreError:
+                log.exception("HybridStoreTier: cannot load a chunk")
+            finally:
+                self.store.release(plan)
+        return done, nbytes
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        with self._mu:
+            done, self._finished = self._finished, []
+        return done
+
+    def drain_jobs(self) -> None:
+        with self._mu:
+            futures = list(self._jobs.values())
+        for fut in futures:
+            fut.exception()
+
+    # -- requests ---------------------------------------------------------------------------
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        with self._mu:
+            stale = [pin for pin in self._pins if pin[0] == req_context.req_id]
+            plans = [self._pins.pop(pin) for pin in stale]
+        for plan in plans:
+            self.store.release(plan)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        return
+
+    def shutdown(self) -> None:
+        self.drain_jobs()
+        self._pool.shutdown(wait=True)
+        with self._mu:
+            plans, self._pins = list(self._pins.values()), {}
+        for plan in plans:
+            self.store.release(plan)
+        self.store.close()
