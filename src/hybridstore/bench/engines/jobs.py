@@ -24,7 +24,7 @@ import numpy as np
 
 from hybridstore.bench.engines import vtier as V
 from hybridstore.bench.engines.geometry import Geometry
-from hybridstore.bench.engines.pagecache import drop_dir
+from hybridstore.bench.engines.pagecache import drop_dir, empty_host_tier
 from hybridstore.bench.engines.series import Series
 
 __all__ = ["VllmJobRun"]
@@ -55,16 +55,18 @@ class VllmJobRun:
         self.primary.array[:n_chunks] = rng.integers(-128, 128, (n_chunks, self.chunk_bytes),
                                                      dtype=np.int8)
         self.disk_bytes = (reps + 2) * n_chunks * self.chunk_bytes + (256 << 20)
+        self.host_bytes = 2 * n_chunks * self.chunk_bytes + (64 << 20)  # holds a repetition
         self.dirs = {n: os.path.join(root, f"vllm-{n}-{g.label}-j{job_chunks}") for n in names}
         self.spec = v.offloading_spec(chunk_bytes=self.chunk_bytes, block_tokens=g.page_tokens,
-                                      model=g.model, tiers=[V.tier_dict(n, self.dirs[n],
-                                                                        disk_bytes=self.disk_bytes)
+                                      model=g.model, tiers=[V.tier_dict(n, self.dirs[n], disk_bytes=self.disk_bytes,
+                                                                        host_bytes=self.host_bytes)
                                                             for n in names])
         self.tiers = {n: self._open(n) for n in names}
 
     def _open(self, name: str) -> V.Tier:
         os.makedirs(self.dirs[name], exist_ok=True)
-        return V.Tier(name, self.dirs[name], self.primary, self.spec, self.disk_bytes)
+        return V.Tier(name, self.dirs[name], self.primary, self.spec, self.disk_bytes,
+                      self.host_bytes)
 
     def _s(self, backend: str, op: str, cache: str) -> Series:
         key = (backend, op, cache)
@@ -75,12 +77,13 @@ class VllmJobRun:
                                       "job from submit to its JobResult")
         return self.series[key]
 
-    def _jobs(self, keys: list[bytes], base: int, rep: int) -> list[tuple[list[bytes], np.ndarray, Any]]:
+    def _jobs(self, keys: list[bytes], base: int, tag: str) -> list[tuple[list[bytes], np.ndarray, Any]]:
+        """One job per ``job_chunks`` keys, each with its own request context (``tag-j``)."""
         v = V.vllm()
         out = []
         for j, lo in enumerate(range(0, self.n, self.job_chunks)):
             ks = keys[lo:lo + self.job_chunks]
-            ctx = v.req_context(f"r{rep}-{j}", keys[:lo + len(ks)], self.g.page_tokens)
+            ctx = v.req_context(f"{tag}-{j}", keys[:lo + len(ks)], self.g.page_tokens)
             out.append((ks, np.arange(base + lo, base + lo + len(ks), dtype=np.int64), ctx))
         return out
 
@@ -94,10 +97,10 @@ class VllmJobRun:
         for name in order:
             step(f"vllm {self.g.label} j{self.job_chunks} rep {rep}: {name} store + warm load")
             self._run(name, keys, rep, "store", "write", r)
-            self._lookup(name, keys, rep)
             self._run(name, keys, rep, "load", "warm", r)
         step(f"vllm {self.g.label} j{self.job_chunks} rep {rep}: drop page cache, cold loads")
-        drops = {n: drop_dir(self.dirs[n]) for n in self.names}
+        drops = {n: {**drop_dir(self.dirs[n]), "host_tier": empty_host_tier(self.tiers[n].tier)}
+                 for n in self.names}
         if timed:
             self.drops.append({"rep": rep, **drops})
         for name in order:
@@ -110,28 +113,31 @@ class VllmJobRun:
                 self.tiers[name] = self._open(name)
                 opened = time.perf_counter() - t0
                 drop = drop_dir(self.dirs[name])
-                hit = self._lookup(name, keys, rep)
-                self._run(name, keys, rep, "load", "restart", rep)
+                hit = self._run(name, keys, rep, "load", "restart", rep)
                 self.restart[name] = {"reopen_s": opened, "hit_chunks": hit,
                                       "resident_after_drop": drop["resident_after"]}
 
-    def _lookup(self, name: str, keys: list[bytes], rep: int) -> int:
-        ctx = V.vllm().req_context(f"lookup{rep}", keys, self.g.page_tokens)
-        hit = self.tiers[name].lookup(keys, ctx)
-        if hit != len(keys):
-            self.issues.append(f"vllm {self.g.label} {name}: lookup hit {hit} of {len(keys)} "
-                               "stored chunks")
-        return hit
-
     def _run(self, name: str, keys: list[bytes], rep: int, op: str, cache: str,
-             timed_rep: int | None) -> None:
+             timed_rep: int | None) -> int:
+        """Store or load every chunk; a load is looked up first, per request (untimed).
+
+        Returns the chunks the lookups hit (loads) or stored (stores).
+        """
         load = op == "load"
+        tier = self.tiers[name]
+        jobs = self._jobs(keys, self.n if load else 0, f"r{rep}-{op}-{cache}")
+        hit = self.n
         if load:
             self.primary.array[self.n:] = 0
-        jobs = self._jobs(keys, self.n if load else 0, rep)
-        wall, lat, ok = self.tiers[name].run_jobs(jobs, load=load)
+            hit = sum(tier.lookup(ks, ctx) for ks, _, ctx in jobs)
+            if hit != self.n:
+                self.issues.append(f"vllm {self.g.label} {name} {cache}: lookups hit {hit} of "
+                                   f"{self.n} stored chunks")
+        wall, lat, ok = tier.run_jobs(jobs, load=load)
+        for _, _, ctx in jobs:
+            tier.tier.on_request_finished(ctx)
         if timed_rep is None:
-            return
+            return hit
         ser = self._s(name, f"submit_{op}", cache)
         total = self.n * self.chunk_bytes
         # throughput over the wall time of all jobs; the per-job latencies in the rows' p50/p99
@@ -145,6 +151,7 @@ class VllmJobRun:
             if not exact:
                 self.issues.append(f"vllm {self.g.label} {name} {cache}: loaded bytes differ")
         assert sum(len(ks) for ks, _, _ in jobs) * self.chunk_bytes == total
+        return hit
 
     def close(self) -> None:
         for name, t in self.tiers.items():

@@ -64,3 +64,19 @@ def drop_dir(root: str) -> dict[str, Any]:
     after = _resident(sample)
     return {"files": len(paths), "bytes": sum(sizes.values()), "resident_before": before,
             "resident_after": after, "dropped": None if after is None else after <= 0.05}
+
+
+def empty_host_tier(backend: Any) -> dict[str, Any] | None:
+    """Evict every object from the DRAM tier of our adapter's store (its ``store`` attribute).
+
+    The counterpart of dropping the page cache for a file backend: afterwards a
+    load must come from the SSD.  ``None`` for a backend without a hybridstore store.
+    """
+    store = getattr(backend, "store", None)
+    tiers = getattr(store, "tiers", None)
+    if store is None or not tiers or "host" not in tiers:
+        return None
+    store.flush()                        # every SSD copy written, so DRAM copies may go
+    before = int(tiers["host"].used_bytes)
+    store.evict(1 << 62, tier="host")
+    return {"host_bytes_before": before, "host_bytes_after": int(tiers["host"].used_bytes)}

@@ -30,7 +30,7 @@ import torch
 
 from hybridstore.bench.engines import sgl as S
 from hybridstore.bench.engines.geometry import Geometry
-from hybridstore.bench.engines.pagecache import drop_dir
+from hybridstore.bench.engines.pagecache import drop_dir, empty_host_tier
 from hybridstore.bench.engines.series import Series
 
 __all__ = ["SglPageRun"]
@@ -62,10 +62,12 @@ class SglPageRun:
         self.dst_slots = list(range(n_states, 2 * n_states))
         self.gen = torch.Generator().manual_seed(seed + 1)
         self.dirs = {n: os.path.join(root, f"sgl-{n}-{g.label}-b{batch}") for n in names}
-        disk_bytes = 4 * (n_pages * g.kv_page_bytes + n_states * g.state_bytes) + (256 << 20)
+        rep_bytes = n_pages * g.kv_page_bytes + n_states * g.state_bytes
+        # ours: a DRAM tier that holds a repetition (as the page cache can for HiCacheFile)
         self.extras = {
             n: (S.builtin_extra(self.dirs[n]) if n == S.BUILTIN
-                else S.ours_extra(self.dirs[n], disk_bytes=disk_bytes)) for n in names}
+                else S.ours_extra(self.dirs[n], disk_bytes=4 * rep_bytes + (256 << 20),
+                                  host_bytes=2 * rep_bytes + (64 << 20))) for n in names}
         self.backends = {n: self._open(n) for n in names}
         # node j spans pages [ends[j-1], ends[j]); its state is keyed by page ends[j] - 1
         self.ends = [n_pages * (j + 1) // n_states for j in range(n_states)]
@@ -98,7 +100,8 @@ class SglPageRun:
             self._exists(name, keys)
             self._load(name, keys, "warm", rep if timed else None)
         step(f"sglang {self.g.label} b{self.batch} rep {rep}: drop page cache, cold loads")
-        drops = {n: drop_dir(self.dirs[n]) for n in self.names}
+        drops = {n: {**drop_dir(self.dirs[n]), "host_tier": empty_host_tier(self.backends[n])}
+                 for n in self.names}
         if timed:
             self.drops.append({"rep": rep, **{n: d for n, d in drops.items()}})
         for name in order:

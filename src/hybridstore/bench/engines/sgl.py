@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from hybridstore.adapters.cpu_shims import import_sglang
+from hybridstore.bench.engines.geometry import PAGE_TOKENS
 
 __all__ = ["BUILTIN", "OURS", "STORAGE_BATCH_SIZE", "Sgl", "open_backend", "sgl", "sglang_version"]
 
@@ -139,12 +140,13 @@ def ours_class() -> type:
     return getattr(importlib.import_module(OURS_MODULE), OURS_CLASS)  # type: ignore[no-any-return]
 
 
-def ours_extra(path: str, *, disk_bytes: int, host_bytes: int = 0,
+def ours_extra(path: str, *, disk_bytes: int, host_bytes: int,
                policy: str | None = None) -> dict[str, Any]:
-    """Our backend's ``--hicache-storage-backend-extra-config`` for a disk-only store."""
+    """Our backend's ``--hicache-storage-backend-extra-config``: DRAM + SSD budgets, policy."""
     extra: dict[str, Any] = {"backend_name": OURS, "module_path": OURS_MODULE,
                              "class_name": OURS_CLASS, "disk_path": path,
-                             "disk_bytes": int(disk_bytes), "host_bytes": int(host_bytes)}
+                             "disk_bytes": int(disk_bytes), "host_bytes": int(host_bytes),
+                             "page_size": PAGE_TOKENS}
     if policy is not None:
         extra["policy"] = policy
     return extra

@@ -116,12 +116,12 @@ def vllm_version() -> str | None:
         return None
 
 
-def tier_dict(name: str, path: str, *, disk_bytes: int) -> dict[str, Any]:
-    """The ``secondary_tiers`` entry of each tier (vLLM's ``fs``, or ours, disk only)."""
+def tier_dict(name: str, path: str, *, disk_bytes: int, host_bytes: int) -> dict[str, Any]:
+    """The ``secondary_tiers`` entry of each tier: vLLM's ``fs``, or ours (DRAM + SSD)."""
     if name == BUILTIN:
         return {"type": "fs", "root_dir": path}
     return {"type": OURS_CLASS, "module_path": OURS_MODULE, "disk_path": path,
-            "disk_bytes": int(disk_bytes), "host_bytes": 0}
+            "disk_bytes": int(disk_bytes), "host_bytes": int(host_bytes)}
 
 
 @dataclass
@@ -141,12 +141,13 @@ class Primary:
 class Tier:
     """One secondary tier and the jobs it has in flight."""
 
-    def __init__(self, name: str, path: str, primary: Primary, spec: Any, disk_bytes: int) -> None:
+    def __init__(self, name: str, path: str, primary: Primary, spec: Any, disk_bytes: int,
+                 host_bytes: int) -> None:
         v = vllm()
         self.name = name
         self.path = path
         self.tier = v.factory.SecondaryTierFactory.create_secondary_tier(
-            tier_dict(name, path, disk_bytes=disk_bytes), primary.view, spec)
+            tier_dict(name, path, disk_bytes=disk_bytes, host_bytes=host_bytes), primary.view, spec)
         self._next_job = 0
 
     def run_jobs(self, jobs: list[tuple[list[bytes], np.ndarray, Any]], *, load: bool,
@@ -182,7 +183,7 @@ class Tier:
         return list(self.tier.get_finished_jobs())
 
     def lookup(self, keys: list[bytes], ctx: Any, *, timeout_s: float = 30.0) -> int:
-        """Leading keys that are HIT (RETRY is asked again, as the scheduler does)."""
+        """Leading keys of one request that are HIT (RETRY is asked again, as the scheduler does)."""
         v = vllm()
         self.tier.on_new_request(ctx)
         hits, t0 = 0, time.perf_counter()
