@@ -127,10 +127,10 @@ def run_engines_bench(json_path: str | None = None, *, plot_path: str | None = N
         with progress("bench engines", steps) as step:
             step("SSD read limit")
             test_file = os.path.join(root, "device-test.dat")
-            file_bytes = (64 << 20) if quick else (1 << 30)
+            file_bytes = (128 << 20) if quick else (1 << 30)
             odirect.make_test_file(test_file, file_bytes)
             device = measure_device(test_file, file_bytes, quick, use_fio, step, issues,
-                                    cell_seconds=0.1 if quick else 0.5)
+                                    cell_seconds=0.15 if quick else 0.5)
             os.unlink(test_file)
             step("importing SGLang")
             S.sgl()
