@@ -113,7 +113,7 @@ class _QuietImports:
         warnings.simplefilter("ignore")
 
     def __exit__(self, *exc: object) -> None:
-        self.warnings.__exit__(*exc)
+        self.warnings.__exit__(None, None, None)
         logging.disable(self.level)
 
 
