@@ -53,6 +53,10 @@ def _available(kind: str) -> tuple[bool, str]:
     """Whether our adapter for ``kind`` imports here (and why not)."""
     import importlib
 
+    if kind == "sglang":  # SGLang's modules first, through the CPU shims (the adapter imports them)
+        from hybridstore.bench.engines.sgl import sgl
+
+        sgl()
     mod, cls = (("hybridstore.adapters.sglang", "HybridStoreHiCache") if kind == "sglang"
                 else ("hybridstore.adapters.vllm", "HybridStoreTier"))
     try:
@@ -60,6 +64,24 @@ def _available(kind: str) -> tuple[bool, str]:
     except (ImportError, AttributeError) as e:
         return False, f"{mod}.{cls} is not available: {e}"
     return True, ""
+
+
+def _sglang_ours_opens(root: str) -> str:
+    """Open and close our SGLang backend the way the bench does; why it cannot ('' if it can)."""
+    from hybridstore.bench.engines import sgl as S
+
+    path = os.path.join(root, "probe-sglang")
+    try:
+        pool = S.sgl().mamba_host(1, (8,), (2,), 1)
+        b = S.open_backend(S.OURS, tp=1, model="probe", mamba_pool=pool,
+                           extra=S.ours_extra(path, disk_bytes=64 << 20, host_bytes=8 << 20))
+        S.close_backend(b)
+    except Exception as e:  # noqa: BLE001 - reported as the reason
+        return (f"{type(e).__name__}: {e} (the bench registers only a MambaPoolHost, no KV host "
+                "pool, on the legacy page path)")
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    return ""
 
 
 def run_engines_bench(json_path: str | None = None, *, plot_path: str | None = None,
@@ -115,6 +137,12 @@ def run_engines_bench(json_path: str | None = None, *, plot_path: str | None = N
         else:
             unavailable.append({"engine": kind, "backend": S.OURS, "reason": why})
             issues.append(why)
+    if S.OURS in sgl_names:  # our adapter may need more than the bench registers (a KV host pool)
+        why = _sglang_ours_opens(root)
+        if why:
+            sgl_names.remove(S.OURS)
+            unavailable.append({"engine": "sglang", "backend": S.OURS, "reason": why})
+            issues.append(f"sglang {S.OURS}: {why}")
     series: list[Any] = []
     drops: list[dict[str, Any]] = []
     restart: list[dict[str, Any]] = []
