@@ -46,7 +46,7 @@ from hybridstore.bench.engines.series import paired_ratios
 
 __all__ = ["run_engines_bench"]
 
-QUICK_POLICY_TRACE = "synthetic:agent?sessions=4&turns=6&new=1536&out=128&mutation=0.2&gap=20"
+QUICK_POLICY_TRACE = "synthetic:agent?sessions=6&turns=8&new=2048&out=128&mutation=0.2&gap=20"
 
 
 def _available(kind: str) -> tuple[bool, str]:
@@ -66,29 +66,11 @@ def _available(kind: str) -> tuple[bool, str]:
     return True, ""
 
 
-def _sglang_ours_opens(root: str) -> str:
-    """Open and close our SGLang backend the way the bench does; why it cannot ('' if it can)."""
-    from hybridstore.bench.engines import sgl as S
-
-    path = os.path.join(root, "probe-sglang")
-    try:
-        pool = S.sgl().mamba_host(1, (8,), (2,), 1)
-        b = S.open_backend(S.OURS, tp=1, model="probe", mamba_pool=pool,
-                           extra=S.ours_extra(path, disk_bytes=64 << 20, host_bytes=8 << 20))
-        S.close_backend(b)
-    except Exception as e:  # noqa: BLE001 - reported as the reason
-        return (f"{type(e).__name__}: {e} (the bench registers only a MambaPoolHost, no KV host "
-                "pool, on the legacy page path)")
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-    return ""
-
-
 def run_engines_bench(json_path: str | None = None, *, plot_path: str | None = None,
                       disk_dir: str | None = None, quick: bool = False, use_fio: bool = True,
                       tp: tuple[int, ...] | None = None, policy_trace: str | None = None,
-                      policy_requests: int | None = None, print_json: bool = True
-                      ) -> dict[str, Any]:
+                      policy_requests: int | None = None, print_json: bool = True,
+                      torch_threads: int = 1) -> dict[str, Any]:
     """Run the engine benchmark; print a table (and the JSON), return the document.
 
     Args:
@@ -104,13 +86,33 @@ def run_engines_bench(json_path: str | None = None, *, plot_path: str | None = N
             ``(1,)`` quick, ``(1, 4)`` full).
         policy_trace: trace spec of the policy replay (default: the bundled WEKA
             sample; quick: a small synthetic agent trace).
-        policy_requests: first arrivals replayed (default 24 quick, 60 full).
+        policy_requests: first arrivals replayed (default 48 quick, 60 full).
+        print_json: also print the JSON document to stdout.
+        torch_threads: torch intra-op threads while measuring (see the code).
 
     Returns:
         ``{"machine", "versions", "config", "disk", "device_limit", "rows",
         "ratios", "large_batches", "cache_drops", "restart", "policy", "goals",
         "unavailable", "issues"}``.
     """
+    import torch
+
+    # One intra-op thread: on a small, shared machine torch's OpenMP pool turns every page
+    # copy of SGLang's host pools (get_data_page, get_dummy_flat_data_page) into a
+    # ~10x slower barrier dance (measured here: 1.5 MiB zeros 21 ms with 2 threads, 1.8 ms
+    # with 1).  Both backends pay the same copies; restored afterwards.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(torch_threads)
+    try:
+        return _run(json_path, plot_path, disk_dir, quick, use_fio, tp, policy_trace,
+                    policy_requests, print_json)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, quick: bool,
+         use_fio: bool, tp: tuple[int, ...] | None, policy_trace: str | None,
+         policy_requests: int | None, print_json: bool) -> dict[str, Any]:
     from hybridstore.bench.engines import jobs, pages, policy, report
     from hybridstore.bench.engines import sgl as S
     from hybridstore.bench.engines import vtier as V
@@ -122,7 +124,7 @@ def run_engines_bench(json_path: str | None = None, *, plot_path: str | None = N
     plan = ([(8, 16, 1)] if quick else [(16, 256, 2), (128, 256, 2)])  # (batch, pages, states)
     budgets = (0.25, 0.5) if quick else (0.1, 0.25, 0.5)
     trace_spec = policy_trace or (QUICK_POLICY_TRACE if quick else None)
-    n_requests = policy_requests or (24 if quick else 60)
+    n_requests = policy_requests or (48 if quick else 60)
     issues: list[str] = []
     unavailable: list[dict[str, str]] = []
     if disk_dir is not None:
@@ -137,12 +139,6 @@ def run_engines_bench(json_path: str | None = None, *, plot_path: str | None = N
         else:
             unavailable.append({"engine": kind, "backend": S.OURS, "reason": why})
             issues.append(why)
-    if S.OURS in sgl_names:  # our adapter may need more than the bench registers (a KV host pool)
-        why = _sglang_ours_opens(root)
-        if why:
-            sgl_names.remove(S.OURS)
-            unavailable.append({"engine": "sglang", "backend": S.OURS, "reason": why})
-            issues.append(f"sglang {S.OURS}: {why}")
     series: list[Any] = []
     drops: list[dict[str, Any]] = []
     restart: list[dict[str, Any]] = []

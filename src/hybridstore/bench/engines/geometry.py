@@ -56,7 +56,8 @@ class HybridShape:
         v_heads, k_heads = self.v_heads // tp, self.k_heads // tp
         conv_dim = 2 * k_heads * self.k_dim + v_heads * self.v_dim
         return Geometry(
-            model=self.name, tp=tp, page_tokens=PAGE_TOKENS,
+            model=self.name, tp=tp, page_tokens=PAGE_TOKENS, attn_layers=self.attn_layers,
+            kv_heads=kv_heads, head_dim=self.head_dim,
             kv_page_bytes=self.attn_layers * 2 * kv_heads * self.head_dim * self.kv_itemsize
             * PAGE_TOKENS,
             linear_layers=self.linear_layers,
@@ -69,13 +70,17 @@ class HybridShape:
 class Geometry:
     """Bytes one rank moves: a KV page of ``page_tokens`` tokens and one recurrent state.
 
-    ``temporal_shape`` / ``conv_shape`` are one layer's state tensors (the shapes
-    of SGLang's ``MambaPoolHost`` buffers after the layer and slot axes).
+    ``attn_layers`` x K,V x ``kv_heads`` x ``head_dim`` bf16 per token (SGLang's
+    ``MHATokenToKVPoolHost`` shape); ``temporal_shape`` / ``conv_shape`` are one
+    layer's state tensors (``MambaPoolHost`` buffers after the layer and slot axes).
     """
 
     model: str
     tp: int
     page_tokens: int
+    attn_layers: int
+    kv_heads: int
+    head_dim: int
     kv_page_bytes: int
     linear_layers: int
     temporal_shape: tuple[int, ...]
@@ -98,6 +103,8 @@ class Geometry:
 
     def as_dict(self) -> dict[str, object]:
         return {"model": self.model, "tp": self.tp, "page_tokens": self.page_tokens,
+                "attn_layers": self.attn_layers, "kv_heads": self.kv_heads,
+                "head_dim": self.head_dim,
                 "kv_page_bytes": self.kv_page_bytes, "state_bytes": self.state_bytes,
                 "linear_layers": self.linear_layers,
                 "temporal_shape": list(self.temporal_shape), "conv_shape": list(self.conv_shape)}

@@ -9,12 +9,13 @@ it, through the backend's ``HiCacheStorage`` methods:
 
 1. ``batch_exists_v2(keys, [MAMBA probe, TRAILING_PAGES])``: the hit is the
    deepest restorable prefix (KV pages held *and* a Mamba state at its end);
-2. the prefetch of the hit: ``batch_get`` of its pages (128 per call) and
+2. the prefetch of the hit: its pages through SGLang's legacy
+   ``_generic_page_get`` (``batch_get``, 128 pages per call) and
    ``batch_get_v2`` of the state at its end (so recency follows use, as in
    SGLang);
 3. the write-back (``write_backup_storage``): ``batch_set_v2`` of the Mamba
-   state at the request's last full page, then ``batch_set`` of the pages from
-   the hit on (an existing key is only touched).
+   state at the request's last full page, then ``_generic_page_set``
+   (``batch_set``) of the pages from the hit on (an existing key is only touched).
 
 The built-in is ``HiCacheFile`` with its ``LRUFileEvictor``
 (``storage/file/lru_file_evictor.py``) capped by ``max_size`` = the budget:
@@ -22,8 +23,10 @@ one LRU list over every ``.bin`` file (KV pages and Mamba states alike,
 refreshed by reads and by re-writes of existing keys), evicting from the
 least recently used end down to ``eviction_ratio`` (0.9) of the cap when a
 write would exceed it.  Ours is ``HybridStoreHiCache`` with ``disk_bytes`` =
-the budget and a DRAM tier of 1 MiB (a landing zone; write-through keeps every
-object on the SSD), under each of its eviction policies given.
+the budget and a DRAM tier of 2 MiB (a landing zone for a 128-page batch
+and a few states; write-through puts every object on the SSD, and a copy
+still in DRAM can serve a hit after the SSD evicted it, so ours may hold up
+to 2 MiB more than the budget), under each of its eviction policies given.
 
 Sizes are the model's divided by ``scale`` (Qwen3-Next at 1/384: 4 KiB pages
 and 196.5 KiB states, keeping its ratio of state to page bytes), so a budget
@@ -48,6 +51,8 @@ from hybridstore.bench.engines.geometry import PAGE_TOKENS, HybridShape
 __all__ = ["PolicyWorkload", "make_workload", "replay_system"]
 
 DEFAULT_SCALE = 384
+OURS_HOST_BYTES = 2 << 20
+"""Our DRAM tier in the replay: a landing zone for a 128-page batch (512 KiB) and a few states."""
 
 
 @dataclass
@@ -120,19 +125,24 @@ def replay_system(wl: PolicyWorkload, *, backend: str, policy: str | None, budge
     t_layers, t_elems = 1, (wl.state_bytes - 4) // 4      # fp32 temporal + a 2-element bf16 conv
     pool = s.mamba_host(t_layers, (t_elems,), (2,), 2)
     assert int(pool.size_per_token) == wl.state_bytes
+    # one attention layer, one KV head of page_bytes / (64 tokens x K,V x bf16) dims
+    head_dim = wl.page_bytes // (PAGE_TOKENS * 2 * 2)
+    batch = S.STORAGE_BATCH_SIZE
+    kv = s.kv_host(layers=1, heads=1, head_dim=head_dim, page_size=PAGE_TOKENS, pages=2 * batch)
+    slots = kv.alloc(2 * batch * PAGE_TOKENS)
+    src_idx, dst_idx = slots[:batch * PAGE_TOKENS], slots[batch * PAGE_TOKENS:]
     name = f"{backend}-{policy or 'lru-file'}-{budget}"
     path = os.path.join(root, name)
     os.makedirs(path, exist_ok=True)
     extra = (S.builtin_extra(path, max_size=budget) if backend == S.BUILTIN else
-             S.ours_extra(path, disk_bytes=budget, host_bytes=1 << 20, policy=policy))
-    b = S.open_backend(backend, tp=1, model="replay", extra=extra, mamba_pool=pool)
+             S.ours_extra(path, disk_bytes=budget, host_bytes=OURS_HOST_BYTES, policy=policy))
+    b = S.open_backend(backend, tp=1, model="replay", extra=extra, kv_pool=kv, mamba_pool=pool)
     gen = torch.Generator().manual_seed(7)
-    page = torch.randint(0, 256, (wl.page_bytes,), dtype=torch.uint8, generator=gen)
+    for i in range(batch):
+        kv.set_from_flat_data_page(int(src_idx[i * PAGE_TOKENS]), torch.randint(
+            0, 256, (wl.page_bytes,), dtype=torch.uint8, generator=gen).view(torch.bfloat16))
     pool.set_from_flat_data_page(0, torch.randint(0, 256, (wl.state_bytes,), dtype=torch.uint8,
                                                   generator=gen))
-    dst = [torch.empty(wl.page_bytes, dtype=torch.uint8).view(torch.bfloat16)
-           for _ in range(S.STORAGE_BATCH_SIZE)]
-    src = page.view(torch.bfloat16)
     hit_tokens = loaded_short = 0
     t0 = time.perf_counter()
     try:
@@ -144,9 +154,9 @@ def replay_system(wl: PolicyWorkload, *, backend: str, policy: str | None, budge
             hit = int(b.batch_exists_v2(keys, [s.mamba_probe()]).kv_hit_pages)
             if hit:
                 got = 0
-                for lo, hi in S.batches(hit, S.STORAGE_BATCH_SIZE):
-                    res = b.batch_get(keys[lo:hi], dst[:hi - lo])
-                    got += sum(x is not None for x in res) if isinstance(res, list) else 0
+                for lo, hi in S.batches(hit, batch):
+                    got += s.page_get(b, kv, keys[lo:hi], dst_idx[:(hi - lo) * PAGE_TOKENS],
+                                      keys[:lo])
                 st = b.batch_get_v2([s.mamba_transfer(keys[hit - 1], 1)],
                                     extra_info=s.extra(keys[:hit - 1]))
                 if got < hit or not all(next(iter(st.values()), [False])):
@@ -154,8 +164,9 @@ def replay_system(wl: PolicyWorkload, *, backend: str, policy: str | None, budge
                 hit_tokens += hit * PAGE_TOKENS
             n = len(keys)
             b.batch_set_v2([s.mamba_transfer(keys[n - 1], 0)], extra_info=s.extra(keys[:n - 1]))
-            for lo, hi in S.batches(n - hit, S.STORAGE_BATCH_SIZE):
-                b.batch_set(keys[hit + lo:hit + hi], [src] * (hi - lo))
+            for lo, hi in S.batches(n - hit, batch):
+                s.page_set(b, kv, keys[hit + lo:hit + hi], src_idx[:(hi - lo) * PAGE_TOKENS],
+                           keys[:hit + lo])
     finally:
         b.clear()
         S.close_backend(b)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from types import SimpleNamespace
 from types import ModuleType
 from typing import Any
 
@@ -45,6 +45,9 @@ STORAGE_BATCH_SIZE = 128
 """``sglang.srt.mem_cache.hicache_storage.STORAGE_BATCH_SIZE`` (pages per storage call)."""
 
 _MODULES = (
+    "sglang.srt.managers.cache_controller",
+    "sglang.srt.mem_cache.memory_pool",
+    "sglang.srt.mem_cache.pool_host.mha",
     "sglang.srt.mem_cache.hicache_storage",
     "sglang.srt.mem_cache.pool_host.common",
     "sglang.srt.mem_cache.pool_host.mamba",
@@ -59,6 +62,9 @@ class Sgl:
     def __init__(self) -> None:
         m = import_sglang(_MODULES)
         self.hs: ModuleType = m["sglang.srt.mem_cache.hicache_storage"]
+        self.cc: ModuleType = m["sglang.srt.managers.cache_controller"]
+        self.pools: ModuleType = m["sglang.srt.mem_cache.memory_pool"]
+        self.mha: ModuleType = m["sglang.srt.mem_cache.pool_host.mha"]
         self.mamba: ModuleType = m["sglang.srt.mem_cache.pool_host.mamba"]
         self.info: ModuleType = m["sglang.srt.mem_cache.device_pool_info"]
         self.utils: ModuleType = m["sglang.srt.mem_cache.utils"]
@@ -106,6 +112,50 @@ class Sgl:
         pool = self.mamba.MambaPoolHost(info, float(slots), 0, device_capacity=1,
                                         pin_memory=False, layout="page_first")
         return pool
+
+    def kv_host(self, *, layers: int, heads: int, head_dim: int, page_size: int,
+                pages: int) -> Any:
+        """A real ``MHATokenToKVPoolHost`` (``page_first_direct``) of at least ``pages`` pages.
+
+        Built as SGLang's own unit tests build one
+        (``storage/aibrix_kvcache/unit_test.py``): a CPU ``MHATokenToKVPool`` of
+        4 pages as the device side, the host ``pages`` pages larger.
+        """
+        device_tokens = 4 * page_size
+        kv = self.pools.MHATokenToKVPool(size=device_tokens, page_size=page_size,
+                                         dtype=torch.bfloat16, head_num=heads, head_dim=head_dim,
+                                         layer_num=layers, device="cpu", enable_memory_saver=False)
+        return self.mha.MHATokenToKVPoolHost(
+            kv.get_device_pool_infos()[0].buffer_info, pages * page_size / kv.size + 1, 0,
+            page_size, "page_first_direct", pin_memory=False, device_capacity_tokens=kv.size,
+            start_layer=kv.start_layer, end_layer=kv.end_layer,
+            write_back_staging=kv.hicache_write_back_staging)
+
+    def page_set(self, backend: Any, host: Any, keys: list[str], host_indices: torch.Tensor,
+                 prefix_keys: list[str]) -> bool:
+        """SGLang's legacy page store, its own code: ``HiCacheController._generic_page_set``.
+
+        It copies each page out of the host pool (``get_data_page``) and calls
+        ``backend.batch_set(keys, pages)``; ``self`` is a stand-in holding what
+        the method reads (the host pool, the backend, the page size).
+        """
+        ctrl = SimpleNamespace(storage_host_pool=host, storage_backend=backend,
+                               page_size=host.page_size)
+        return bool(self.cc.HiCacheController._generic_page_set(ctrl, keys, host_indices,
+                                                                 self.extra(prefix_keys)))
+
+    def page_get(self, backend: Any, host: Any, keys: list[str], host_indices: torch.Tensor,
+                 prefix_keys: list[str]) -> int:
+        """SGLang's legacy page load, ``HiCacheController._generic_page_get``: pages loaded.
+
+        ``batch_get(keys, [get_dummy_flat_data_page() ...])``, then each page
+        into the host pool with ``set_from_flat_data_page``.
+        """
+        ctrl = SimpleNamespace(storage_host_pool=host, storage_backend=backend,
+                               page_size=host.page_size)
+        op = self.cc.PrefetchOperation("bench", [])
+        return int(self.cc.HiCacheController._generic_page_get(ctrl, op, keys, host_indices,
+                                                               self.extra(prefix_keys)))
 
     def storage_config(self, *, tp: int, model: str, extra: dict[str, Any]) -> Any:
         """``HiCacheStorageConfig`` of rank 0 of ``tp`` (what ``_generate_storage_config`` builds)."""
@@ -160,20 +210,22 @@ def builtin_extra(path: str, *, max_size: int | None = None) -> dict[str, Any]:
     return extra
 
 
-def open_backend(name: str, *, tp: int, model: str, extra: dict[str, Any],
-                 mamba_pool: Any | None = None) -> Any:
+def open_backend(name: str, *, tp: int, model: str, extra: dict[str, Any], kv_pool: Any,
+                 mamba_pool: Any) -> Any:
     """A backend as ``StorageBackendFactory`` builds it, its host pools registered.
 
     ``HiCacheFile(storage_config)`` for the built-in (``_create_builtin_backend``
     with ``file``), ``cls(storage_config, {})`` for ours (``_create_dynamic_backend``);
-    then ``register_mem_host_pool_v2(MambaPoolHost, MAMBA)`` and
-    ``on_host_pools_registered()`` as ``attach_storage_backend`` does.
+    then, as ``attach_storage_backend`` does: ``register_mem_pool_host(kv host)``,
+    ``register_mem_host_pool_v2`` of the KV and the Mamba host pools and
+    ``on_host_pools_registered()``.
     """
     s = sgl()
     cfg = s.storage_config(tp=tp, model=model, extra=extra)
     backend = s.hs.HiCacheFile(cfg) if name == BUILTIN else ours_class()(cfg, {})
-    if mamba_pool is not None:
-        backend.register_mem_host_pool_v2(mamba_pool, s.hs.PoolName.MAMBA)
+    backend.register_mem_pool_host(kv_pool)
+    backend.register_mem_host_pool_v2(kv_pool, s.hs.PoolName.KV)
+    backend.register_mem_host_pool_v2(mamba_pool, s.hs.PoolName.MAMBA)
     backend.on_host_pools_registered()
     return backend
 
@@ -183,29 +235,6 @@ def close_backend(backend: Any) -> None:
     close = getattr(backend, "close", None)
     if callable(close):
         close()
-
-
-@dataclass
-class PageBuffers:
-    """Flat bf16 page tensors (``get_data_page(i, flat=True)``'s shape) over one byte buffer."""
-
-    src: torch.Tensor            # uint8 (n, page_bytes)
-    dst: torch.Tensor            # uint8 (n, page_bytes)
-
-    @classmethod
-    def make(cls, n: int, page_bytes: int, seed: int) -> PageBuffers:
-        gen = torch.Generator().manual_seed(seed)
-        src = torch.randint(0, 256, (n, page_bytes), dtype=torch.uint8, generator=gen)
-        return cls(src=src, dst=torch.zeros_like(src))
-
-    def stamp(self, rep: int) -> None:
-        """Make every page of this repetition unique (first 8 bytes = rep, index)."""
-        n = self.src.shape[0]
-        ids = torch.arange(n, dtype=torch.int64) + (rep << 32)
-        self.src[:, :8] = ids.view(torch.uint8).view(n, 8)
-
-    def pages(self, which: torch.Tensor, lo: int, hi: int) -> list[torch.Tensor]:
-        return [which[i].view(torch.bfloat16) for i in range(lo, hi)]
 
 
 def batches(n: int, size: int) -> Iterator[tuple[int, int]]:
