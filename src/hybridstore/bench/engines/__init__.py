@@ -46,7 +46,7 @@ from hybridstore.bench.engines.series import paired_ratios
 
 __all__ = ["run_engines_bench"]
 
-QUICK_POLICY_TRACE = "synthetic:agent?sessions=6&turns=8&new=2048&out=128&mutation=0.2&gap=20"
+QUICK_POLICY_TRACE = "synthetic:agent?sessions=4&turns=8&new=2048&out=128&mutation=0.2&gap=20"
 
 
 def _available(kind: str) -> tuple[bool, str]:
@@ -78,15 +78,15 @@ def run_engines_bench(json_path: str | None = None, *, plot_path: str | None = N
         plot_path: write the three-panel PNG here.
         disk_dir: where the backends' directories go (a fresh subdirectory,
             removed afterwards); a temp dir when ``None``.
-        quick: TP=1 only, small batches, two repetitions, a small synthetic
-            agent trace for the policy (about 45 s on 2 cores, engine imports
-            included).
+        quick: TP=4 shards only, 8-page (6 MiB) batches, two repetitions, a
+            small synthetic agent trace for the policy (about a minute on 2
+            busy cores, engine imports included).
         use_fio: measure the SSD with fio when installed.
         tp: tensor-parallel sizes whose rank-0 shards are measured (default
-            ``(1,)`` quick, ``(1, 4)`` full).
+            ``(4,)`` quick, ``(1, 4)`` full).
         policy_trace: trace spec of the policy replay (default: the bundled WEKA
             sample; quick: a small synthetic agent trace).
-        policy_requests: first arrivals replayed (default 48 quick, 60 full).
+        policy_requests: first arrivals replayed (default 20 quick, 60 full).
         print_json: also print the JSON document to stdout.
         torch_threads: torch intra-op threads while measuring (see the code).
 
@@ -113,18 +113,20 @@ def run_engines_bench(json_path: str | None = None, *, plot_path: str | None = N
 def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, quick: bool,
          use_fio: bool, tp: tuple[int, ...] | None, policy_trace: str | None,
          policy_requests: int | None, print_json: bool) -> dict[str, Any]:
+    import torch
+
     from hybridstore.bench.engines import jobs, pages, policy, report
     from hybridstore.bench.engines import sgl as S
     from hybridstore.bench.engines import vtier as V
     from hybridstore.bench.engines.geometry import QWEN3_NEXT
 
-    tps = tp or ((1,) if quick else (1, 4))
+    tps = tp or ((4,) if quick else (1, 4))
     reps = 2 if quick else 3
     warmup = 0 if quick else 1
     plan = ([(8, 16, 1)] if quick else [(16, 256, 2), (128, 256, 2)])  # (batch, pages, states)
     budgets = (0.25, 0.5) if quick else (0.1, 0.25, 0.5)
     trace_spec = policy_trace or (QUICK_POLICY_TRACE if quick else None)
-    n_requests = policy_requests or (48 if quick else 60)
+    n_requests = policy_requests or (20 if quick else 60)
     issues: list[str] = []
     unavailable: list[dict[str, str]] = []
     if disk_dir is not None:
@@ -147,6 +149,14 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
              + len(budgets) * (1 + 2 * (len(sgl_names) > 1)) * (n_requests // 25 + 1) + 2)
     device: dict[str, Any] = {}
     wl = None
+    phases: dict[str, float] = {}
+    mark = [time.perf_counter()]
+
+    def phase(name: str) -> None:
+        now = time.perf_counter()
+        phases[name] = round(now - mark[0], 2)
+        mark[0] = now
+
     try:
         with progress("bench engines", steps) as step:
             step("SSD read limit")
@@ -154,10 +164,12 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
             file_bytes = (128 << 20) if quick else (1 << 30)
             odirect.make_test_file(test_file, file_bytes)
             device = measure_device(test_file, file_bytes, quick, use_fio, step, issues,
-                                    cell_seconds=0.15 if quick else 0.5)
+                                    cell_seconds=0.1 if quick else 0.5)
             os.unlink(test_file)
+            phase("ssd_limit")
             step("importing SGLang")
             S.sgl()
+            phase("import_sglang")
             for t in tps:
                 g = QWEN3_NEXT.geometry(t)
                 for batch, n_pages, n_states in plan:
@@ -175,8 +187,10 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
                                     **run.restart})
                     del run
                     gc.collect()
+            phase("sglang")
             step("importing vLLM")
             V.vllm()
+            phase("import_vllm")
             for t in tps:
                 g = QWEN3_NEXT.geometry(t)
                 for batch, n_pages, _ in plan:
@@ -194,8 +208,10 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
                                     **vrun.restart})
                     del vrun
                     gc.collect()
+            phase("vllm")
             step("policy: page keys of the trace")
             wl = policy.make_workload(QWEN3_NEXT, trace_spec, n_requests)
+            phase("policy_keys")
             systems = [(S.BUILTIN, None)] + ([(S.OURS, "histate"), (S.OURS, "lru")]
                                               if S.OURS in sgl_names else [])
             for share in budgets:
@@ -203,6 +219,7 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
                     policy_runs.append(policy.replay_system(
                         wl, backend=backend, policy=pol, budget=int(share * wl.footprint_bytes),
                         root=root, step=step))
+            phase("policy")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -218,7 +235,8 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
                    "plan": [{"batch": b, "pages_per_rep": p, "states_per_rep": s_}
                             for b, p, s_ in plan],
                    "geometries": [QWEN3_NEXT.geometry(t).as_dict() for t in tps],
-                   "gbps_unit": "1e9 bytes/s", "elapsed_s": None,
+                   "gbps_unit": "1e9 bytes/s", "elapsed_s": None, "phase_s": phases,
+                   "torch_threads": torch.get_num_threads(),
                    "caches": {"write": "store calls (HiCacheFile buffered, vLLM fs O_DIRECT "
                                        "without fsync; ours per its adapter)",
                               "warm": "load right after the store",
