@@ -18,8 +18,8 @@ for _engine in ("sglang", "vllm"):  # find_spec: importing sglang's __init__ nee
                     allow_module_level=True)
 pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the bench extra)")
 
-from hybridstore.bench.engines.geometry import QWEN3_NEXT  # noqa: E402
-from hybridstore.cli import main  # noqa: E402
+from hybridstore.bench.engines.geometry import QWEN3_NEXT
+from hybridstore.cli import main
 
 TP1 = QWEN3_NEXT.geometry(1)
 QUICK = QWEN3_NEXT.geometry(4)   # the quick run measures TP=4 shards

@@ -40,7 +40,14 @@ import time
 from typing import Any
 
 from hybridstore.bench import odirect
-from hybridstore.bench.common import emit, fs_type, json_safe, machine_info, progress, stdout_console
+from hybridstore.bench.common import (
+    emit,
+    fs_type,
+    json_safe,
+    machine_info,
+    progress,
+    stdout_console,
+)
 from hybridstore.bench.device import measure_device
 from hybridstore.bench.engines.series import paired_ratios
 

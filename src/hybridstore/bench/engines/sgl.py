@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator
-from types import SimpleNamespace
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
