@@ -93,7 +93,7 @@ def run_engines_bench(json_path: str | None = None, *, plot_path: str | None = N
             ``(4,)`` quick, ``(1, 4)`` full).
         policy_trace: trace spec of the policy replay (default: the bundled WEKA
             sample; quick: a small synthetic agent trace).
-        policy_requests: first arrivals replayed (default 20 quick, 60 full).
+        policy_requests: first arrivals replayed (default 20 quick, 40 full).
         print_json: also print the JSON document to stdout.
         torch_threads: torch intra-op threads while measuring (see the code).
 
@@ -133,7 +133,7 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
     plan = ([(8, 16, 1)] if quick else [(16, 256, 2), (128, 256, 2)])  # (batch, pages, states)
     budgets = (0.25, 0.5) if quick else (0.1, 0.25, 0.5)
     trace_spec = policy_trace or (QUICK_POLICY_TRACE if quick else None)
-    n_requests = policy_requests or (20 if quick else 60)
+    n_requests = policy_requests or (20 if quick else 40)
     issues: list[str] = []
     unavailable: list[dict[str, str]] = []
     if disk_dir is not None:
@@ -231,8 +231,9 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
         shutil.rmtree(root, ignore_errors=True)
 
     rows = [s.row() for s in series]
-    ratios = [r for eng, ours, theirs in (("sglang", S.OURS, S.BUILTIN), ("vllm", V.OURS, V.BUILTIN))
-              for r in paired_ratios([s for s in series if s.engine == eng], ours, theirs)]
+    ratios = (paired_ratios([s for s in series if s.engine == "sglang"], S.OURS, S.BUILTIN,
+                            across={"batch_set_v1": "batch_set", "batch_get_v1": "batch_get"})
+              + paired_ratios([s for s in series if s.engine == "vllm"], V.OURS, V.BUILTIN))
     large = report.large_batches(rows, device.get("read_gbps"))
     doc: dict[str, Any] = {
         "machine": machine_info(),

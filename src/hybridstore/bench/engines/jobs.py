@@ -24,7 +24,7 @@ import numpy as np
 
 from hybridstore.bench.engines import vtier as V
 from hybridstore.bench.engines.geometry import Geometry
-from hybridstore.bench.engines.pagecache import drop_dir, empty_host_tier
+from hybridstore.bench.engines.pagecache import drop_dir, empty_host_tier, flush_store
 from hybridstore.bench.engines.series import Series
 
 __all__ = ["VllmJobRun"]
@@ -97,6 +97,9 @@ class VllmJobRun:
         for name in order:
             step(f"vllm {self.g.label} j{self.job_chunks} rep {rep}: {name} store + warm load")
             self._run(name, keys, rep, "store", "write", r)
+            dt = flush_store(self.tiers[name].tier)
+            if dt is not None and r is not None:
+                self.series[(name, "submit_store", "write")].flush[r] = dt
             self._run(name, keys, rep, "load", "warm", r)
         step(f"vllm {self.g.label} j{self.job_chunks} rep {rep}: drop page cache, cold loads")
         drops = {n: {**drop_dir(self.dirs[n]), "host_tier": empty_host_tier(self.tiers[n].tier)}

@@ -15,14 +15,14 @@ from typing import Any
 
 from hybridstore.bench import odirect
 
-__all__ = ["drop_dir", "files_under"]
+__all__ = ["drop_dir", "empty_host_tier", "files_under", "flush_store"]
 
 _SAMPLE = 64
 
 
 def files_under(root: str) -> list[str]:
     """Every regular file under ``root`` (sorted)."""
-    out = []
+    out: list[str] = []
     for d, _, names in os.walk(root):
         out.extend(os.path.join(d, n) for n in names)
     return sorted(p for p in out if os.path.isfile(p))
@@ -80,3 +80,21 @@ def empty_host_tier(backend: Any) -> dict[str, Any] | None:
     before = int(tiers["host"].used_bytes)
     store.evict(1 << 62, tier="host")
     return {"host_bytes_before": before, "host_bytes_after": int(tiers["host"].used_bytes)}
+
+
+def flush_store(backend: Any) -> float | None:
+    """Seconds until our adapter's store has every SSD write done (``store.flush()``).
+
+    Our stores return once the object is in the DRAM tier and write it to the SSD
+    in the background (write-through); a file backend's call returns after its
+    ``write``.  The bench times this wait after each store phase, so a durable
+    write rate can be given next to the call rate.  ``None`` for other backends.
+    """
+    import time
+
+    store = getattr(backend, "store", None)
+    if store is None or not hasattr(store, "flush"):
+        return None
+    t0 = time.perf_counter()
+    store.flush()
+    return time.perf_counter() - t0

@@ -38,7 +38,7 @@ import torch
 
 from hybridstore.bench.engines import sgl as S
 from hybridstore.bench.engines.geometry import Geometry
-from hybridstore.bench.engines.pagecache import drop_dir, empty_host_tier
+from hybridstore.bench.engines.pagecache import drop_dir, empty_host_tier, flush_store
 from hybridstore.bench.engines.series import Series
 
 __all__ = ["SglPageRun"]
@@ -130,8 +130,10 @@ class SglPageRun:
         for name in order:
             step(f"sglang {self.g.label} b{self.batch} rep {rep}: {name} store + warm load")
             self._store(name, keys, r)
+            self._flush(name, "batch_set", r)
             if name != S.BUILTIN:
                 self._store_v1(name, v1_keys, r)
+                self._flush(name, "batch_set_v1", r)
             self._exists(name, keys)
             self._load(name, keys, "warm", r)
             if name != S.BUILTIN:
@@ -185,6 +187,12 @@ class SglPageRun:
                     pages.add(rep, dt, (z - a) * g.kv_page_bytes, z - a)
                     pages.checks.append(ok)
             lo = end
+
+    def _flush(self, name: str, op: str, rep: int | None) -> None:
+        """Wait for our store's background SSD writes; the time goes to ``op``'s row."""
+        dt = flush_store(self.backends[name])
+        if dt is not None and rep is not None:
+            self.series[(name, op, "write")].flush[rep] = dt
 
     def _store_v1(self, name: str, keys: list[str], rep: int | None) -> None:
         s, b, g = S.sgl(), self.backends[name], self.g

@@ -17,7 +17,7 @@ def large_batches(rows: list[dict[str, Any]], read_gbps: float | None) -> list[d
     """Cold and restart batch loads of >= 4 MiB next to the SSD's read limit of this run."""
     out = []
     for r in rows:
-        if (r["op"] in ("batch_get", "submit_load") and r["cache"] in ("cold", "restart")
+        if (r["op"] in ("batch_get", "batch_get_v1", "submit_load") and r["cache"] in ("cold", "restart")
                 and r["batch_bytes"] >= GOAL_LARGE_BYTES):
             share = r["gbps"] / read_gbps if read_gbps else None
             out.append({k: r[k] for k in ("engine", "backend", "op", "cache", "geometry",
@@ -30,7 +30,8 @@ def large_batches(rows: list[dict[str, Any]], read_gbps: float | None) -> list[d
 def goals(ratios: list[dict[str, Any]], large: list[dict[str, Any]], ours: str) -> dict[str, Any]:
     """Issue 12's two goals against what was measured (page throughput ops only)."""
     page_ops = [r for r in ratios if r["op"] in ("batch_set", "batch_get", "submit_store",
-                                                 "submit_load")]
+                                                 "submit_load", "batch_set_v1/batch_set",
+                                                 "batch_get_v1/batch_get")]
     worst = min(page_ops, key=lambda r: r["ratio"]) if page_ops else None
     ours_large = [x for x in large if x["backend"] == ours and x["share_of_ssd"] is not None]
     worst_large = min(ours_large, key=lambda x: x["share_of_ssd"]) if ours_large else None
@@ -41,6 +42,7 @@ def goals(ratios: list[dict[str, Any]], large: list[dict[str, Any]], ours: str) 
         "speedup_met": None if worst is None else worst["ratio"] >= GOAL_SPEEDUP,
         "speedup_met_rows": sum(r["ratio"] >= GOAL_SPEEDUP for r in page_ops),
         "speedup_rows": len(page_ops),
+        "speedup_best": max((r["ratio"] for r in page_ops), default=None),
         "large_batch_goal": GOAL_READ_SHARE,
         "large_batch_min_share": worst_large["share_of_ssd"] if worst_large else None,
         "large_batch_min_row": worst_large,
@@ -55,12 +57,14 @@ def print_report(doc: dict[str, Any], console: Any) -> None:
     t = Table(title="hybridstore bench engines: page/state throughput through each engine's "
                     "storage interface (median of reps)")
     for col in ("engine", "backend", "op", "cache", "geom", "object", "batch", "pages/s", "GB/s",
-                "p50 ms", "p99 ms", "exact"):
+                "+flush", "p50 ms", "p99 ms", "exact"):
         t.add_column(col, justify="left" if col in ("engine", "backend", "op", "cache") else "right")
     for r in doc["rows"]:
         t.add_row(r["engine"], r["backend"], r["op"], r["cache"], r["geometry"],
                   fmt_bytes(r["object_bytes"]), str(r["batch_objects"]),
-                  f"{r['objects_per_s']:.0f}", f"{r['gbps']:.3f}", f"{r['p50_ms']:.2f}",
+                  f"{r['objects_per_s']:.0f}", f"{r['gbps']:.3f}",
+                  f"{r['gbps_incl_flush']:.3f}" if "gbps_incl_flush" in r else "",
+                  f"{r['p50_ms']:.2f}",
                   f"{r['p99_ms']:.2f}", str(r["bit_exact"]))
     console.print(t)
     q = Table(title="ours / built-in, same repetition (median)")
@@ -86,7 +90,8 @@ def print_report(doc: dict[str, Any], console: Any) -> None:
                   f"{r['budget_share']:.0%}", f"{r['token_hit_rate']:.1%}", f"{r['seconds']:.1f}")
     console.print(p)
     g = doc["goals"]
-    console.print(f"goal >= {g['speedup_goal']}x page throughput: min {g['speedup_min']}, met "
+    console.print(f"goal >= {g['speedup_goal']}x page throughput: min {g['speedup_min']}, best "
+                  f"{g['speedup_best']}, met "
                   f"{g['speedup_met_rows']}/{g['speedup_rows']} rows; goal >= "
                   f"{g['large_batch_goal']:.0%} of the SSD for >= 4 MiB loads: min "
                   f"{g['large_batch_min_share']}")

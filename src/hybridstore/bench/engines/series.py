@@ -35,6 +35,7 @@ class Series:
     note: str = ""
     reps: dict[int, list[tuple[float, int, int]]] = field(default_factory=dict)
     latencies: list[float] = field(default_factory=list)
+    flush: dict[int, float] = field(default_factory=dict)   # rep -> seconds to durable
     checks: list[bool] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -74,28 +75,50 @@ class Series:
             "p50_ms": percentile(lat, 50) * 1e3, "p99_ms": percentile(lat, 99) * 1e3,
             "bit_exact": all(self.checks) if self.checks else None,
         }
+        if self.flush:
+            with_flush = [sum(b for _, b, _ in self.reps[r]) /
+                          (sum(s for s, _, _ in self.reps[r]) + f) / 1e9
+                          for r, f in self.flush.items() if r in self.reps]
+            out["gbps_incl_flush"] = median(with_flush)
+            out["flush_ms_median"] = median(list(self.flush.values())) * 1e3
         if self.note:
             out["note"] = self.note
         out.update(self.extra)
         return out
 
 
-def paired_ratios(series: list[Series], ours: str, theirs: str) -> list[dict[str, Any]]:
-    """``ours / theirs`` GB/s of the same repetition, median over repetitions, per matching row."""
+def paired_ratios(series: list[Series], ours: str, theirs: str,
+                  across: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """``ours / theirs`` GB/s of the same repetition, median over repetitions, per matching row.
+
+    ``across`` pairs an operation of ours with a different one of theirs (our zero-copy
+    ``batch_get_v1`` against their legacy ``batch_get``: each backend's best interface);
+    such a row's ``op`` reads ``"batch_get_v1/batch_get"``.
+    """
     by_key: dict[tuple[Any, ...], dict[str, Series]] = {}
     for s in series:
         by_key.setdefault(s.key, {})[s.backend] = s
-    out = []
+    pairs: list[tuple[str, Series, Series]] = []
     for key, pair in by_key.items():
-        a, b = pair.get(ours), pair.get(theirs)
-        if a is None or b is None:
+        a = pair.get(ours)
+        if a is None:
             continue
+        if key[2] in (across or {}):
+            mapped = (key[0], key[1], (across or {})[key[2]], *key[3:])
+            b = by_key.get(mapped, {}).get(theirs)
+            label = f"{key[2]}/{mapped[2]}"
+        else:
+            b, label = pair.get(theirs), key[2]
+        if b is not None:
+            pairs.append((label, a, b))
+    out = []
+    for label, a, b in pairs:
         ga, gb = a.rep_gbps(), b.rep_gbps()
         qs = [ga[r] / gb[r] for r in ga if r in gb and gb[r] > 0]
         if not qs:
             continue
-        section, engine, op, cache, geometry, batch = key
-        out.append({"section": section, "engine": engine, "op": op, "cache": cache,
+        section, engine, _, cache, geometry, batch = a.key
+        out.append({"section": section, "engine": engine, "op": label, "cache": cache,
                     "geometry": geometry, "batch_objects": batch, "ours": ours, "theirs": theirs,
                     "ratio": median(qs), "ratio_min": min(qs), "ratio_max": max(qs),
                     "reps": len(qs)})

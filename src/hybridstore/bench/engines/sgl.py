@@ -69,8 +69,8 @@ class Sgl:
         self.utils: ModuleType = m["sglang.srt.mem_cache.utils"]
         common = m["sglang.srt.mem_cache.pool_host.common"]
         # host pools page-lock their buffers with cudaHostRegister: nothing to lock on CPU
-        common._cuda_host_register = lambda *a, **k: None
-        common._cuda_host_unregister = lambda *a, **k: None
+        common.__dict__["_cuda_host_register"] = lambda *a, **k: None
+        common.__dict__["_cuda_host_unregister"] = lambda *a, **k: None
         if self.hs.STORAGE_BATCH_SIZE != STORAGE_BATCH_SIZE:  # pragma: no cover - other SGLang
             raise RuntimeError(f"SGLang's STORAGE_BATCH_SIZE is {self.hs.STORAGE_BATCH_SIZE}")
 
