@@ -90,6 +90,12 @@ def test_ratios_pair_ours_with_the_builtin(run) -> None:
         for r in rs:
             assert r["ours"] == ours and r["theirs"] == theirs
             assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"] and r["ratio"] > 0
+        if engine == "sglang":   # our zero-copy interface against HiCacheFile's legacy one
+            assert {("batch_get_v1/batch_get", "cold"), ("batch_set_v1/batch_set", "write")} <= ops
+    ours_writes = [r for r in doc["rows"] if r["backend"] == "hybridstore" and r["cache"] == "write"
+                   and "mamba" not in r["op"]]
+    for r in ours_writes:   # the background SSD writes were waited for and counted
+        assert 0 < r["gbps_incl_flush"] <= r["gbps"], r
 
 
 def test_cold_reads_and_restart(run) -> None:

@@ -107,6 +107,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
+    colour = {doc["ours"]: "C2", "HiCacheFile": "C0", "fs": "C1"}
     rows = [r for r in doc["rows"] if r["op"] in ("batch_set", "batch_get", "submit_store",
                                                   "submit_load", "batch_set_v2[mamba]",
                                                   "batch_get_v2[mamba]")]
@@ -121,7 +122,8 @@ def plot(doc: dict[str, Any], path: str) -> None:
             hit = [r["gbps"] for r in rows if (r["engine"], r["op"], r["cache"], r["geometry"],
                                                r["batch_objects"]) == lab and r["backend"] == b]
             vals.append(hit[0] if hit else 0.0)
-        ax.barh([i + k * width for i in range(len(labels))], vals, height=width, label=b)
+        ax.barh([i + k * width for i in range(len(labels))], vals, height=width, label=b,
+                color=colour.get(b))
     ax.set_yticks([i + 0.4 - width / 2 for i in range(len(labels))])
     ax.set_yticklabels([f"{e} {o} {c} {g} b{n}" for e, o, c, g, n in labels], fontsize=6)
     ax.set_xlabel("GB/s (median of reps)")
@@ -130,7 +132,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax = axes[1]
     large = doc["large_batches"]
     ax.barh(range(len(large)), [x["gbps"] for x in large],
-            color=["C0" if x["backend"] == doc["ours"] else "C1" for x in large])
+            color=[colour.get(x["backend"], "C7") for x in large])
     ax.set_yticks(range(len(large)))
     ax.set_yticklabels([f"{x['engine']} {x['backend']} {x['cache']} {x['geometry']} "
                         f"{fmt_bytes(x['batch_bytes'])}" for x in large], fontsize=6)
