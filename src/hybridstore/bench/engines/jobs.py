@@ -74,7 +74,8 @@ class VllmJobRun:
             self.series[key] = Series(SECTION, "vllm", backend, op, cache, self.g.label,
                                       self.chunk_bytes, self.job_chunks,
                                       "all jobs of a repetition submitted at once; latency per "
-                                      "job from submit to its JobResult")
+                                      "job from submit to its JobResult",
+                                      run=f"j{self.job_chunks}")
         return self.series[key]
 
     def _jobs(self, keys: list[bytes], base: int, tag: str) -> list[tuple[list[bytes], np.ndarray, Any]]:

@@ -101,7 +101,7 @@ class SglPageRun:
         key = (backend, op, cache)
         if key not in self.series:
             self.series[key] = Series(SECTION, "sglang", backend, op, cache, self.g.label, obj,
-                                      batch, note)
+                                      batch, note, run=f"b{self.batch}")
             if cache == "write":
                 self.series[key].extra["write_mode"] = (
                     WRITE_MODE_BUILTIN if backend == S.BUILTIN else WRITE_MODE_OURS)

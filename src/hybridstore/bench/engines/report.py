@@ -68,10 +68,10 @@ def print_report(doc: dict[str, Any], console: Any) -> None:
                   f"{r['p99_ms']:.2f}", str(r["bit_exact"]))
     console.print(t)
     q = Table(title="ours / built-in, same repetition (median)")
-    for col in ("engine", "op", "cache", "geom", "batch", "ratio", "min", "max"):
+    for col in ("engine", "op", "cache", "geom", "run", "batch", "ratio", "min", "max"):
         q.add_column(col, justify="left" if col in ("engine", "op", "cache") else "right")
     for r in doc["ratios"]:
-        q.add_row(r["engine"], r["op"], r["cache"], r["geometry"], str(r["batch_objects"]),
+        q.add_row(r["engine"], r["op"], r["cache"], r["geometry"], r["run"], str(r["batch_objects"]),
                   f"{r['ratio']:.2f}x", f"{r['ratio_min']:.2f}", f"{r['ratio_max']:.2f}")
     console.print(q)
     d = doc["device_limit"]
@@ -111,8 +111,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     rows = [r for r in doc["rows"] if r["op"] in ("batch_set", "batch_get", "submit_store",
                                                   "submit_load", "batch_set_v2[mamba]",
                                                   "batch_get_v2[mamba]")]
-    labels = sorted({(r["engine"], r["op"], r["cache"], r["geometry"], r["batch_objects"])
-                     for r in rows})
+    labels = sorted({(r["engine"], r["op"], r["cache"], r["geometry"], r["run"]) for r in rows})
     backends = sorted({r["backend"] for r in rows})
     ax = axes[0]
     width = 0.8 / max(1, len(backends))
@@ -120,12 +119,12 @@ def plot(doc: dict[str, Any], path: str) -> None:
         vals = []
         for lab in labels:
             hit = [r["gbps"] for r in rows if (r["engine"], r["op"], r["cache"], r["geometry"],
-                                               r["batch_objects"]) == lab and r["backend"] == b]
+                                               r["run"]) == lab and r["backend"] == b]
             vals.append(hit[0] if hit else 0.0)
         ax.barh([i + k * width for i in range(len(labels))], vals, height=width, label=b,
                 color=colour.get(b))
     ax.set_yticks([i + 0.4 - width / 2 for i in range(len(labels))])
-    ax.set_yticklabels([f"{e} {o} {c} {g} b{n}" for e, o, c, g, n in labels], fontsize=6)
+    ax.set_yticklabels([f"{e} {o} {c} {g} {n}" for e, o, c, g, n in labels], fontsize=6)
     ax.set_xlabel("GB/s (median of reps)")
     ax.set_title("throughput through the engines' storage interfaces")
     ax.legend(fontsize=7)

@@ -33,6 +33,7 @@ class Series:
     object_bytes: int
     batch: int
     note: str = ""
+    run: str = ""              # the run it belongs to (its page batch): tells state rows apart
     reps: dict[int, list[tuple[float, int, int]]] = field(default_factory=dict)
     latencies: list[float] = field(default_factory=list)
     flush: dict[int, float] = field(default_factory=dict)   # rep -> seconds to durable
@@ -40,8 +41,8 @@ class Series:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def key(self) -> tuple[str, str, str, str, str, int]:
-        return (self.section, self.engine, self.op, self.cache, self.geometry, self.batch)
+    def key(self) -> tuple[str, str, str, str, str, int, str]:
+        return (self.section, self.engine, self.op, self.cache, self.geometry, self.batch, self.run)
 
     def add(self, rep: int, seconds: float, nbytes: int, objects: int,
             latency: float | None = None) -> None:
@@ -66,7 +67,7 @@ class Series:
         out: dict[str, Any] = {
             "section": self.section, "engine": self.engine, "backend": self.backend,
             "op": self.op, "cache": self.cache, "geometry": self.geometry,
-            "object_bytes": self.object_bytes, "batch_objects": self.batch,
+            "object_bytes": self.object_bytes, "batch_objects": self.batch, "run": self.run,
             "batch_bytes": self.object_bytes * self.batch,
             "reps": len(per_rep), "batches_per_rep": len(per_rep[0]) if per_rep else 0,
             "bytes_per_rep": sum(b for _, b, _ in per_rep[0]) if per_rep else 0,
@@ -117,9 +118,10 @@ def paired_ratios(series: list[Series], ours: str, theirs: str,
         qs = [ga[r] / gb[r] for r in ga if r in gb and gb[r] > 0]
         if not qs:
             continue
-        section, engine, _, cache, geometry, batch = a.key
+        section, engine, _, cache, geometry, batch, run = a.key
         out.append({"section": section, "engine": engine, "op": label, "cache": cache,
-                    "geometry": geometry, "batch_objects": batch, "ours": ours, "theirs": theirs,
+                    "geometry": geometry, "batch_objects": batch, "run": run, "ours": ours,
+                    "theirs": theirs,
                     "ratio": median(qs), "ratio_min": min(qs), "ratio_max": max(qs),
                     "reps": len(qs)})
     return out
