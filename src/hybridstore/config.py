@@ -138,6 +138,9 @@ class StoreConfig:
                               f"got {self.kvikio_keep!r}")
         if self.disk_path is not None and not isinstance(self.disk_path, (str, os.PathLike)):
             raise ConfigError(f"disk_path must be a path or None, got {self.disk_path!r}")
+        if self.disk_path is not None and "\0" in os.fsdecode(self.disk_path):
+            raise ConfigError(f"disk_path {self.disk_path!r} contains a NUL byte; no file system "
+                              "accepts one: pass a plain directory path")
 
     def replace(self, **changes: Any) -> StoreConfig:
         """A copy with some fields changed (validated again)."""

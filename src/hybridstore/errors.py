@@ -40,6 +40,15 @@ class UnknownPrefixError(InvalidTokensError):
     """
 
 
+class NamespaceError(HybridStoreError, PermissionError):
+    """A prompt or a disk directory that belongs to another namespace (tenant).
+
+    The namespace salts every key; a store enforces it: it opens only a disk
+    directory recorded with its own namespace, and takes only prompts hashed
+    under its own root.
+    """
+
+
 class UnknownTierError(HybridStoreError, KeyError):
     """A tier name that this store does not have."""
 

@@ -331,3 +331,37 @@ def test_merge_requires_one_block_size(weka: Trace, tracelab: Trace, mooncake: T
     for r in both.arrivals():
         by_session[r.session].append(r.index)
     assert all(v == sorted(v) for v in by_session.values())
+
+
+# -- hostile input (issue 13, items 6 and 7) ---------------------------------------------
+@pytest.mark.parametrize("value", [200_000_000_000, -5, "lots", 1e300, [3], True])
+def test_a_size_field_is_bounded_and_typed_before_anything_is_allocated(tmp_path: Path,
+                                                                        value: object) -> None:
+    """One TraceLab round with ``input_tokens_total: 200000000000`` made the loader
+    allocate 23 GiB; every size read from a trace is validated first."""
+    rows = [json.loads(line) for line in _need(TRACELAB).read_text().splitlines() if line.strip()]
+    rows[0]["input_tokens_total"] = value
+    bad = tmp_path / "bad_round_trace.jsonl"
+    bad.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(TraceFormatError, match="input_tokens_total"):
+        load_tracelab(bad)
+
+
+@pytest.mark.parametrize("field,value", [("input_length", 10**12), ("output_length", "x"),
+                                         ("input_length", None)])
+def test_mooncake_sizes_are_validated(tmp_path: Path, field: str, value: object) -> None:
+    row = {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}
+    row[field] = value
+    bad = tmp_path / "moon.jsonl"
+    bad.write_text(json.dumps(row) + "\n")
+    with pytest.raises(TraceFormatError):
+        load_mooncake(bad)
+
+
+def test_canonical_header_block_size_is_validated(tmp_path: Path) -> None:
+    bad = tmp_path / "c.jsonl"
+    for size in (0, 10**9, "big"):
+        bad.write_text(json.dumps({"format": "hybridstore.trace", "version": 1,
+                                   "block_size": size}) + "\n")
+        with pytest.raises(TraceFormatError, match="block_size"):
+            load_canonical(bad)

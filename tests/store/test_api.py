@@ -14,6 +14,7 @@ import torch
 
 from hybridstore import (
     CapacityError,
+    ConfigError,
     DiskPathError,
     HybridStore,
     InvalidTokensError,
@@ -202,6 +203,20 @@ class TestBadInputChangesNothing:
                 store.put_state(TOKENS[:48], {"gdn.0": torch.zeros(4, 16, 16)})
             assert store.stats()["tiers"]["host"]["used_bytes"] == before
             assert_restored(store, TOKENS[:32], pages, states, 32)
+
+    def test_a_rejected_first_put_fixes_no_layout(self, tmp_path):
+        """Issue 13, item 6: put_kv([good, bad]) on an empty store raised, yet fixed the page
+        layout from the good page, so the store then rejected the layout the caller meant."""
+        with HybridStore(cfg(tmp_path)) as store:
+            with pytest.raises(LayoutMismatchError):
+                store.put_kv(TOKENS[:32], [page_of(0), page_of(1).float()])
+            assert store.stats()["pages"] == 0
+            float_pages = [page_of(0).float(), page_of(1).float()]
+            assert store.put_kv(TOKENS[:32], float_pages) == 2     # no layout was fixed
+
+    def test_nul_byte_in_disk_path_is_a_config_error(self, tmp_path):
+        with pytest.raises(ConfigError, match="NUL"):
+            StoreConfig(disk_path=str(tmp_path) + "/a\0b")
 
     def test_object_larger_than_a_tier(self, tmp_path):
         with HybridStore(cfg(tmp_path, host_bytes=64 << 10)) as store:

@@ -105,11 +105,12 @@ class Catalog:
         self.path = os.fspath(path)
         self._lock = threading.Lock()
         try:
+            os.makedirs(self.path, mode=0o700, exist_ok=True)   # owner-only, as the data
             self._env = lmdb.open(self.path, map_size=map_size, subdir=True, max_dbs=2,
-                                  sync=True, metasync=True, readahead=False)
+                                  sync=True, metasync=True, readahead=False, mode=0o600)
             self._objects = self._env.open_db(b"objects")
             self._meta = self._env.open_db(b"meta")
-        except lmdb.Error as e:
+        except (lmdb.Error, OSError) as e:
             raise CatalogError(f"cannot open the disk tier catalog at {self.path}: {e}; "
                                f"check permissions and free space, or {_FIX_HINT}") from e
         self._check_format()

@@ -112,8 +112,39 @@ def _progress(items: list[Any], desc: str, progress: bool | None) -> Iterable[An
 def _field(obj: dict[str, Any], key: str, where: str) -> Any:
     try:
         return obj[key]
-    except KeyError:
+    except (KeyError, TypeError):
         raise TraceFormatError(f"{where}: missing field {key!r}") from None
+
+
+MAX_TRACE_TOKENS = 1 << 24
+"""The largest token count a trace field may hold (16 Mi tokens, ~8x the longest context
+any model serves): every size read from a trace is checked against it before anything
+is allocated for it."""
+
+MAX_BLOCK_SIZE = 1 << 16
+"""The largest block size a trace header may declare."""
+
+
+def _count(value: Any, where: str, what: str, limit: int = MAX_TRACE_TOKENS) -> int:
+    """A trace's count field as an int in ``[0, limit]`` (``None``/missing reads 0)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TraceFormatError(f"{where}: {what} must be a whole number, got {value!r}")
+    try:
+        n = int(value)
+    except (ValueError, OverflowError):
+        raise TraceFormatError(f"{where}: {what} must be a whole number, got {value!r}") from None
+    if not 0 <= n <= limit:
+        raise TraceFormatError(f"{where}: {what}={n} is outside 0..{limit}")
+    return n
+
+
+def _block_size(value: Any, where: str) -> int:
+    bs = _count(value, where, "block_size", MAX_BLOCK_SIZE)
+    if bs < 1:
+        raise TraceFormatError(f"{where}: block_size must be >= 1, got {value!r}")
+    return bs
 
 
 def _split_models(base: str, rows: list[dict[str, Any]],
@@ -153,14 +184,14 @@ def _weka_stream(builder: SessionBuilder, rows: list[dict[str, Any]], base_t: fl
                  first_anchors: tuple[int, ...], where: str) -> Session:
     bs = builder.block_size
     for i, r in enumerate(rows):
-        n_in = int(_field(r, "in", where))
+        n_in = _count(_field(r, "in", where), where, "in")
         ids = salted_ids(_field(r, "hash_ids", where), salt_for(builder.model))
         if not n_in // bs <= len(ids) <= -(-n_in // bs):
             raise TraceFormatError(
                 f"{where}: request with in={n_in} has {len(ids)} hash_ids; WEKA ids cover "
                 f"the {n_in // bs} full blocks of {bs} tokens")
         builder.add(arrival_s=base_t + float(_field(r, "t", where)), input_tokens=n_in,
-                    output_tokens=int(r.get("out") or 0), block_ids=ids,
+                    output_tokens=_count(r.get("out"), where, "out"), block_ids=ids,
                     think_s=float(r.get("think_time") or 0.0),
                     anchors=first_anchors if i == 0 else (), inherit_anchors=True)
     return builder.build()
@@ -168,14 +199,16 @@ def _weka_stream(builder: SessionBuilder, rows: list[dict[str, Any]], base_t: fl
 
 def _prompt_anchors(entry: dict[str, Any]) -> tuple[int, ...]:
     """End of the tool definitions and of the system prompt (tools come first)."""
-    tools, system = int(entry.get("tool_tokens") or 0), int(entry.get("system_tokens") or 0)
+    where = "a WEKA trace entry"
+    tools = _count(entry.get("tool_tokens"), where, "tool_tokens")
+    system = _count(entry.get("system_tokens"), where, "system_tokens")
     return tuple(a for a in (tools, tools + system) if a > 0)
 
 
 def _weka_sessions(doc: dict[str, Any], path: Path) -> tuple[int, list[Session]]:
     where = str(path)
     tid = str(doc.get("id") or _stem(path))
-    bs = int(_field(doc, "block_size", where))
+    bs = _block_size(_field(doc, "block_size", where), where)
     scope = doc.get("hash_id_scope", "local")
     if scope not in ("local", "global"):
         raise TraceFormatError(f"{where}: unknown hash_id_scope {scope!r}")
@@ -296,12 +329,12 @@ def load_mooncake(path: PathLike, *, model: str = "kimi", block_size: int = 512,
     for n, obj in _iter_jsonl(path):
         where = f"{path}:{n}"
         ids = _field(obj, "hash_ids", where)
-        n_in = int(_field(obj, "input_length", where))
+        n_in = _count(_field(obj, "input_length", where), where, "input_length")
         if len(ids) != -(-n_in // block_size):
             raise TraceFormatError(f"{where}: {len(ids)} hash_ids for input_length {n_in}; "
                                    f"expected ceil({n_in}/{block_size})")
         rows.append((float(_field(obj, "timestamp", where)) / 1000.0, n_in,
-                     int(obj.get("output_length") or 0), ids))
+                     _count(obj.get("output_length"), where, "output_length"), ids))
     system = _system_ids(rows, system_fanout, max_system_blocks)
     salt = salt_of("mooncake", _stem(path), model)
     stem = _stem(path)
@@ -348,7 +381,8 @@ def _round_times(row: dict[str, Any], where: str) -> tuple[float | None, float |
 def _input_anchors(prev: Request, n_in: int, inputs: list[dict[str, Any]]) -> list[int]:
     """Starts of this round's input events, placed after the previous output by char share."""
     base = prev.input_tokens + prev.output_tokens
-    chars = [int(e.get("result_chars") or e.get("content_chars") or 0) for e in inputs]
+    chars = [_count(e.get("result_chars") or e.get("content_chars"), "a TraceLab input event",
+                    "result_chars", 1 << 40) for e in inputs]
     total = sum(chars)
     if base >= n_in or total <= 0:
         return []
@@ -366,8 +400,8 @@ def _tracelab_stream(b: SessionBuilder, rows: list[dict[str, Any]], salt: int,
     counter, t0, prev_end = 1, None, None
     for row in rows:
         w = f"{where} round {row.get('round_index')}"
-        n_in = int(_field(row, "input_tokens_total", w))
-        prefix = min(max(int(row.get("prefix_tokens") or 0), 0), n_in)
+        n_in = _count(_field(row, "input_tokens_total", w), w, "input_tokens_total")
+        prefix = min(_count(row.get("prefix_tokens"), w, "prefix_tokens"), n_in)
         keep = 0 if b.last is None else min(prefix // bs, len(prev_ids))
         fresh = n_in // bs - keep
         fresh_ids = salted_ids(np.arange(counter, counter + fresh, dtype=np.uint64), salt)
@@ -381,7 +415,8 @@ def _tracelab_stream(b: SessionBuilder, rows: list[dict[str, Any]], salt: int,
         if b.last is not None and b.kind_of(ids, n_in) == APPEND:
             anchors = _input_anchors(b.last, n_in, inputs)
         b.add(arrival_s=sent - t0, input_tokens=n_in,
-              output_tokens=int(row.get("output_tokens") or 0), block_ids=ids, think_s=think,
+              output_tokens=_count(row.get("output_tokens"), w, "output_tokens"), block_ids=ids,
+              think_s=think,
               anchors=anchors, inherit_anchors=True)
         prev_ids, prev_end = ids, (last if last is not None else sent)
     return b.build()
@@ -487,14 +522,15 @@ def load_canonical(path: PathLike) -> Trace:
     if header.get("format") != CANONICAL_FORMAT or header.get("version") != CANONICAL_VERSION:
         raise TraceFormatError(f"{path}: not a {CANONICAL_FORMAT} v{CANONICAL_VERSION} file "
                                f"(header {str(header)[:80]})")
-    bs = int(header["block_size"])
+    bs = _block_size(_field(header, "block_size", str(path)), str(path))
     sessions: dict[str, list[Request]] = {}
     for n, obj in lines:
         where = f"{path}:{n}"
         sid = str(_field(obj, "session", where))
         reqs = sessions.setdefault(sid, [])
         prev = reqs[-1] if reqs else None
-        k, ak = int(obj.get("ids_keep", 0)), int(obj.get("anchors_keep", 0))
+        k = _count(obj.get("ids_keep"), where, "ids_keep")
+        ak = _count(obj.get("anchors_keep"), where, "anchors_keep")
         if prev is None and (k or ak) or prev is not None and (
                 k > len(prev.block_ids) or ak > len(prev.anchors)):
             raise TraceFormatError(f"{where}: ids_keep/anchors_keep exceed the previous request")
@@ -502,11 +538,14 @@ def load_canonical(path: PathLike) -> Trace:
         if k:
             ids = np.concatenate([prev.block_ids[:k], ids])
         anchors = (prev.anchors[:ak] if ak else ()) + tuple(obj.get("anchors") or ())
-        if int(_field(obj, "index", where)) != len(reqs):
+        if _count(_field(obj, "index", where), where, "index") != len(reqs):
             raise TraceFormatError(f"{where}: session {sid!r} expects request {len(reqs)} here")
         reqs.append(Request(session=sid, index=len(reqs), arrival_s=float(obj["arrival_s"]),
-                            input_tokens=int(obj["input_tokens"]),
-                            output_tokens=int(obj["output_tokens"]), block_size=bs, block_ids=ids,
+                            input_tokens=_count(_field(obj, "input_tokens", where), where,
+                                                "input_tokens"),
+                            output_tokens=_count(_field(obj, "output_tokens", where), where,
+                                                 "output_tokens"),
+                            block_size=bs, block_ids=ids,
                             think_s=float(obj.get("think_s", 0.0)), anchors=anchors,
                             model=str(obj.get("model", "")), parent=obj.get("parent"),
                             tags=tuple(obj.get("tags") or ())))

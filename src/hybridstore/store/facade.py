@@ -42,6 +42,7 @@ from hybridstore.config import StoreConfig
 from hybridstore.errors import (
     InvalidTokensError,
     MisalignedPageError,
+    NamespaceError,
     PlanReleasedError,
     StoreClosedError,
     UnknownPrefixError,
@@ -62,6 +63,9 @@ from hybridstore.store.evictor import Evictor
 from hybridstore.store.landing import LAYOUT_INFO, Landing
 from hybridstore.store.loader import Loader
 from hybridstore.store.residency import Residency
+
+NAMESPACE_INFO = "namespace"
+"""The disk tier's info blob that records the root key of the namespace owning it."""
 
 
 class HybridStore:
@@ -117,6 +121,12 @@ class HybridStore:
         self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hybridstore-load")
         self._counters = {"matches": 0, "hit_tokens": 0, "query_tokens": 0, "loads": 0}
         if "disk" in self.tiers and self.tiers["disk"].durable:
+            try:
+                self._claim(self.tiers["disk"])
+            except BaseException:
+                for tier in self.tiers.values():
+                    tier.close()
+                raise
             self._reopen()
 
     # -- construction ---------------------------------------------------------------
@@ -146,6 +156,16 @@ class HybridStore:
                 raise
         return tiers
 
+    def _claim(self, disk: Tier) -> None:
+        """Record this store's namespace in a new disk directory; refuse another's."""
+        recorded = disk.get_info(NAMESPACE_INFO)
+        if recorded is None:
+            disk.put_info(NAMESPACE_INFO, self._root)
+        elif recorded != self._root:
+            raise NamespaceError(
+                f"the disk tier at {self.config.disk_path!r} belongs to another namespace; "
+                "open it with the namespace that created it, or give this one its own disk_path")
+
     def _reopen(self) -> None:
         """Make every object the disk tier kept matchable again (pages first)."""
         disk = self.tiers["disk"]
@@ -158,16 +178,21 @@ class HybridStore:
             info = meta.decode(blob)
             if isinstance(info, meta.PageMeta):
                 self.index.restore_page(key[1:], info.block, info.ntok, info.parent_key, "disk", nbytes)
+                self._res.added("disk", ObjectKind.PAGE, 1, disk.charge(nbytes))
             else:
                 states.append((key, nbytes, info))
         for key, nbytes, state in states:
             self.index.restore_checkpoint(key[1:], state.position, state.base_key, state.covers,
                                           "disk", nbytes)
+            self._res.added("disk", ObjectKind.STATE, 1, disk.charge(nbytes))
 
     # -- keys -------------------------------------------------------------------------
     def prefix(self, tokens: Any) -> PrefixKeys:
         """Hash a prompt once; every call below also accepts the result."""
         if isinstance(tokens, PrefixKeys):
+            if tokens.root != self._root:
+                raise NamespaceError("this prompt was hashed under another namespace's root; "
+                                     "build it with this store's prefix() / engine_prefix()")
             return tokens
         return PrefixKeys.from_tokens(tokens, block_size=self.config.block_size, root=self._root)
 
@@ -243,9 +268,7 @@ class HybridStore:
         with self._lock:
             self._check_open()
             self._copies.drain()
-            layout = self._landing.layout(ObjectKind.PAGE, batch[0], "page")
-            for page in batch[1:]:
-                layout.check(page, "page")
+            layout = self._landing.layout(ObjectKind.PAGE, batch[0], "page", batch[1:])
             return self._landing.put_pages(prompt, first, layout.nbytes,
                                            lambda i, slot: layout.pack_into(batch[i], slot))
 

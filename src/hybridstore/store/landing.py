@@ -222,12 +222,22 @@ class Landing:
         return True
 
     # -- both -------------------------------------------------------------------------
-    def layout(self, kind: ObjectKind, value: Any, what: str) -> Layout:
+    def layout(self, kind: ObjectKind, value: Any, what: str, more: Sequence[Any] = ()) -> Layout:
         """The store's layout of ``kind``, fixed by the first object put (and recorded in a
-        durable tier); later objects must match it."""
+        durable tier); later objects must match it.
+
+        ``more`` are further objects of the same call: all are checked before a first
+        layout is fixed, so a rejected call leaves the store without one.
+        """
         layout = self.layouts.get(kind)
+        fresh = layout is None
         if layout is None:
             layout = Layout.of(value)
+        else:
+            layout.check(value, what)
+        for other in more:
+            layout.check(other, what)
+        if fresh:
             for tier in self.res.tiers.values():
                 if tier.stores_bytes and layout.nbytes > tier.capacity_bytes:
                     raise ObjectTooLargeError(
@@ -237,8 +247,6 @@ class Landing:
             if disk is not None and disk.durable:
                 disk.put_info(LAYOUT_INFO[kind], layout.to_json())
             self.layouts[kind] = layout
-        else:
-            layout.check(value, what)
         return layout
 
     def land(self, okey: ObjectKey, kind: ObjectKind, nbytes: int,

@@ -177,7 +177,7 @@ class Loader:
         """Read, gather and copy out the objects of a prepared load; releases its pins."""
         tiers = self.res.tiers
         outputs: list[Any] = []
-        waits: list[tuple[int, Future]] = []
+        waits: list[tuple[str, list[int], Future]] = []
         bufs: list[np.ndarray | None] = []
         devices: set[Any] = set()          # CUDA devices with copies from pool slots in flight
         # A page-major batch: page i is row i, restored by one gather per entry below.
@@ -232,17 +232,14 @@ class Loader:
                 else:
                     bufs.append(None)
                 self.loaded_bytes[src] += layout.nbytes
-            for src, idx in reads.items():
-                waits.append((idx[0], tiers[src].read_many_into(
+            for name, idx in reads.items():
+                waits.append((name, idx, tiers[name].read_many_into(
                     [jobs[i][0] for i in idx], arena, [offsets[i] for i in idx])))
-            for i, fut in waits:
+            for name, idx, fut in waits:
                 try:
                     fut.result()
-                except CorruptObjectError as e:
-                    okey = ObjectKey(e.key) if e.key is not None else jobs[i][0]
-                    with self._lock:
-                        self.corrupt += 1
-                        self.res.forget(okey, "disk", self.layouts[key_kind(okey)].nbytes)
+                except CorruptObjectError:
+                    self._forget_dropped(name, [jobs[i][0] for i in idx])
                     raise
             if batch and targets is not None and rows:
                 self.gather_batch(rows, arena, offsets, targets[0], n_batch)
@@ -269,6 +266,19 @@ class Loader:
         if plan.state_key is None:
             return outputs, None
         return outputs[:-1], outputs[-1]
+
+    def _forget_dropped(self, src: str, okeys: list[ObjectKey]) -> None:
+        """After a read of ``okeys`` from ``src`` failed its checksums, forget in the index
+        every object the tier dropped: one I/O may cover several corrupt neighbours, and
+        the exception names only the first (a forgotten drop would leave the prefix
+        matched but unloadable for good)."""
+        tier = self.res.tiers[src]
+        with self._lock:
+            for okey in okeys:
+                if not tier.contains(okey):
+                    before = self.res.objects[src]
+                    self.res.forget(okey, src, self.layouts[key_kind(okey)].nbytes)
+                    self.corrupt += before - self.res.objects[src]
 
     def gather_batch(self, rows: dict[str | None, tuple[list[ObjectKey], list[int]]],
                      arena: np.ndarray | None, offsets: list[int], targets: list[Target],

@@ -53,6 +53,7 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
     get_offload_block_hash,
     get_offload_group_idx,
     make_offload_key,
@@ -62,7 +63,7 @@ from hybridstore import HybridStore, PrefixKeys, ResumePlan
 from hybridstore.adapters.vllm.settings import GroupPlan
 from hybridstore.adapters.vllm.staging import SlotPool, StagingRegion
 from hybridstore.adapters.vllm.worker import StagedKeys
-from hybridstore.errors import CapacityError, HybridStoreError, InvalidTokensError
+from hybridstore.errors import CapacityError, HybridStoreError, UnknownPrefixError
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,6 @@ class _Request:
     """Full-attention keys this request showed us, by chunk index."""
     pins: dict[OffloadKey, ResumePlan] = field(default_factory=dict)
     """Plans pinned by lookup HITs, until the load's own plan replaces them."""
-    scan_first: int | None = None
-    last_chunk: int = -1
     finished: bool = False
 
 
@@ -115,7 +114,8 @@ class HybridStoreManager(OffloadingManager):
         self._page_tokens = plan.page_tokens
         self._page_gid = plan.group_ids[plan.page_group]
         self._slots = SlotPool(region.nslots)
-        # Stores never take the last half of the slots: a load cannot wait for them.
+        # Loads (and the HITs that promise them) never need more than half of the slots,
+        # and stores leave that half free, so a load always finds its slots at once.
         self._load_cap = max(region.nslots // 2, 1 + len(plan.state_groups))
         self._mu = threading.RLock()
         self._puts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridstore-vllm-put")
@@ -143,11 +143,17 @@ class HybridStoreManager(OffloadingManager):
         """The full-attention key of the chunk that ends where ``key`` ends."""
         return make_offload_key(get_offload_block_hash(key), self._page_gid)
 
-    def _resolve(self, page_key: OffloadKey) -> PrefixKeys | None:
-        """The chain ending with a stored page (None: the store does not hold it)."""
+    def _block(self, end: int) -> int:
+        """The page (block) index of the page ending at token ``end``."""
+        return (end - 1) // self._page_tokens
+
+    def _resolve(self, page_key: OffloadKey, end: int) -> PrefixKeys | None:
+        """The chain of the stored page ending at ``end`` (a partial page when ``end`` is
+        inside a chunk), or None when the store does not know that page."""
         try:
-            return self.store.engine_prefix([page_key], prefix=None)
-        except InvalidTokensError:     # UnknownPrefixError: not a stored page
+            return self.store.engine_prefix([page_key], prefix=None,
+                                            length=end - self._block(end) * self._page_tokens)
+        except UnknownPrefixError:     # not a page the store knows
             return None
 
     def _request(self, ctx: ReqContext) -> _Request:
@@ -174,30 +180,27 @@ class HybridStoreManager(OffloadingManager):
         with self._mu:
             self.counters["lookups"] += 1
             gpos, p = self._where(key, req_context)
-            tpc = self._plan.tokens_per_chunk[gpos]
-            if p is None or p % tpc or p % self._page_tokens:
-                return LookupResult.MISS   # a partial tail (not offloaded by this adapter)
+            if p is None:
+                return LookupResult.MISS
             req = self._request(req_context)
             if key in req.pins:
                 return LookupResult.HIT
             if key in self._staged:
                 return LookupResult.HIT_PENDING
-            i = p // self._page_tokens - 1
-            if gpos == self._plan.page_group:
+            i = self._block(p)
+            if gpos == self._plan.page_group and p % self._page_tokens == 0:
                 req.chain[i] = key
-                if req.scan_first is None or i <= req.last_chunk:
-                    req.scan_first = i
-                req.last_chunk = i
-                if i - req.scan_first + 1 + len(self._plan.state_groups) > self._load_cap:
-                    return LookupResult.MISS      # the load would not fit the staging region
-                prompt = self._resolve(key)
+            if self._promised() >= self._load_cap:
+                return LookupResult.MISS      # its load could not be staged now: recompute
+            if gpos == self._plan.page_group:
+                prompt = self._resolve(key, p)
                 plan = self.store.match_pages(prompt, first=i) if prompt is not None else None
                 ok = plan is not None and len(plan.pages) == 1
             else:
-                prompt = self._resolve(self._page_key_at(key))
+                prompt = self._resolve(self._page_key_at(key), p)
                 plan = self.store.match(prompt, max_position=p) if prompt is not None else None
                 ok = plan is not None and plan.position == p
-            if not ok:
+            if plan is None or not ok:
                 if plan is not None:
                     self.store.release(plan)
                 self._forget(key)
@@ -205,6 +208,11 @@ class HybridStoreManager(OffloadingManager):
             req.pins[key] = plan
             self.counters["hits"] += 1
             return LookupResult.HIT
+
+    def _promised(self) -> int:
+        """Staging slots that loads hold or that HITs already reported will need."""
+        return (sum(len(r.pins) for r in self._reqs.values())
+                + sum(len(ld.slots) for loads in self._loads.values() for ld in loads))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         return   # the store's recency moves on match/put; GPU prefix hits are vLLM's
@@ -240,9 +248,9 @@ class HybridStoreManager(OffloadingManager):
         end = 0
         for key, slot in zip(keys, slots):
             gpos, p = self._where(key, ctx)
-            assert p is not None and p % self._page_tokens == 0, (key, p)
+            assert p is not None, key
             if gpos == self._plan.page_group:
-                pages[p // self._page_tokens - 1] = slot
+                pages[self._block(p)] = slot
             else:
                 states[gpos] = slot
             end = max(end, p)
@@ -251,7 +259,7 @@ class HybridStoreManager(OffloadingManager):
                                           if self._where(k, ctx)[0] != self._plan.page_group))
         else:
             last = max(keys, key=lambda k: self._where(k, ctx)[1] or 0)
-        prompt = self._resolve(last)
+        prompt = self._resolve(last, end)
         if prompt is None or prompt.length != end:
             raise HybridStoreError(f"the page ending at {end} is no longer held")
         state_buf = None
@@ -264,10 +272,10 @@ class HybridStoreManager(OffloadingManager):
         else:
             first = min(pages)
             plan = self.store.match_pages(prompt, first=first)
-            if len(plan.pages) != end // self._page_tokens - first:
+            if len(plan.pages) != self._block(end) + 1 - first:
                 self.store.release(plan)
-                raise HybridStoreError(f"pages {first}..{end // self._page_tokens - 1} are no "
-                                       "longer all held")
+                raise HybridStoreError(f"pages {first}..{self._block(end)} are no longer all "
+                                       "held")
         try:
             n = len(plan.pages)
             offset = plan.first_page if not states else 0
@@ -327,10 +335,10 @@ class HybridStoreManager(OffloadingManager):
             todo: list[tuple[OffloadKey, int, int]] = []
             for key in keys:
                 gpos, p = self._where(key, req_context)
-                if p is None or p % self._plan.tokens_per_chunk[gpos] or p % self._page_tokens:
-                    continue          # partial tails are not offloaded by this adapter
-                if gpos == self._plan.page_group:
-                    req.chain[p // self._page_tokens - 1] = key
+                if p is None:
+                    continue
+                if gpos == self._plan.page_group and p % self._page_tokens == 0:
+                    req.chain[self._block(p)] = key
                 if key in self._staged or self._held(key, gpos, p):
                     continue
                 todo.append((key, gpos, p))
@@ -348,7 +356,7 @@ class HybridStoreManager(OffloadingManager):
                                       store_spec=StagedKeys(slots), evicted_keys=[])
 
     def _held(self, key: OffloadKey, gpos: int, p: int) -> bool:
-        prompt = self._resolve(self._page_key_at(key))
+        prompt = self._resolve(self._page_key_at(key), p)
         if prompt is None:
             return False
         if gpos == self._plan.page_group:
@@ -369,7 +377,8 @@ class HybridStoreManager(OffloadingManager):
             # runs of consecutive chunks, each chained onto the page before it
             run: list[_Staged] = []
             for s in pages:
-                if run and s.position != run[-1].position + self._page_tokens:
+                if run and (s.position != run[-1].position + self._page_tokens
+                            or run[-1].position % self._page_tokens):
                     self._submit(self._put_pages, run, self._before(req, run, req_context))
                     run = []
                 run.append(s)
@@ -389,7 +398,7 @@ class HybridStoreManager(OffloadingManager):
                 ) -> list[OffloadKey] | OffloadKey | None:
         """What chains ``run``: None (it starts the sequence), the key of the page before
         it, or the whole chain before it (fallback)."""
-        i = run[0].position // self._page_tokens - 1
+        i = self._block(run[0].position)
         if i == 0:
             return None
         prev = req.chain.get(i - 1)
@@ -424,16 +433,21 @@ class HybridStoreManager(OffloadingManager):
                    ) -> None:
         """Put thread: the pages of one run of chunks, then retry states waiting for them."""
         keys = [s.key for s in run]
+        end = run[-1].position      # inside a chunk for a partial tail: a partial last page
         try:
             prompt = None
             if before is None:
-                prompt = self.store.engine_prefix(keys, prefix=())
+                prompt = self.store.engine_prefix(keys, prefix=(), length=end)
             elif isinstance(before, list):
-                prompt = self.store.engine_prefix(keys, prefix=before) if before else None
+                prompt = (self.store.engine_prefix(keys, prefix=before, length=end)
+                          if before else None)
             else:
+                first = self._block(run[0].position)
                 try:
-                    prompt = self.store.engine_prefix([before, *keys], prefix=None)
-                except InvalidTokensError:
+                    prompt = self.store.engine_prefix(
+                        [before, *keys], prefix=None,
+                        length=end - (first - 1) * self._page_tokens)
+                except UnknownPrefixError:
                     prompt = None     # the page before was evicted meanwhile
             if prompt is None:
                 log.info("hybridstore: %d pages of request %s dropped: their prefix is not "
@@ -452,11 +466,14 @@ class HybridStoreManager(OffloadingManager):
                 for s in run:
                     self._unstage(s)
         self._retry_deferred()
+        with self._mu:
+            self._maybe_drop(run[0].req_id)
 
     def _put_state(self, anchor: OffloadKey, parts: dict[int, _Staged]) -> bool:
         """Put thread: the state of all state groups at one position (False: its page is not
         held yet, the state waits in the deferred list)."""
-        prompt = self._resolve(anchor)
+        end = next(iter(parts.values())).position
+        prompt = self._resolve(anchor, end)
         if prompt is None:
             with self._mu:
                 self._deferred.append((anchor, parts))
@@ -525,11 +542,17 @@ class HybridStoreManager(OffloadingManager):
             self._unpin(req)
             self._maybe_drop(req_context.req_id)
 
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        # A HIT's prepare_load comes in the step of its lookup; a request that was not
+        # loaded looks up again when the scheduler next tries it.
+        with self._mu:
+            for req in self._reqs.values():
+                self._unpin(req)
+
     def _unpin(self, req: _Request) -> None:
         for plan in req.pins.values():
             self.store.release(plan)
         req.pins.clear()
-        req.scan_first = None
 
     def _maybe_drop(self, req_id: str) -> None:
         """Forget a finished request once nothing of it is in flight; drop its states that
@@ -558,6 +581,12 @@ class HybridStoreManager(OffloadingManager):
             del self._reqs[req_id]
 
     # -- lifecycle --------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Whether stores are staged or puts queued (a key is HIT only once put)."""
+        with self._mu:
+            return bool(self._staged or self._pending_puts)
+
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until every staged put has reached the store (tests, benchmarks, shutdown)."""
         deadline = time.monotonic() + timeout

@@ -9,7 +9,8 @@ groups map onto a :class:`~hybridstore.HybridStore`:
 extra-config key           meaning                                      default
 =========================  ===========================================  ==================
 ``disk_path``              the store's SSD directory (lmdb catalog +    required
-                           segment files); durable across restarts
+                           segment files); durable across restarts;
+                           ``<disk_path>/dp<i>`` per data-parallel rank
 ``disk_bytes``             SSD budget (int or ``"64GiB"``)              ``64GiB``
 ``host_bytes``             pinned-DRAM pool budget                      ``1GiB``
 ``policy``                 eviction policy (``hybridstore.policy``)     ``"lru"``
@@ -145,6 +146,9 @@ class VllmSettings:
             if key in extra:
                 value = extra[key]
                 kwargs[key] = parse_bytes(value) if key.endswith("_bytes") else value
+        if par.data_parallel_size > 1:
+            # one process holds a disk tier (an exclusive lock): one directory per DP engine
+            disk_path = os.path.join(str(disk_path), f"dp{par.data_parallel_index}")
         store = StoreConfig(block_size=plan.page_tokens, namespace=tag, disk_path=str(disk_path),
                             **kwargs)
         engine = re.sub(r"[^A-Za-z0-9_.-]", "_", str(config.engine_id))

@@ -21,7 +21,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from hybridstore import HybridStore
 from hybridstore.adapters.vllm.manager import HybridStoreManager
 from hybridstore.adapters.vllm.settings import GroupPlan, VllmSettings
-from hybridstore.adapters.vllm.staging import StagingRegion
+from hybridstore.adapters.vllm.staging import ALIGN, StagingRegion
 from hybridstore.adapters.vllm.worker import HybridStoreWorker
 
 
@@ -39,9 +39,10 @@ class HybridStoreSpec(OffloadingSpec):
         self.plan = GroupPlan.of(config.groups, self.blocks_per_chunk)
         self.settings = VllmSettings.from_config(config, self.plan)
         world = config.parallel.world_size
-        self.slot_bytes = world * self.blocks_per_chunk * config.worker_kv_bytes_per_block
-        # a load needs a slot per key: room for a whole max_model_len request, at least
-        self.nslots = max(self.settings.staging_bytes // max(self.slot_bytes, 1),
+        per_key = world * self.blocks_per_chunk * config.worker_kv_bytes_per_block
+        self.slot_bytes = -(-max(per_key, 1) // ALIGN) * ALIGN
+        # one slot per key in flight; at least room for one page + the states, twice
+        self.nslots = max(self.settings.staging_bytes // self.slot_bytes,
                           2 * (1 + len(self.plan.state_groups)))
         self._manager: HybridStoreManager | None = None
         self._worker: HybridStoreWorker | None = None

@@ -194,6 +194,11 @@ class HybridStoreTier(SecondaryTierManager):
             done, self._finished = self._finished, []
         return done
 
+    def has_pending_work(self) -> bool:
+        """Copies in flight: vLLM keeps polling :meth:`get_finished_jobs` while True."""
+        with self._mu:
+            return bool(self._jobs or self._finished)
+
     def drain_jobs(self) -> None:
         with self._mu:
             futures = list(self._jobs.values())

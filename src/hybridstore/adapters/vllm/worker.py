@@ -176,11 +176,16 @@ class HybridStoreWorker(OffloadingWorker):
         flat, moved = self._flat, 0
         for t_idx, psz, blocks, offs in list(self._runs(gpu, staged.slots)):
             t = self._tensors[t_idx]
-            idx = torch.from_numpy(blocks).to(t.device)
-            rows = t.index_select(0, idx)[:, :psz].contiguous().cpu().numpy().view(np.uint8)
-            for row, o in zip(rows, offs.tolist()):
-                flat[o: o + psz] = row
-            moved += rows.nbytes
+            if t.device.type == "cpu":        # one copy per block, straight into the slot
+                host = t.numpy().view(np.uint8)
+                for b, o in zip(blocks.tolist(), offs.tolist()):
+                    flat[o: o + psz] = host[b, :psz]
+            else:                             # one gather on the device, one device-to-host copy
+                idx = torch.from_numpy(blocks).to(t.device)
+                rows = t.index_select(0, idx)[:, :psz].contiguous().cpu().numpy().view(np.uint8)
+                for row, o in zip(rows, offs.tolist()):
+                    flat[o: o + psz] = row
+            moved += len(blocks) * psz
         return moved
 
     def _load(self, gpu: GPULoadStoreSpec, staged: StagedKeys) -> int:
@@ -189,20 +194,26 @@ class HybridStoreWorker(OffloadingWorker):
         flat, moved = self._flat, 0
         for t_idx, psz, blocks, offs in list(self._runs(gpu, staged.slots)):
             t = self._tensors[t_idx]
-            rows = np.stack([flat[o: o + psz] for o in offs.tolist()]).view(np.int8)
-            src = torch.from_numpy(rows).to(t.device)
-            idx = torch.from_numpy(blocks).to(t.device)
-            if psz == t.shape[1]:
-                t.index_copy_(0, idx, src)
-            else:
-                t[idx, :psz] = src
-            moved += rows.nbytes
+            if t.device.type == "cpu":
+                host = t.numpy().view(np.uint8)
+                for b, o in zip(blocks.tolist(), offs.tolist()):
+                    host[b, :psz] = flat[o: o + psz]
+            else:                             # one host-to-device copy, one scatter
+                rows = np.stack([flat[o: o + psz] for o in offs.tolist()]).view(np.int8)
+                src = torch.from_numpy(rows).to(t.device)
+                idx = torch.from_numpy(blocks).to(t.device)
+                if psz == t.shape[1]:
+                    t.index_copy_(0, idx, src)
+                else:
+                    t[idx, :psz] = src
+            moved += len(blocks) * psz
         return moved
 
     def _await(self, staged: StagedKeys) -> None:
         """Wait until the manager staged every slot of a load (bounded)."""
         flags = self._region.flags
         slots, tokens = staged.slots, staged.tokens
+        assert tokens is not None
         deadline = time.monotonic() + self._timeout
         pause = 1e-4
         while True:

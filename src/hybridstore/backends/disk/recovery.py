@@ -100,9 +100,9 @@ def _lock_directory(path: str) -> int:
     """Create ``path`` and hold an exclusive flock on its LOCK file; returns the fd."""
     hint = "set disk_path to a writable directory (ideally on an NVMe SSD)"
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)     # owner-only: tenants' prefixes
         fd = os.open(os.path.join(path, LOCK_NAME),
-                     os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+                     os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
     except OSError as e:
         raise DiskPathError(f"cannot use {path!r} as the disk tier directory: "
                             f"{e.strerror or e}; {hint}") from e

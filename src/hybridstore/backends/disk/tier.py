@@ -261,7 +261,7 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
     def _create_segment(self, segment: int, nbytes: int) -> None:
         path = self._segment_path(segment)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
             try:
                 if os.fstat(fd).st_size < nbytes:
                     _preallocate(fd, nbytes)

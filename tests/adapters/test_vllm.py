@@ -1,0 +1,480 @@
+"""hybridstore as vLLM 0.33's KV offloading medium, driven through vLLM's own code.
+
+Every test runs vLLM's real ``Scheduler`` (scheduler-role ``OffloadingConnector``
+-> ``HybridStoreSpec.get_manager``) and a worker-role ``OffloadingConnector``
+(``register_kv_caches`` -> ``HybridStoreSpec.get_worker``) over CPU tensors
+standing in for the GPU KV cache (``vllm_harness.py``).  "GPU" blocks are filled
+with random bytes before request A stores them and zeroed before request B
+loads, so equal bytes after B's load can only have come back through
+hybridstore: worker -> staging -> store (host pool / disk) -> staging -> worker.
+
+What is asserted:
+
+* full attention, and hybrid (one or two ``MambaSpec`` groups,
+  ``mamba_cache_mode="align"``): B (A's prompt + 2 tokens) after
+  ``reset_prefix_cache()`` loads A's 4 chunks (and each group's Mamba state at 64,
+  one store checkpoint) bit-exact;
+* a second engine over the same ``disk_path``, after the first shut down, hits
+  what the first stored (read back from the disk tier) and loads it bit-exact;
+* a budget of a few pages gives misses, never a failed job (vLLM asserts every
+  job's success) nor wrong bytes;
+* ``TieringOffloadingSpec`` with ``HybridStoreTier`` as the secondary tier:
+  A's chunks cascade into hybridstore; after vLLM's primary tier evicted them,
+  B's hit is a promotion from hybridstore, bit-exact;
+* models the adapter cannot map get a typed error at init.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from hybridstore.errors import ConfigError, UnsupportedModelError
+from tests.adapters.vllm_harness import BLOCK, Engine, Run
+
+CHUNKS = 4
+PROMPT = list(range(1, 1 + CHUNKS * BLOCK + 5))   # 4 whole chunks + 5 tokens
+
+
+def extra(tmp_path, **changes):
+    cfg = {"spec_name": "HybridStoreSpec", "spec_module_path": "hybridstore.adapters.vllm",
+           "block_size": BLOCK, "disk_path": str(tmp_path / "hs"), "disk_engine": "posix",
+           "host_bytes": 1 << 20, "disk_bytes": 64 << 20, "staging_bytes": 256 << 10,
+           "staging_dir": str(tmp_path)}
+    cfg.update(changes)
+    return cfg
+
+
+def loaded_equal(engine: Engine, snap, a: Run, b: Run, *, chunks: int = CHUNKS,
+                 hybrid: int = 0) -> list[bool]:
+    """Per loaded object: are B's blocks (after its load) A's blocks (when A stored them)?
+    Pages of the attention group (layer0), then each Mamba group's state at the last
+    chunk boundary (layer1, layer2, ...)."""
+    same = []
+    for i in range(chunks):
+        same.append(torch.equal(snap["layer0"][a.block(0, i)], engine.kv["layer0"][b.block(0, i)]))
+    for g in range(1, 1 + int(hybrid)):
+        i = chunks - 1
+        ln = f"layer{g}"
+        same.append(torch.equal(snap[ln][a.block(g, i)], engine.kv[ln][b.block(g, i)]))
+    return same
+
+
+def store_a(engine: Engine, seed: int, tokens=PROMPT):
+    engine.fill_random(seed)
+    a = engine.run(f"A{seed}", tokens)
+    engine.settle()
+    return a, engine.snapshot()
+
+
+def load_b(engine: Engine, seed: int, tokens=PROMPT) -> Run:
+    engine.sched.reset_prefix_cache()
+    engine.zero()
+    return engine.run(f"B{seed}", tokens + [999, 998])
+
+
+@pytest.mark.parametrize("hybrid", [0, 1, 2],
+                         ids=["full-attention", "hybrid-mamba", "two-mamba-groups"])
+def test_store_drop_load_bit_exact(tmp_path, hybrid):
+    engine = Engine(extra(tmp_path), hybrid=hybrid)
+    try:
+        a, snap = store_a(engine, 1)
+        store = engine.manager.store
+        assert store.stats()["pages"] == CHUNKS
+        assert store.stats()["checkpoints"] == (1 if hybrid else 0)   # all groups' states: one
+        b = load_b(engine, 1)
+        assert all(loaded_equal(engine, snap, a, b, hybrid=hybrid))
+        assert engine.manager.counters["loaded_keys"] == CHUNKS + hybrid
+        assert b.req.num_computed_tokens >= CHUNKS * BLOCK
+        engine.settle()
+        engine.sched.reset_prefix_cache(reset_connector=True)   # OffloadingManager.reset_cache
+        assert store.stats()["pages"] == 0 and store.stats()["checkpoints"] == 0
+    finally:
+        engine.shutdown()
+
+
+def test_restart_hits_what_the_first_engine_stored(tmp_path):
+    first = Engine(extra(tmp_path), hybrid=1)
+    try:
+        a, snap = store_a(first, 2)
+    finally:
+        first.shutdown()
+    second = Engine(extra(tmp_path), hybrid=1)
+    try:
+        assert second.config.kv_transfer_config.engine_id != first.config.kv_transfer_config.engine_id
+        b = load_b(second, 2)
+        assert all(loaded_equal(second, snap, a, b, hybrid=1))
+        stats = second.manager.store.stats()
+        assert stats["loaded_bytes"].get("disk", 0) > 0      # the new host pool was empty
+    finally:
+        second.shutdown()
+
+
+def test_small_budget_misses_never_fails(tmp_path):
+    # room for about one prompt in DRAM and one on disk (5 objects, 4 KiB of pool each)
+    engine = Engine(extra(tmp_path, host_bytes=24 << 10, disk_bytes=24 << 10,
+                          tier_policy="write-back"), hybrid=1, num_blocks=128)
+    try:
+        stored = []
+        for seed in range(4):
+            tokens = [seed * 1000 + t for t in PROMPT]
+            stored.append((tokens, *store_a(engine, 10 + seed, tokens)))
+        hits = 0
+        for seed, (tokens, a, snap) in reversed(list(enumerate(stored))):  # newest first
+            engine.sched.reset_prefix_cache()
+            engine.zero()
+            before = engine.manager.counters["loaded_keys"]
+            b = engine.run(f"B{seed}", tokens + [999, 998])  # vLLM asserts every job succeeded
+            n = engine.manager.counters["loaded_keys"] - before
+            if n:
+                assert n == CHUNKS + 1       # a resume point is whole: 4 pages + the state
+                assert all(loaded_equal(engine, snap, a, b, hybrid=1))
+            hits += n > 0
+            engine.settle()
+        assert 0 < hits < 4
+    finally:
+        engine.shutdown()
+
+
+def test_small_staging_loads_what_fits(tmp_path):
+    # 6 staging slots: a load may take 3, so B loads the first 3 chunks and recomputes one
+    engine = Engine(extra(tmp_path, staging_bytes=6 * 4096))
+    try:
+        assert engine.manager._region.nslots == 6
+        a, snap = store_a(engine, 4)
+        b = load_b(engine, 4)
+        assert engine.manager.counters["loaded_keys"] == 3
+        assert all(loaded_equal(engine, snap, a, b, chunks=3))
+    finally:
+        engine.shutdown()
+
+
+def tier_extra(tmp_path, **changes):
+    cfg = {"spec_name": "TieringCPUSpec", "spec_module_path": "tests.adapters.vllm_harness",
+           "block_size": BLOCK, "cpu_bytes_to_use": 6 * 4096,        # 6 primary chunks
+           "secondary_tiers": [{"type": "HybridStoreTier",
+                                "module_path": "hybridstore.adapters.vllm",
+                                "disk_path": str(tmp_path / "tier"), "disk_engine": "posix",
+                                "host_bytes": 1 << 20, "disk_bytes": 64 << 20}]}
+    cfg.update(changes)
+    return cfg
+
+
+def test_tiering_cascade_then_promotion(tmp_path):
+    from hybridstore.adapters.vllm import HybridStoreTier
+
+    engine = Engine(tier_extra(tmp_path), num_blocks=128)
+    try:
+        (tier,) = engine.manager.secondary_tiers     # vLLM's TieringOffloadingManager
+        assert isinstance(tier, HybridStoreTier)
+        busy = tier.has_pending_work
+        engine.fill_random(3)
+        a = engine.run("A", PROMPT)
+        engine.settle(busy)
+        snap = engine.snapshot()
+        assert tier.store.stats()["pages"] == CHUNKS          # the cascade reached hybridstore
+        for k in range(2):   # two other prompts push A out of the 6-chunk primary tier
+            engine.run(f"C{k}", [50_000 + 100 * k + t for t in PROMPT])
+            engine.settle(busy)
+        b = load_b(engine, 3)
+        assert all(loaded_equal(engine, snap, a, b))
+        assert tier.store.stats()["loads"] > 0                # promoted from hybridstore
+    finally:
+        engine.shutdown()
+
+
+def test_unsupported_layouts_fail_at_init(tmp_path):
+    from vllm.v1.kv_offload.config import OffloadingGroupConfig
+
+    from hybridstore.adapters.vllm import GroupPlan
+    full = OffloadingGroupConfig(tokens_per_block=16, layer_names=("a",), group_id=0)
+    mamba = OffloadingGroupConfig(tokens_per_block=16, layer_names=("m",), group_id=1,
+                                  sliding_window_size_in_chunks=1)
+    swa = dataclasses.replace(mamba, group_id=2, sliding_window_size_in_chunks=4)
+    plan = GroupPlan.of((full, mamba, dataclasses.replace(mamba, group_id=3)), 1)
+    assert plan.page_group == 0 and plan.state_groups == (1, 2)
+    with pytest.raises(UnsupportedModelError, match="sliding window of 4 chunks"):
+        GroupPlan.of((full, swa), 1)
+    with pytest.raises(UnsupportedModelError, match="exactly one full-attention"):
+        GroupPlan.of((full, dataclasses.replace(full, group_id=1)), 1)
+    with pytest.raises(UnsupportedModelError, match="exactly one full-attention"):
+        GroupPlan.of((mamba,), 1)
+    cfg = extra(tmp_path)
+    del cfg["disk_path"]
+    with pytest.raises(ConfigError, match="disk_path"):
+        Engine(cfg)
+
+
+def direct_config(tmp_path, rank: int, world: int):
+    """An ``OffloadingConfig`` as vLLM's ``build_offloading_config`` makes it: full
+    attention (1024 B pages) + Mamba (576 B), 16-token blocks, 8 tokens per hash."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, ("layer0",), 0),
+                OffloadingGroupConfig(16, ("layer1",), 1, sliding_window_size_in_chunks=1)),
+        worker_kv_bytes_per_block=1024 + 576, enable_kv_cache_events=True,
+        extra_config=extra(tmp_path), engine_id=f"direct{world}",
+        model=OffloadingModelConfig("tiny", "float16", 1024),
+        cache=OffloadingCacheConfig(tokens_per_hash=8, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(rank, world, world, 1, 1, 1, 0, 1, None, False),
+        kv_cache_layout="LBNHC")
+
+
+def direct_worker(tmp_path, rank: int, world: int, kv):
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+    )
+
+    from hybridstore.adapters.vllm import HybridStoreSpec
+    return HybridStoreSpec(direct_config(tmp_path, rank, world)).get_worker(CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, t.shape[1]) for t in kv],
+        group_data_refs=[[CanonicalKVCacheRef(0, 1024)], [CanonicalKVCacheRef(1, 576)]]))
+
+
+class Direct:
+    """A manager and ``world`` workers of one HybridStoreSpec, called the way vLLM's
+    connector calls them (``offloading/scheduler.py``, ``offloading/worker.py``) without
+    the Scheduler: for what the CPU harness cannot make vLLM do (several ranks, partial
+    tails, a worker in another process)."""
+
+    def __init__(self, tmp_path, world: int, workers: list | None = None) -> None:
+        from hybridstore.adapters.vllm import HybridStoreSpec
+
+        gen = torch.Generator().manual_seed(world)
+        self.kv = [[torch.randint(-128, 128, (16, n), dtype=torch.int8, generator=gen)
+                    for n in (1024, 576)] for _ in range(world)]
+        self.saved = [[t.clone() for t in rank] for rank in self.kv]
+        self.workers = workers if workers is not None else [
+            direct_worker(tmp_path, r, world, self.kv[r]) for r in range(world)]
+        self.manager = HybridStoreSpec(direct_config(tmp_path, 0, world)).get_manager()
+        self.jobs = 0
+
+    def run(self, submit: str, *args) -> None:
+        job, self.jobs = self.jobs, self.jobs + 1
+        for w in self.workers:
+            assert getattr(w, submit)(job, *args)
+        for w in self.workers:
+            w.wait({job})
+            assert [r.success for r in w.get_finished()] == [True]
+
+    def store(self, keys, ctx, gpu) -> None:
+        out = self.manager.prepare_store(keys, ctx)
+        assert out.keys_to_store == keys
+        self.run("submit_store", gpu, out.store_spec)
+        self.manager.complete_store(keys, ctx)
+
+    def load(self, keys, ctx, gpu) -> None:
+        from vllm.v1.kv_offload.base import LookupResult
+
+        assert [self.manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * len(keys)
+        src = self.manager.prepare_load(keys, ctx)
+        self.run("submit_load", src, gpu)
+        self.manager.complete_load(keys, ctx)
+
+    def zero(self) -> None:
+        for rank in self.kv:
+            for t in rank:
+                t.zero_()
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.shutdown()
+        self.manager.shutdown()
+
+
+def context(req_id: str, positions):
+    from vllm.v1.kv_offload.base import ReqContext
+
+    ctx = ReqContext(req_id)
+    for key, p in positions.items():
+        ctx.set_offload_key_position(key, p)
+    return ctx
+
+
+def test_two_workers_share_one_store_object(tmp_path):
+    """Two worker ranks (as with TP=2) and one manager: each rank's shard goes to its part
+    of the staging slot, one store object holds both, each rank gets its own bytes back."""
+    import os
+
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, make_offload_key
+
+    d = Direct(tmp_path, world=2)
+    hashes = [os.urandom(32) for _ in range(CHUNKS)]
+    pages = [make_offload_key(h, 0) for h in hashes]
+    state = make_offload_key(hashes[-1], 1)
+    positions = {**{k: (i + 1) * 16 for i, k in enumerate(pages)}, state: CHUNKS * 16}
+    try:
+        ctx = context("A", positions)
+        d.manager.on_new_request(ctx)
+        d.store(pages, ctx, GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0],
+                                             block_indices=[0, 0]))
+        d.store([state], ctx, GPULoadStoreSpec([5], group_sizes=[0, 1], block_indices=[0, 3]))
+        d.manager.on_request_finished(ctx)
+        assert d.manager.flush()
+        stats = d.manager.store.stats()
+        assert stats["pages"] == CHUNKS and stats["checkpoints"] == 1
+        events = list(d.manager.take_events())
+        assert sorted(k for e in events for k in e.keys) == sorted(pages + [state])
+        d.zero()
+        ctx = context("B", positions)
+        d.manager.on_new_request(ctx)
+        d.load(pages + [state], ctx,
+               GPULoadStoreSpec([7, 6, 8, 9, 10], group_sizes=[4, 1], block_indices=[0, 3]))
+        d.manager.on_request_finished(ctx)
+        for r in range(2):
+            assert torch.equal(d.kv[r][0][[7, 6, 8, 9]], d.saved[r][0][[1, 2, 3, 4]])
+            assert torch.equal(d.kv[r][1][10], d.saved[r][1][5])
+        assert not torch.equal(d.saved[0][0][1], d.saved[1][0][1])   # the ranks' shards differ
+        # chunks 0-1 are GPU prefix-cache hits: vLLM loads chunks 2-3 and the state at 64
+        ctx = context("C", positions)
+        d.manager.on_new_request(ctx)
+        d.load(pages[2:] + [state], ctx,
+               GPULoadStoreSpec([11, 12, 13], group_sizes=[2, 1], block_indices=[2, 3]))
+        d.manager.on_request_finished(ctx)
+        for r in range(2):
+            assert torch.equal(d.kv[r][0][[11, 12]], d.saved[r][0][[3, 4]])
+            assert torch.equal(d.kv[r][1][13], d.saved[r][1][5])
+        # evicted (as under pressure): lookups miss and announce each removal once
+        for tier in ("host", "disk"):
+            d.manager.store.evict(1 << 40, tier=tier)
+        ctx = context("D", positions)
+        assert {d.manager.lookup(k, ctx) for k in pages + [state]} == {LookupResult.MISS}
+        removed = [k for e in d.manager.take_events() if e.removed for k in e.keys]
+        assert sorted(removed) == sorted(pages + [state])
+        assert {d.manager.lookup(k, ctx) for k in pages + [state]} == {LookupResult.MISS}
+        assert not list(d.manager.take_events())
+    finally:
+        d.close()
+
+
+def test_partial_tail(tmp_path):
+    """vLLM's partial tail (``supports_partial_tail``: tokens_per_hash 8 < 16-token Mamba
+    blocks): ``_build_partial_tail_store_jobs`` stores the attention block and the Mamba
+    state at boundary 72 under ``block_hashes[72/8 - 1]`` + group; ``_lookup_partial_tail``
+    then loads 4 chunks + the partial block + the state at 72.  In the store: a partial
+    page ending at 72 and the checkpoint at 72, beside the one at 64."""
+    import os
+
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, make_offload_key
+
+    d = Direct(tmp_path, world=1)
+    hashes = [os.urandom(32) for _ in range(CHUNKS)]
+    pages = [make_offload_key(h, 0) for h in hashes]
+    state64 = make_offload_key(hashes[-1], 1)
+    tail = os.urandom(32)
+    tail_page, tail_state = make_offload_key(tail, 0), make_offload_key(tail, 1)
+    positions = {**{k: (i + 1) * 16 for i, k in enumerate(pages)}, state64: 64,
+                 tail_page: 72, tail_state: 72}
+    try:
+        ctx = context("A", positions)
+        d.manager.on_new_request(ctx)
+        d.store(pages, ctx, GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0],
+                                             block_indices=[0, 0]))
+        d.store([state64], ctx, GPULoadStoreSpec([5], group_sizes=[0, 1], block_indices=[0, 3]))
+        d.store([tail_page, tail_state], ctx,
+                GPULoadStoreSpec([11, 12], group_sizes=[1, 1], block_indices=[4, 4]))
+        d.manager.on_request_finished(ctx)
+        assert d.manager.flush()
+        store = d.manager.store
+        prompt = store.engine_prefix([tail_page], prefix=None, length=8)
+        assert prompt.length == 72 and store.restorable(prompt) == [64, 72]
+        d.zero()
+        ctx = context("B", positions)
+        d.manager.on_new_request(ctx)
+        d.load(pages + [tail_page, tail_state], ctx,
+               GPULoadStoreSpec([7, 6, 8, 9, 10, 13], group_sizes=[5, 1], block_indices=[0, 4]))
+        d.manager.on_request_finished(ctx)
+        assert torch.equal(d.kv[0][0][[7, 6, 8, 9, 10]], d.saved[0][0][[1, 2, 3, 4, 11]])
+        assert torch.equal(d.kv[0][1][13], d.saved[0][1][12])
+    finally:
+        d.close()
+
+
+def _serve_worker(conn, tmp_path, kv) -> None:
+    """A worker process: vLLM's worker-role connector would call these on its worker."""
+    worker = direct_worker(tmp_path, 0, 1, kv)
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        op, job, args = msg
+        getattr(worker, op)(job, *args)
+        worker.wait({job})
+        conn.send([r.success for r in worker.get_finished()])
+    worker.shutdown()
+
+
+class RemoteWorker:
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.results: list = []
+
+    def submit_store(self, job, *args) -> bool:
+        self.conn.send(("submit_store", job, args))
+        return True
+
+    def submit_load(self, job, *args) -> bool:
+        self.conn.send(("submit_load", job, args))
+        return True
+
+    def wait(self, jobs) -> None:
+        from vllm.v1.kv_offload.base import TransferResult
+
+        self.results = [TransferResult(j, ok) for j, ok in zip(jobs, self.conn.recv())]
+
+    def get_finished(self):
+        done, self.results = self.results, []
+        return done
+
+    def shutdown(self) -> None:
+        self.conn.send(None)
+
+
+def test_worker_in_another_process(tmp_path):
+    """The scheduler's manager and a worker in a separate process meet only in the
+    staging file (and the store's disk): store, drop, load across the process boundary."""
+    import multiprocessing as mp
+    import os
+
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, make_offload_key
+
+    kv = [torch.randint(-128, 128, (16, n), dtype=torch.int8).share_memory_() for n in (1024, 576)]
+    saved = [t.clone() for t in kv]
+    ours, theirs = mp.get_context("fork").Pipe()
+    proc = mp.get_context("fork").Process(target=_serve_worker, args=(theirs, tmp_path, kv))
+    proc.start()      # before the manager starts its threads
+    assert ours.recv() == "ready"
+    d = Direct(tmp_path, world=1, workers=[RemoteWorker(ours)])
+    hashes = [os.urandom(32) for _ in range(CHUNKS)]
+    pages = [make_offload_key(h, 0) for h in hashes]
+    state = make_offload_key(hashes[-1], 1)
+    positions = {**{k: (i + 1) * 16 for i, k in enumerate(pages)}, state: CHUNKS * 16}
+    try:
+        ctx = context("A", positions)
+        d.store(pages, ctx, GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0],
+                                             block_indices=[0, 0]))
+        d.store([state], ctx, GPULoadStoreSpec([5], group_sizes=[0, 1], block_indices=[0, 3]))
+        d.manager.on_request_finished(ctx)
+        assert d.manager.flush()
+        for t in kv:
+            t.zero_()
+        ctx = context("B", positions)
+        d.load(pages + [state], ctx,
+               GPULoadStoreSpec([7, 6, 8, 9, 10], group_sizes=[4, 1], block_indices=[0, 3]))
+        assert torch.equal(kv[0][[7, 6, 8, 9]], saved[0][[1, 2, 3, 4]])
+        assert torch.equal(kv[1][10], saved[1][5])
+    finally:
+        d.close()
+        proc.join(30)
+    assert proc.exitcode == 0

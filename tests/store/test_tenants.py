@@ -1,0 +1,71 @@
+"""Tenants: the namespace is enforced by the store, and what it writes is owner-only
+(issue 13, item 3)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from hybridstore import HybridStore, NamespaceError, StoreConfig
+
+B = 16
+TOKENS = np.arange(4 * B, dtype=np.int64)
+
+
+def _cfg(tmp_path, namespace: str, **kw) -> StoreConfig:
+    return StoreConfig(block_size=B, host_bytes=1 << 20, disk_path=str(tmp_path / "hs"),
+                       disk_bytes=16 << 20, tier_policy="write-through", namespace=namespace, **kw)
+
+
+def _fill(store: HybridStore) -> None:
+    store.put_kv(TOKENS, [np.full(256, i, np.uint8) for i in range(4)])
+    store.put_state(TOKENS, np.arange(64, dtype=np.uint8))
+    store.flush()
+
+
+def test_a_directory_opens_only_with_the_namespace_that_created_it(tmp_path):
+    with HybridStore(_cfg(tmp_path, "tenant-a")) as a:
+        _fill(a)
+    with pytest.raises(NamespaceError, match="another namespace"):
+        HybridStore(_cfg(tmp_path, "tenant-b"))
+    # the refused open changed nothing: tenant a finds everything, and the directory can be
+    # opened again (the refused store released its lock)
+    with HybridStore(_cfg(tmp_path, "tenant-a")) as a:
+        plan = a.match(TOKENS)
+        assert plan.position == 4 * B
+        pages, _ = a.load(plan).result()
+        assert [int(p[0]) for p in pages] == [0, 1, 2, 3]
+        a.release(plan)
+
+
+def test_a_prompt_hashed_under_another_root_is_refused(tmp_path):
+    with HybridStore(StoreConfig(block_size=B, host_bytes=1 << 20, namespace="a")) as a, \
+            HybridStore(StoreConfig(block_size=B, host_bytes=1 << 20, namespace="b")) as b:
+        a.put_kv(TOKENS, [np.full(256, i, np.uint8) for i in range(4)])
+        a.put_state(TOKENS, np.arange(64, dtype=np.uint8))
+        foreign = b.prefix(TOKENS)                 # b's (public) root
+        for call in (lambda: a.match(foreign), lambda: a.present_pages(foreign),
+                     lambda: a.put_kv(foreign, [np.zeros(256, np.uint8)] * 4)):
+            with pytest.raises(NamespaceError):
+                call()
+        assert a.stats()["pages"] == 4
+
+
+def test_files_and_directories_are_owner_only_even_under_umask_0(tmp_path):
+    old = os.umask(0)
+    try:
+        with HybridStore(_cfg(tmp_path, "t")) as store:
+            _fill(store)
+    finally:
+        os.umask(old)
+    root = tmp_path / "hs"
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [dirpath, *(os.path.join(dirpath, f) for f in filenames)]:
+            mode = stat.S_IMODE(os.stat(name).st_mode)
+            assert mode & 0o077 == 0, f"{name} is {oct(mode)}"
+            seen += 1
+    assert seen >= 5          # the directory, its lock, a segment, the catalog and its files
