@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hybridstore.errors import LayoutMismatchError
+from hybridstore.errors import CatalogError, LayoutMismatchError
 from hybridstore.objects import byte_view
 
 ENTRY_ALIGN = 256
@@ -51,6 +51,29 @@ class TensorSpec:
     nbytes: int
 
 
+def _dtype_str(dtype: np.dtype) -> str:
+    """A numpy dtype as a string that round-trips: ``dtype.str`` for plain dtypes, the
+    JSON of its ``.npy`` descr for structured dtypes (``.str`` is ``|V8`` for
+    those and loses the fields)."""
+    if dtype.fields is None:
+        return dtype.str
+    return json.dumps(np.lib.format.dtype_to_descr(dtype))
+
+
+def _tuples(descr: Any) -> Any:
+    if isinstance(descr, list):
+        return [tuple(_tuples(x) for x in field) if isinstance(field, list) else field
+                for field in descr]
+    return descr
+
+
+def _dtype_of(text: str) -> np.dtype:
+    """The inverse of :func:`_dtype_str`."""
+    if text.startswith("["):
+        return np.lib.format.descr_to_dtype(_tuples(json.loads(text)))
+    return np.dtype(text)
+
+
 def _spec_of(name: str, value: Any, offset: int) -> TensorSpec:
     if _is_torch(value):
         dtype = str(value.dtype).removeprefix("torch.")
@@ -59,7 +82,8 @@ def _spec_of(name: str, value: Any, offset: int) -> TensorSpec:
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             raise LayoutMismatchError(f"tensor {name!r} has dtype object; store numeric arrays only")
-        return TensorSpec(name, "numpy", value.dtype.str, tuple(value.shape), offset, value.nbytes)
+        return TensorSpec(name, "numpy", _dtype_str(value.dtype), tuple(value.shape), offset,
+                          value.nbytes)
     raise LayoutMismatchError(
         f"{name or 'value'} is a {type(value).__name__}; pass a torch tensor or a numpy array "
         "(or a dict of them)")
@@ -131,7 +155,7 @@ class Layout:
                 torch = _torch()
                 out[spec.name] = torch.from_numpy(raw).view(getattr(torch, spec.dtype)).reshape(spec.shape)
             else:
-                out[spec.name] = raw.view(np.dtype(spec.dtype)).reshape(spec.shape)
+                out[spec.name] = raw.view(_dtype_of(spec.dtype)).reshape(spec.shape)
         return out[_SINGLE] if self.single else out
 
     def targets(self, into: Any) -> list[Target]:
@@ -186,9 +210,23 @@ class Layout:
 
     @classmethod
     def from_json(cls, raw: bytes) -> Layout:
-        doc = json.loads(raw)
-        specs = tuple(TensorSpec(n, f, d, tuple(sh), o, nb) for n, f, d, sh, o, nb in doc["specs"])
-        return cls(specs, doc["nbytes"], doc["single"])
+        """The layout recorded by :meth:`to_json`.
+
+        Raises:
+            CatalogError: the record is damaged.
+        """
+        try:
+            doc = json.loads(raw)
+            specs = tuple(TensorSpec(str(n), str(f), str(d), tuple(int(x) for x in sh), int(o),
+                                     int(nb)) for n, f, d, sh, o, nb in doc["specs"])
+            layout = cls(specs, int(doc["nbytes"]), bool(doc["single"]))
+        except (ValueError, KeyError, TypeError, OverflowError) as e:   # JSONDecodeError too
+            raise CatalogError(f"the stored tensor layout is damaged ({type(e).__name__}: {e})"
+                               ) from e
+        if layout.nbytes <= 0 or any(s.offset < 0 or s.offset + s.nbytes > layout.nbytes
+                                     for s in specs):
+            raise CatalogError("the stored tensor layout is damaged (its sizes do not add up)")
+        return layout
 
 
 def _items(value: Any) -> list[tuple[str, Any]]:
@@ -228,7 +266,7 @@ def _facts(name: str, tensor: Any, offset: int) -> tuple[str, tuple[int, ...], b
     if _is_torch(tensor):
         return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tensor.is_contiguous()
     if isinstance(tensor, np.ndarray):
-        return tensor.dtype.str, tensor.shape, tensor.flags.c_contiguous
+        return _dtype_str(tensor.dtype), tensor.shape, tensor.flags.c_contiguous
     _spec_of(name, tensor, offset)      # raises LayoutMismatchError: not a tensor
     raise AssertionError("unreachable")
 

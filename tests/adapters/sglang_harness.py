@@ -212,7 +212,7 @@ class Engine:
             if cache.check_prefetch_progress(h):
                 done = True
                 break
-            time.sleep(0.005)
+            time.sleep(0.001)
         loaded = cache.pop_prefetch_loaded_tokens(h)
         m = cache.match_prefix(s.bpc.MatchPrefixParams(key=s.radix.RadixKey(array("q", tokens))))
         pages, state = self._host_path(m.last_host_node)
@@ -248,7 +248,8 @@ class Engine:
 
 def build_engine(extra_config: dict[str, Any], *, mamba: bool = False, page_size: int = 4,
                  layout: str = "page_first_direct", tokens: int = 1024,
-                 host_ratio: float = 2.0) -> Engine:
+                 host_ratio: float = 2.0, kv_heads: int = 2, head_dim: int = 16,
+                 kv_layers: int = 2) -> Engine:
     """A real ``UnifiedRadixCache`` + ``HybridCacheController`` loading a dynamic backend.
 
     Args:
@@ -258,6 +259,8 @@ def build_engine(extra_config: dict[str, Any], *, mamba: bool = False, page_size
         page_size: tokens per page.
         layout: ``--hicache-mem-layout``.
         tokens: device KV pool size in tokens (the host pool is ``host_ratio`` times it).
+        kv_heads, head_dim, kv_layers: the KV shard (``kv_layers`` full-attention layers;
+            hybrid: as many Mamba2 layers between them).
     """
     s = sgl()
     device = "cpu"
@@ -266,7 +269,7 @@ def build_engine(extra_config: dict[str, Any], *, mamba: bool = False, page_size
     s.sa.set_global_server_args_for_scheduler(sa)
     comp = s.comp.ComponentType
     if mamba:
-        full, nonfull = [1, 3], [0, 2]
+        full, nonfull = list(range(1, 2 * kv_layers, 2)), list(range(0, 2 * kv_layers, 2))
         with s.envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
             shape = s.mamba.Mamba2StateShape.create(tp_world_size=1, intermediate_size=64, n_groups=1,
                                                     num_heads=2, head_dim=16, state_size=16,
@@ -277,16 +280,16 @@ def build_engine(extra_config: dict[str, Any], *, mamba: bool = False, page_size
             enable_memory_saver=False, cache_params=cparams, mamba_layer_ids=nonfull,
             enable_mamba_extra_buffer=True, speculative_num_draft_tokens=3)
         kv = s.pools.HybridLinearKVPool(
-            size=tokens, dtype=torch.bfloat16, page_size=page_size, head_num=2, head_dim=16,
-            full_attention_layer_ids=full, device=device, enable_memory_saver=False,
+            size=tokens, dtype=torch.bfloat16, page_size=page_size, head_num=kv_heads,
+            head_dim=head_dim, full_attention_layer_ids=full, device=device, enable_memory_saver=False,
             mamba_pool=rtp.mamba_pool)
         comps = (comp.FULL, comp.MAMBA)
     else:
         rtp = s.pools.ReqToTokenPool(size=8, max_context_len=tokens, device=device,
                                      enable_memory_saver=False)
         kv = s.pools.MHATokenToKVPool(size=tokens, page_size=page_size, dtype=torch.bfloat16,
-                                      head_num=2, head_dim=16, layer_num=2, device=device,
-                                      enable_memory_saver=False)
+                                      head_num=kv_heads, head_dim=head_dim, layer_num=kv_layers,
+                                      device=device, enable_memory_saver=False)
         comps = (comp.FULL,)
     alloc = s.alloc.TokenToKVPoolAllocator(size=tokens, dtype=torch.bfloat16, device=device,
                                            kvcache=kv, need_sort=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -82,3 +84,139 @@ def test_per_tier_counters_after_a_reopen_count_what_the_disk_kept(tmp_path):
         store.evict(1 << 40, "disk")
         assert store._res.objects["disk"] == 0
         assert all(v == 0 for v in store._res.kind_bytes["disk"].values())
+
+
+def test_a_structured_numpy_dtype_keeps_its_fields(tmp_path):
+    """Issue 13, item 6: a structured dtype came back as raw ``|V`` bytes."""
+    dt = np.dtype([("conv", "<f2", (4,)), ("ssm", "<f4"), ("step", "<i8")])
+    state = np.zeros(8, dt)
+    state["conv"] = np.arange(32).reshape(8, 4)
+    state["ssm"] = np.linspace(0, 1, 8)
+    state["step"] = np.arange(8) * 7
+    cfg = StoreConfig(block_size=B, host_bytes=1 << 20, disk_path=str(tmp_path / "hs"),
+                      disk_bytes=16 << 20, tier_policy="write-through")
+    tokens = np.arange(2 * B, dtype=np.int64)
+    with HybridStore(cfg) as store:
+        store.put_kv(tokens, _pages(3, 2))
+        store.put_state(tokens, {"s": state})
+    with HybridStore(cfg) as store:                      # the layout comes back from the catalog
+        plan = store.match(tokens)
+        _, got = store.load(plan).result()
+        store.release(plan)
+    assert got["s"].dtype == dt and np.array_equal(got["s"], state)
+
+
+# -- a damaged catalog costs exactly the damaged objects (issue 13, item 5) ---------------
+def _written(tmp_path) -> tuple[StoreConfig, np.ndarray, list[np.ndarray]]:
+    cfg = StoreConfig(block_size=B, host_bytes=1 << 20, disk_path=str(tmp_path / "hs"),
+                      disk_bytes=64 << 20, tier_policy="write-through")
+    tokens = np.arange(6 * B, dtype=np.int64)
+    pages = _pages(4, 6)
+    with HybridStore(cfg) as store:
+        store.put_kv(tokens, pages)
+        store.put_state(tokens[:3 * B], np.arange(50, dtype=np.uint8))
+        store.put_state(tokens, np.arange(50, dtype=np.uint8) + 1)
+    return cfg, tokens, pages
+
+
+def _damage(tmp_path, edit) -> None:
+    from hybridstore.backends.catalog import Catalog
+    from hybridstore.backends.disk.objects import CATALOG_DIR
+
+    cat = Catalog(tmp_path / "hs" / CATALOG_DIR)
+    try:
+        edit(cat)
+    finally:
+        cat.close()
+
+
+def _key(prompt, k: int) -> bytes:
+    return object_key(ObjectKind.PAGE, prompt.block_key(k))
+
+
+@pytest.mark.parametrize("damage", ["record", "meta", "offset"])
+def test_one_damaged_catalog_record_costs_that_object_only(tmp_path, damage, caplog):
+    cfg, tokens, pages = _written(tmp_path)
+    with HybridStore(StoreConfig(block_size=B)) as s:
+        victim = _key(s.prefix(tokens), 4)
+    from hybridstore.backends.catalog import CatalogRecord
+
+    def edit(cat):
+        rec = cat.get(victim)
+        if damage == "record":
+            raw = b"\x7f" + rec.pack()[1:9]                  # wrong version, truncated
+        elif damage == "meta":
+            raw = CatalogRecord(rec.segment, rec.offset, rec.length, rec.slot_length,
+                                rec.checksum, rec.meta[:5]).pack()
+        else:
+            raw = CatalogRecord(rec.segment, 1 << 62, rec.length, rec.slot_length,
+                                rec.checksum, rec.meta).pack()
+
+        def body(txn):
+            txn.put(victim, raw, db=cat._objects)
+        cat._write(body)
+
+    _damage(tmp_path, edit)
+    with HybridStore(cfg) as store:                        # opens, with a logged reason
+        prompt = store.prefix(tokens)
+        assert store.present_pages(prompt) == 4            # pages 0..3 intact, page 4 gone
+        assert store.restorable(prompt) == [3 * B]         # the deeper state lost its page
+        plan = store.match(tokens)
+        got, _ = store.load(plan).result()
+        store.release(plan)
+        assert all(np.array_equal(a, b) for a, b in zip(got, pages[:3]))
+        assert store.tiers["disk"].stats()["objects"] == 7   # 8 objects, one dropped
+    assert "dropping object" in caplog.text
+
+
+def test_a_damaged_layout_record_costs_the_objects_of_its_kind(tmp_path, caplog):
+    cfg, tokens, pages = _written(tmp_path)
+    _damage(tmp_path, lambda cat: cat.put_info("layout.state", b"{not json"))
+    with HybridStore(cfg) as store:
+        prompt = store.prefix(tokens)
+        assert store.present_pages(prompt) == 6 and store.restorable(prompt) == []
+        assert store.stats()["checkpoints"] == 0
+        # the store takes a state layout again, and resumes
+        store.put_state(tokens, np.arange(50, dtype=np.uint8))
+        assert store.restorable(prompt) == [6 * B]
+    assert "layout record is damaged" in caplog.text
+
+
+def test_a_segment_truncated_under_a_running_store_costs_the_objects_past_its_end(tmp_path):
+    """Issue 13, item 5: loads failed with BackendIOError forever; now the objects past
+    the new end are dropped (typed CorruptObjectError once), the rest still load, and a
+    re-put heals the prefix."""
+    cfg = StoreConfig(block_size=B, host_bytes=1 << 20, disk_path=str(tmp_path / "hs"),
+                      disk_bytes=64 << 20, tier_policy="write-through")
+    tokens = np.arange(6 * B, dtype=np.int64)
+    pages, state = _pages(5, 6), np.arange(80, dtype=np.uint8)
+    with HybridStore(cfg) as store:
+        store.put_kv(tokens[:2 * B], pages[:2])             # written in this order: the state
+        store.put_state(tokens[:2 * B], state)              # at 2B lies before page 3
+        store.put_kv(tokens, pages)
+        store.put_state(tokens, state + 1)
+        store.flush()
+        store.evict(1 << 40, "host")
+        prompt = store.prefix(tokens)
+        rec = store.tiers["disk"].catalog.get(_key(prompt, 3))
+        os.truncate(tmp_path / "hs" / segment_name(rec.segment), rec.offset)
+        plan = store.match(tokens)
+        with pytest.raises(CorruptObjectError, match="truncated"):
+            store.load(plan).result()
+        store.release(plan)
+        assert store.present_pages(prompt) == 3
+        assert store.restorable(prompt) == [2 * B]
+        plan = store.match(tokens)
+        got, st = store.load(plan).result()                # what lies before the cut loads
+        store.release(plan)
+        assert all(np.array_equal(a, b) for a, b in zip(got, pages[:2]))
+        assert np.array_equal(st, state)
+        store.put_kv(tokens, pages)
+        store.put_state(tokens, state + 1)
+        store.flush()
+        store.evict(1 << 40, "host")
+        plan = store.match(tokens)
+        got, st = store.load(plan).result()
+        store.release(plan)
+        assert all(np.array_equal(a, b) for a, b in zip(got, pages))
+        assert np.array_equal(st, state + 1)

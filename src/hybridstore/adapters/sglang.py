@@ -14,18 +14,16 @@ SGLang keeps the GPU <-> pinned-host copies (its L2); the backend moves pages
 between SGLang's host pools and the store.  The calls and the threads they come
 from (``managers/cache_controller.py``, ``hybrid_cache/hybrid_cache_controller.py``):
 
-====================================  ============================  ============================
-SGLang call                           thread                        store
-====================================  ============================  ============================
-``batch_set`` / ``batch_set_v1``      backup                        ``put_kv`` (pages keyed by
-                                                                    SGLang's page hashes)
-``batch_set_v2`` (``MAMBA``)          backup (before the KV pages)  ``put_state`` at the page end
-``batch_exists`` / ``batch_exists_v2``  prefetch, scheduler         ``present_pages`` /
-                                                                    ``restorable``
-``batch_get`` / ``batch_get_v1``      prefetch_io_aux               ``match_pages`` + ``load``
-``batch_get_v2`` (``MAMBA``)          prefetch_io_aux               ``match`` + ``load``
-``clear`` / ``close`` / ``get_stats``   scheduler                   drop the rank's store / close
-====================================  ============================  ============================
+* ``batch_set`` / ``batch_set_v1`` (backup thread): ``put_kv`` / ``put_kv_batch``,
+  pages keyed by SGLang's page hashes;
+* ``batch_set_v2`` with ``MAMBA`` (backup, before the node's KV pages):
+  ``put_state`` at the end of the page the key names;
+* ``batch_exists`` / ``batch_exists_v2`` (prefetch and scheduler threads):
+  ``present_pages`` / ``restorable``;
+* ``batch_get`` / ``batch_get_v1`` (prefetch_io_aux): ``match_pages`` + ``load``;
+* ``batch_get_v2`` with ``MAMBA`` (prefetch_io_aux): ``match`` + ``load``;
+* ``clear`` / ``close`` / ``get_stats`` (scheduler): drop the rank's store /
+  close it / SGLang's ``StorageMetrics``.
 
 Keys: SGLang hands over chained 64-hex SHA-256 page hashes, never token ids.
 The store places a page by the hashes of every page before it: SGLang passes
@@ -71,8 +69,13 @@ from hybridstore.adapters.sglang_config import (
     SGLangSettings,
     store_config,
 )
-from hybridstore.adapters.sglang_pages import KVPages, layout_tag, state_bytes
-from hybridstore.errors import UnknownPrefixError
+from hybridstore.adapters.sglang_pages import (
+    KVPages,
+    PageViews,
+    layout_tag,
+    state_bytes,
+)
+from hybridstore.errors import ConfigError, UnknownPrefixError
 
 __all__ = ["HybridStoreHiCache"]
 
@@ -169,13 +172,7 @@ class HybridStoreHiCache(HiCacheStorage):
                         "miss and SGLang's MIN over ranks gives no L3 hits yet",
                         self.rank.tp_size)
 
-    # -- registration -------------------------------------------------------------------
-    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        super().register_mem_pool_host(mem_pool_host)
-
-    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        super().register_mem_host_pool_v2(host_pool, host_pool_name)
-
+    # -- registration (SGLang's base class keeps the pools) ------------------------------
     def on_host_pools_registered(self) -> None:
         """Open the rank's store now that the page size and layouts are known."""
         self._open()
@@ -197,7 +194,7 @@ class HybridStoreHiCache(HiCacheStorage):
                 raise RuntimeError("no KV host pool registered yet")
             kv = KVPages(pool)
             if self.settings.page_size is not None and self.settings.page_size != kv.page_size:
-                raise ValueError(f"extra config page_size={self.settings.page_size} but SGLang's "
+                raise ConfigError(f"extra config page_size={self.settings.page_size} but SGLang's "
                                  f"host pool has page_size={kv.page_size}; drop the key or match it")
             cfg = store_config(self.settings, self.rank, block_size=kv.page_size,
                                layout=layout_tag(pool, self._state_pool()))
@@ -245,8 +242,9 @@ class HybridStoreHiCache(HiCacheStorage):
             return miss
 
     # -- KV pages -----------------------------------------------------------------------
-    def _set_pages(self, store: HybridStore, keys: Sequence[str], pages: list[Any],
+    def _set_pages(self, store: HybridStore, keys: Sequence[str], pages: list[Any] | PageViews,
                    extra_info: HiCacheStorageExtraInfo | None) -> bool:
+        """Store ``pages`` (a list of per-page entries, or one page-major batch) under ``keys``."""
         if not keys:
             return True
         if not self.rank.writer:
@@ -255,7 +253,10 @@ class HybridStoreHiCache(HiCacheStorage):
         if prompt is None:
             return False
         t0 = time.perf_counter()
-        store.put_kv(prompt, pages)
+        if isinstance(pages, dict):
+            store.put_kv_batch(prompt, pages)
+        else:
+            store.put_kv(prompt, pages)
         kv = self._kv
         assert kv is not None
         self._counters.record("backup", len(keys), len(keys) * kv.nbytes, time.perf_counter() - t0)
@@ -263,9 +264,10 @@ class HybridStoreHiCache(HiCacheStorage):
         return True
 
     def _get_pages(self, store: HybridStore, keys: Sequence[str],
-                   targets: Callable[[int], list[Any]],
+                   targets: Callable[[int], list[Any] | PageViews],
                    extra_info: HiCacheStorageExtraInfo | None) -> int:
-        """Load the leading held run of ``keys`` into ``targets(n)``; returns n."""
+        """Load the leading held run of ``keys`` into ``targets(n)`` (per-page entries or
+        one page-major batch); returns n."""
         if not keys:
             return 0
         prompt = self._prompt(store, keys, extra_info, write=False)
@@ -309,7 +311,9 @@ class HybridStoreHiCache(HiCacheStorage):
         kv = self._kv
         assert kv is not None
         slots = self._slots(host_indices, len(keys))
-        ok = self._set_pages(store, keys, [kv.read(s) for s in slots], extra_info)
+        batch = kv.run_views(slots)
+        pages = batch if batch is not None else [kv.read(s) for s in slots]
+        ok = self._set_pages(store, keys, pages, extra_info)
         return [ok] * len(keys)
 
     def _get_v1(self, store: HybridStore, keys: Sequence[str], host_indices: torch.Tensor,
@@ -318,8 +322,11 @@ class HybridStoreHiCache(HiCacheStorage):
         assert kv is not None
         slots = self._slots(host_indices, len(keys))
         scratch: list[tuple[int, torch.Tensor]] = []
+        batch = kv.run_views(slots)
 
-        def targets(n: int) -> list[Any]:
+        def targets(n: int) -> list[Any] | PageViews:
+            if batch is not None:
+                return batch
             out = []
             for s in slots[:n]:
                 views, buf = kv.targets(s)

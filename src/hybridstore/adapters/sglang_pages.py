@@ -19,6 +19,7 @@ states), read with ``get_data_page`` and written back with
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -87,6 +88,27 @@ class KVPages:
         if self.mode == "whole":
             return {"kv": _bytes(page)}
         return {"k": _bytes(page[0]), "v": _bytes(page[1])}
+
+    def run_views(self, slots: list[int]) -> PageViews | None:
+        """One page-major batch (``(len(slots), nbytes/2)`` uint8 views of the K and V
+        halves) when ``slots`` are consecutive pages of a ``page_first*`` / ``page_head``
+        pool; ``None`` otherwise.  The store then moves a whole run with one copy per
+        half instead of two per page (``put_kv_batch``, ``load(into=(batch, None))``)."""
+        layout, ps, n = getattr(self.pool, "layout", None), self.page_size, len(slots)
+        if self.mode != "halves" or n < 2 or any(b - a != ps for a, b in pairwise(slots)):
+            return None
+        if layout == "page_first":
+            rows = slice(slots[0], slots[0] + n * ps)            # token-major
+        elif layout in ("page_first_direct", "page_head"):
+            rows = slice(slots[0] // ps, slots[0] // ps + n)     # page-major
+        else:
+            return None
+        buf = self.pool.kv_buffer
+        halves = {"k": buf[0, rows], "v": buf[1, rows]}
+        if not all(h.is_contiguous() and h.numel() * h.element_size() == n * self.nbytes // 2
+                   for h in halves.values()):
+            return None
+        return {name: h.reshape(n, -1).view(torch.uint8) for name, h in halves.items()}
 
     def read(self, slot: int) -> PageViews:
         """The page at ``slot`` to store: views, or a copy in ``"copy"`` mode."""

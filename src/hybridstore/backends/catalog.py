@@ -162,12 +162,28 @@ class Catalog:
             raw = txn.get(bytes(key))
         return None if raw is None else CatalogRecord.unpack(raw)
 
-    def items(self) -> Iterator[tuple[bytes, CatalogRecord]]:
-        """Every ``(key, record)`` (a snapshot taken in one read transaction)."""
+    def items(self, damaged: list[tuple[bytes, str]] | None = None
+              ) -> Iterator[tuple[bytes, CatalogRecord]]:
+        """Every ``(key, record)`` (a snapshot taken in one read transaction).
+
+        Args:
+            damaged: where records that do not decode go, as ``(key, reason)``,
+                instead of raising (recovery drops exactly those).
+
+        Raises:
+            CatalogError: a record does not decode and ``damaged`` is ``None``.
+        """
         with self._lock, self._env.begin(db=self._objects) as txn:
             raw_items = [(bytes(k), bytes(v)) for k, v in txn.cursor()]
         for key, raw in raw_items:
-            yield key, CatalogRecord.unpack(raw)
+            try:
+                rec = CatalogRecord.unpack(raw)
+            except CatalogError as e:
+                if damaged is None:
+                    raise
+                damaged.append((key, str(e)))
+                continue
+            yield key, rec
 
     def __len__(self) -> int:
         with self._lock, self._env.begin(db=self._objects) as txn:

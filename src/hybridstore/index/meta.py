@@ -50,7 +50,14 @@ def decode(meta: bytes) -> PageMeta | StateMeta:
                            "the disk tier was written by another version: point disk_path elsewhere")
     if meta[1] == ObjectKind.PAGE:
         _, _, block, ntok, parent = _PAGE.unpack_from(meta)
+        if block < 0 or ntok < 1:
+            raise CatalogError(f"page meta with block {block} and {ntok} tokens is damaged")
         return PageMeta(block, ntok, parent)
+    if meta[1] != ObjectKind.STATE:
+        raise CatalogError(f"object meta of unknown kind {meta[1]} is damaged")
     _, _, position, ncovers, base = _STATE.unpack_from(meta)
+    if position < 1 or len(meta) != _STATE.size + ncovers * _COVER.size:
+        raise CatalogError(f"state meta at position {position} with {ncovers} covers in "
+                           f"{len(meta)} bytes is damaged")
     covers = tuple(_COVER.unpack_from(meta, _STATE.size + i * _COVER.size) for i in range(ncovers))
     return StateMeta(position, base, covers)

@@ -28,6 +28,7 @@ The facade holds the lock and the counters and delegates to the layers of
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,6 +41,7 @@ from hybridstore.backends.base import Tier
 from hybridstore.backends.host import HostPool
 from hybridstore.config import StoreConfig
 from hybridstore.errors import (
+    CatalogError,
     InvalidTokensError,
     MisalignedPageError,
     NamespaceError,
@@ -53,7 +55,7 @@ from hybridstore.index import meta
 from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import HybridIndex, ResumePlan
 from hybridstore.layout import Layout, batch_row, batch_rows
-from hybridstore.objects import TIER_BITS, ObjectKind
+from hybridstore.objects import TIER_BITS, ObjectKind, key_kind
 from hybridstore.policy import admission_policy, eviction_policy
 from hybridstore.policy.base import AdmissionPolicy, EvictionPolicy, PlacementPolicy
 from hybridstore.policy.placement import RequestEnd
@@ -63,6 +65,8 @@ from hybridstore.store.evictor import Evictor
 from hybridstore.store.landing import LAYOUT_INFO, Landing
 from hybridstore.store.loader import Loader
 from hybridstore.store.residency import Residency
+
+log = logging.getLogger("hybridstore.store")
 
 NAMESPACE_INFO = "namespace"
 """The disk tier's info blob that records the root key of the namespace owning it."""
@@ -167,15 +171,38 @@ class HybridStore:
                 "open it with the namespace that created it, or give this one its own disk_path")
 
     def _reopen(self) -> None:
-        """Make every object the disk tier kept matchable again (pages first)."""
+        """Make every object the disk tier kept matchable again (pages first).
+
+        Damage costs exactly the damaged objects: an entry whose metadata does not
+        decode is deleted with a logged reason, and a damaged layout record costs the
+        objects of its kind (their bytes cannot be interpreted without it).
+        """
         disk = self.tiers["disk"]
+        lost: set[ObjectKind] = set()
         for kind in (ObjectKind.PAGE, ObjectKind.STATE):
             raw = disk.get_info(LAYOUT_INFO[kind])
             if raw is not None:
-                self._layouts[kind] = Layout.from_json(raw)
+                try:
+                    self._layouts[kind] = Layout.from_json(raw)
+                except CatalogError as e:
+                    log.warning("disk tier %s: the %s layout record is damaged (%s); dropping "
+                                "every %s object", self.config.disk_path, kind.name.lower(), e,
+                                kind.name.lower())
+                    lost.add(kind)
         states = []
+        damaged = []
         for key, nbytes, blob in disk.entries():
-            info = meta.decode(blob)
+            try:
+                info = meta.decode(blob)
+            except CatalogError as e:
+                log.warning("disk tier %s: dropping object %s: %s", self.config.disk_path,
+                            key.hex(), e)
+                damaged.append(key)
+                continue
+            kind = ObjectKind.PAGE if isinstance(info, meta.PageMeta) else ObjectKind.STATE
+            if kind in lost or key_kind(key) != kind:
+                damaged.append(key)
+                continue
             if isinstance(info, meta.PageMeta):
                 self.index.restore_page(key[1:], info.block, info.ntok, info.parent_key, "disk", nbytes)
                 self._res.added("disk", ObjectKind.PAGE, 1, disk.charge(nbytes))
@@ -185,6 +212,8 @@ class HybridStore:
             self.index.restore_checkpoint(key[1:], state.position, state.base_key, state.covers,
                                           "disk", nbytes)
             self._res.added("disk", ObjectKind.STATE, 1, disk.charge(nbytes))
+        if damaged:
+            disk.delete_many(damaged)
 
     # -- keys -------------------------------------------------------------------------
     def prefix(self, tokens: Any) -> PrefixKeys:

@@ -10,6 +10,7 @@ in flight; a corrupt object is dropped from the catalog and raises
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, cast
@@ -163,6 +164,10 @@ class _ReadPath(_TierState):
         except BaseException as e:
             if isinstance(e, BackendIOError):
                 _with_key(e, items[0][0])
+                try:
+                    self._drop_truncated(items, e)
+                except CorruptObjectError as c:
+                    e = c
             error = error or e
         finally:
             for _, obj in items:
@@ -186,6 +191,7 @@ class _ReadPath(_TierState):
                                   self._verify)
             except BackendIOError as e:
                 _with_key(e, key)
+                self._drop_truncated([(key, obj)], e)
                 raise
             if self._verify and got != rec.checksum:
                 self._drop_corrupt(key, obj, got)
@@ -196,7 +202,8 @@ class _ReadPath(_TierState):
         finally:
             self._unpin(obj.extent)
 
-    def _drop_corrupt(self, key: bytes, obj: _Object, got: int) -> None:
+    def _drop(self, key: bytes, obj: _Object, reason: str) -> None:
+        """Forget a damaged object: catalog entry, extent, and a logged reason."""
         rec = obj.record
         with self._catalog_lock:
             with self._lock:
@@ -207,10 +214,39 @@ class _ReadPath(_TierState):
                     del self._objects[key]
                     self._release(obj.extent)
                     self._counters["corrupt_dropped"] += 1
-        log.warning("disk tier %s: object %s (%d bytes at %s offset %d) failed its checksum "
-                    "(expected %016x, got %016x); dropped it from the catalog",
-                    self.path, key.hex(), rec.length, segment_name(rec.segment), rec.offset,
-                    rec.checksum, got)
+        log.warning("disk tier %s: object %s (%d bytes at %s offset %d) %s; dropped it from "
+                    "the catalog", self.path, key.hex(), rec.length, segment_name(rec.segment),
+                    rec.offset, reason)
+
+    def _drop_truncated(self, items: list[tuple[bytes, _Object]], error: BackendIOError) -> None:
+        """After a failed read, drop the objects that lie past their segment file's end (a
+        file truncated under the running tier: the read would fail forever).
+
+        Raises:
+            CorruptObjectError: some objects were dropped (the first one's key).
+        """
+        if error.got is None or error.expected is None or error.got >= error.expected:
+            return
+        lost = []
+        for key, obj in items:
+            rec = obj.record
+            try:
+                size = os.stat(self._segment_path(rec.segment)).st_size
+            except OSError:
+                size = 0
+            if rec.offset + rec.length > size:
+                self._drop(key, obj, f"lies past the end of its {size}-byte segment file "
+                                     "(truncated)")
+                lost.append(key)
+        if lost:
+            raise CorruptObjectError(f"{len(lost)} objects on the disk tier at {self.path} lie "
+                                     "past the end of their truncated segment file; they were "
+                                     "dropped: recompute them and put them again",
+                                     key=lost[0]) from error
+
+    def _drop_corrupt(self, key: bytes, obj: _Object, got: int) -> None:
+        rec = obj.record
+        self._drop(key, obj, f"failed its checksum (expected {rec.checksum:016x}, got {got:016x})")
         raise CorruptObjectError(f"object {key.hex()} on the disk tier at {self.path} is corrupt "
                                  f"(checksum {got:016x}, expected {rec.checksum:016x}); it was "
                                  "dropped: recompute it and put it again",

@@ -43,7 +43,8 @@ class _Recovery(_TierState):
     def _recover(self) -> None:
         """Make every sound catalog entry visible again; drop the rest with a reason."""
         dropped: list[bytes] = []
-        for key, rec in self.catalog.items():
+        damaged: list[tuple[bytes, str]] = []
+        for key, rec in self.catalog.items(damaged):
             reason = self._check_record(key, rec)
             if reason is None:
                 extent = Extent(rec.segment, rec.offset, rec.slot_length)
@@ -57,6 +58,10 @@ class _Recovery(_TierState):
                 log.warning("disk tier %s: dropping object %s from the catalog: %s",
                             self.path, key.hex(), reason)
                 dropped.append(key)
+        for key, reason in damaged:
+            log.warning("disk tier %s: dropping object %s from the catalog: its record is "
+                        "damaged (%s)", self.path, key.hex(), reason)
+            dropped.append(key)
         self.catalog.delete_many(dropped)
         self._counters["recovered_objects"] = len(self._objects)
         self._counters["recovery_dropped"] = len(dropped)
@@ -65,7 +70,7 @@ class _Recovery(_TierState):
     def _check_record(self, key: bytes, rec: CatalogRecord) -> str | None:
         if len(key) != OBJECT_KEY_BYTES:
             return f"its key has {len(key)} bytes, not {OBJECT_KEY_BYTES}"
-        if rec.length > rec.slot_length or rec.offset % ALIGN:
+        if not 0 < rec.length <= rec.slot_length or rec.offset % ALIGN:
             return f"its record is malformed ({rec.length} bytes in a {rec.slot_length}-byte " \
                    f"slot at offset {rec.offset})"
         path = self._segment_path(rec.segment)
