@@ -143,9 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--plot", default=None, help="write the figures here (PNG)")
     eng.add_argument("--dir", default=None, help="directory for the backends' files (default: a "
                                                  "temp dir)")
-    eng.add_argument("--quick", action="store_true", help="TP=1, small batches, 2 reps (~1 min)")
+    eng.add_argument("--quick", action="store_true", help="TP=4 shards, 8-page batches, 2 reps, a "
+                                                          "small synthetic trace (~1 min)")
     eng.add_argument("--tp", default=None, help="TP sizes to measure, e.g. 1,4 (default: 1,4; "
-                                                "quick: 1)")
+                                                "quick: 4)")
     eng.add_argument("--trace", default=None, help="trace spec of the policy replay (default: "
                                                    "the bundled WEKA sample)")
     eng.add_argument("--requests", type=int, default=None, help="requests of the policy replay")

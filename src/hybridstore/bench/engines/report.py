@@ -71,7 +71,7 @@ def print_report(doc: dict[str, Any], console: Any) -> None:
     for col in ("engine", "op", "cache", "geom", "run", "batch", "ratio", "min", "max"):
         q.add_column(col, justify="left" if col in ("engine", "op", "cache") else "right")
     for r in doc["ratios"]:
-        q.add_row(r["engine"], r["op"], r["cache"], r["geometry"], r["run"], str(r["batch_objects"]),
+        q.add_row(r["engine"], r["op"], r["cache"], r["geometry"], r.get("run", ""), str(r["batch_objects"]),
                   f"{r['ratio']:.2f}x", f"{r['ratio_min']:.2f}", f"{r['ratio_max']:.2f}")
     console.print(q)
     d = doc["device_limit"]
@@ -108,10 +108,8 @@ def plot(doc: dict[str, Any], path: str) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
     colour = {doc["ours"]: "C2", "HiCacheFile": "C0", "fs": "C1"}
-    rows = [r for r in doc["rows"] if r["op"] in ("batch_set", "batch_get", "submit_store",
-                                                  "submit_load", "batch_set_v2[mamba]",
-                                                  "batch_get_v2[mamba]")]
-    labels = sorted({(r["engine"], r["op"], r["cache"], r["geometry"], r["run"]) for r in rows})
+    rows = doc["rows"]
+    labels = sorted({(r["engine"], r["op"], r["cache"], r["geometry"], r.get("run", "")) for r in rows})
     backends = sorted({r["backend"] for r in rows})
     ax = axes[0]
     width = 0.8 / max(1, len(backends))
@@ -119,7 +117,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
         vals = []
         for lab in labels:
             hit = [r["gbps"] for r in rows if (r["engine"], r["op"], r["cache"], r["geometry"],
-                                               r["run"]) == lab and r["backend"] == b]
+                                               r.get("run", "")) == lab and r["backend"] == b]
             vals.append(hit[0] if hit else 0.0)
         ax.barh([i + k * width for i in range(len(labels))], vals, height=width, label=b,
                 color=colour.get(b))
@@ -133,7 +131,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax.barh(range(len(large)), [x["gbps"] for x in large],
             color=[colour.get(x["backend"], "C7") for x in large])
     ax.set_yticks(range(len(large)))
-    ax.set_yticklabels([f"{x['engine']} {x['backend']} {x['cache']} {x['geometry']} "
+    ax.set_yticklabels([f"{x['engine']} {x['backend']} {x['op']} {x['cache']} {x['geometry']} "
                         f"{fmt_bytes(x['batch_bytes'])}" for x in large], fontsize=6)
     read = doc["device_limit"].get("read_gbps")
     if read:
@@ -150,7 +148,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]}")
     ax.set_xlabel("SSD budget / footprint of the replay")
     ax.set_ylabel("token hit rate (restorable prefix)")
-    ax.set_title(f"policy: {doc['policy']['trace']}")
+    ax.set_title(f"policy: {str(doc['policy']['trace']).split('?')[0]}, same SSD budget")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
