@@ -50,6 +50,7 @@ from hybridstore.bench.common import (
 )
 from hybridstore.bench.device import measure_device
 from hybridstore.bench.engines.series import paired_ratios
+from hybridstore.bench.odirect import IoJob
 
 __all__ = ["run_engines_bench"]
 
@@ -152,6 +153,7 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
     drops: list[dict[str, Any]] = []
     restart: list[dict[str, Any]] = []
     policy_runs: list[dict[str, Any]] = []
+    device_now: list[dict[str, Any]] = []
     steps = (3 + len(tps) * len(plan) * 2 * (reps + warmup + 1)
              + len(budgets) * (1 + 2 * (len(sgl_names) > 1)) * (n_requests // 25 + 1) + 2)
     device: dict[str, Any] = {}
@@ -173,6 +175,8 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
             device = measure_device(test_file, file_bytes, quick, use_fio, step, issues,
                                     cell_seconds=0.1 if quick else 0.5)
             os.unlink(test_file)
+            ref = device["reference_job"]
+            ref_job = IoJob("read", ref["block_bytes"], ref["iodepth"])
             phase("ssd_limit")
             step("importing SGLang")
             S.sgl()
@@ -181,13 +185,16 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
                 g = QWEN3_NEXT.geometry(t)
                 for batch, n_pages, n_states in plan:
                     run = pages.SglPageRun(g, batch=batch, n_pages=n_pages, n_states=n_states,
-                                           root=root, names=sgl_names, issues=issues)
+                                           root=root, names=sgl_names, issues=issues,
+                                           ref_job=ref_job)
                     try:
                         for r in range(warmup + reps):
                             run.rep(r, r >= warmup, step, last=r == warmup + reps - 1)
                     finally:
                         run.close()
                     series += run.series.values()
+                    device_now.append({"engine": "sglang", "geometry": g.label,
+                                       "run": f"b{batch}", "gbps": run.device_now})
                     drops += [{"engine": "sglang", "geometry": g.label, "batch": batch, **d}
                               for d in run.drops]
                     restart.append({"engine": "sglang", "geometry": g.label, "batch": batch,
@@ -202,13 +209,16 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
                 g = QWEN3_NEXT.geometry(t)
                 for batch, n_pages, _ in plan:
                     vrun = jobs.VllmJobRun(g, job_chunks=batch, n_chunks=n_pages, root=root,
-                                           names=vllm_names, issues=issues, reps=warmup + reps)
+                                           names=vllm_names, issues=issues, reps=warmup + reps,
+                                           ref_job=ref_job)
                     try:
                         for r in range(warmup + reps):
                             vrun.rep(r, r >= warmup, step, last=r == warmup + reps - 1)
                     finally:
                         vrun.close()
                     series += vrun.series.values()
+                    device_now.append({"engine": "vllm", "geometry": g.label,
+                                       "run": f"j{batch}", "gbps": vrun.device_now})
                     drops += [{"engine": "vllm", "geometry": g.label, "batch": batch, **d}
                               for d in vrun.drops]
                     restart.append({"engine": "vllm", "geometry": g.label, "batch": batch,
@@ -234,7 +244,7 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
     ratios = (paired_ratios([s for s in series if s.engine == "sglang"], S.OURS, S.BUILTIN,
                             across={"batch_set_v1": "batch_set", "batch_get_v1": "batch_get"})
               + paired_ratios([s for s in series if s.engine == "vllm"], V.OURS, V.BUILTIN))
-    large = report.large_batches(rows, device.get("read_gbps"))
+    large = report.large_batches(rows, device.get("read_gbps"), device_now)
     doc: dict[str, Any] = {
         "machine": machine_info(),
         "versions": {"sglang": S.sglang_version(), "vllm": V.vllm_version(),
@@ -255,6 +265,7 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
                                          "directory, caches dropped, load"}},
         "disk": {"dir": root, "fs_type": fs_type(os.path.dirname(root) or ".")},
         "device_limit": {k: v for k, v in device.items() if k != "matrix"},
+        "device_now": device_now,
         "ours": S.OURS,
         "rows": rows,
         "ratios": ratios,

@@ -24,7 +24,12 @@ import numpy as np
 
 from hybridstore.bench.engines import vtier as V
 from hybridstore.bench.engines.geometry import Geometry
-from hybridstore.bench.engines.pagecache import drop_dir, empty_host_tier, flush_store
+from hybridstore.bench.engines.pagecache import (
+    device_now,
+    drop_dir,
+    empty_host_tier,
+    flush_store,
+)
 from hybridstore.bench.engines.series import Series
 
 __all__ = ["VllmJobRun"]
@@ -42,13 +47,17 @@ class VllmJobRun:
     """vLLM tier job throughput at one chunk size and job size, for every tier."""
 
     def __init__(self, g: Geometry, *, job_chunks: int, n_chunks: int, root: str,
-                 names: list[str], issues: list[str], reps: int, seed: int = 0) -> None:
+                 names: list[str], issues: list[str], reps: int, seed: int = 0,
+                 ref_job: Any = None) -> None:
         v = V.vllm()
         self.g, self.job_chunks, self.n = g, job_chunks, n_chunks
         self.names, self.issues = names, issues
         self.chunk_bytes = chunk_bytes_of(g)
+        self.rep_bytes = n_chunks * self.chunk_bytes
         self.series: dict[tuple[str, str, str], Series] = {}
         self.drops: list[dict[str, Any]] = []
+        self.ref_job = ref_job
+        self.device_now: list[float] = []
         self.restart: dict[str, Any] = {}
         self.primary = V.Primary.make(2 * n_chunks, self.chunk_bytes)
         rng = np.random.default_rng(seed)
@@ -107,6 +116,11 @@ class VllmJobRun:
                  for n in self.names}
         if timed:
             self.drops.append({"rep": rep, **drops})
+        if timed and self.ref_job is not None and V.BUILTIN in self.dirs:
+            # the device on the data just written, now (O_DIRECT: no page cache filled)
+            got = device_now(self.dirs[V.BUILTIN], self.ref_job, max_bytes=self.rep_bytes)
+            if got is not None:
+                self.device_now.append(got)
         for name in order:
             self._run(name, keys, rep, "load", "cold", r)
         if last:

@@ -15,7 +15,7 @@ from typing import Any
 
 from hybridstore.bench import odirect
 
-__all__ = ["drop_dir", "empty_host_tier", "files_under", "flush_store"]
+__all__ = ["device_now", "drop_dir", "empty_host_tier", "files_under", "flush_store"]
 
 _SAMPLE = 64
 
@@ -98,3 +98,23 @@ def flush_store(backend: Any) -> float | None:
     t0 = time.perf_counter()
     store.flush()
     return time.perf_counter() - t0
+
+
+def device_now(root: str, job: Any, *, max_bytes: int) -> float | None:
+    """GB/s of O_DIRECT reads of the files under ``root`` right now (the in-run device reference).
+
+    Our O_DIRECT thread pool (:func:`hybridstore.bench.odirect.pool_run`) at the
+    SSD limit's best read cell (``job``: block size, queue depth), over the
+    4 KiB-aligned part of every file of at least 4 KiB, up to ``max_bytes``: what
+    the disk delivers for the very data the backends just wrote (a cache below
+    the machine included, if there is one).  ``None`` when there is nothing to read.
+    """
+    extents = []
+    for p in files_under(root):
+        n = os.path.getsize(p) // 4096 * 4096
+        if n:
+            extents.append((p, 0, n))
+    if not extents:
+        return None
+    total = min(max_bytes, sum(n for _, _, n in extents))
+    return float(odirect.pool_run(None, job, extents=extents, total_bytes=total)["gbps"])

@@ -19,6 +19,8 @@ bytes and a directory of its own:
    after the store; ours also ``batch_get_v1`` straight into the host pool;
 4. **load (cold)**: the same after ``posix_fadvise(DONTNEED)`` of every file both
    backends wrote (``mincore`` before/after) and our DRAM tier emptied;
+   Before the cold loads the O_DIRECT pool reads HiCacheFile's just-written files at
+   the SSD limit's best cell (``device_now``: the device on this data, now);
 5. in the last repetition, **load (restart)**: each backend closed, a new one
    opened over the same directory, caches dropped again, the same loads.
 
@@ -38,7 +40,12 @@ import torch
 
 from hybridstore.bench.engines import sgl as S
 from hybridstore.bench.engines.geometry import Geometry
-from hybridstore.bench.engines.pagecache import drop_dir, empty_host_tier, flush_store
+from hybridstore.bench.engines.pagecache import (
+    device_now,
+    drop_dir,
+    empty_host_tier,
+    flush_store,
+)
 from hybridstore.bench.engines.series import Series
 
 __all__ = ["SglPageRun"]
@@ -54,12 +61,15 @@ class SglPageRun:
     """SGLang page/state throughput at one geometry and batch size, for every backend."""
 
     def __init__(self, g: Geometry, *, batch: int, n_pages: int, n_states: int, root: str,
-                 names: list[str], issues: list[str], seed: int = 0) -> None:
+                 names: list[str], issues: list[str], seed: int = 0,
+                 ref_job: Any = None) -> None:
         s = S.sgl()
         self.g, self.batch, self.n_pages, self.n_states = g, batch, n_pages, n_states
         self.names, self.issues = names, issues
         self.series: dict[tuple[str, str, str], Series] = {}
         self.drops: list[dict[str, Any]] = []
+        self.ref_job = ref_job
+        self.device_now: list[float] = []
         self.restart: dict[str, Any] = {}
         ps = g.page_tokens
         # host pages: [0, n) stored, [n, 2n) loaded into (legacy and v1 alike)
@@ -83,6 +93,7 @@ class SglPageRun:
         self.gen = torch.Generator().manual_seed(seed + 1)
         self.dirs = {n: os.path.join(root, f"sgl-{n}-{g.label}-b{batch}") for n in names}
         rep_bytes = 2 * n_pages * g.kv_page_bytes + n_states * g.state_bytes  # legacy + v1
+        self.rep_bytes = n_pages * g.kv_page_bytes
         # ours: a DRAM tier that holds a repetition (as the page cache can for HiCacheFile)
         self.extras = {
             n: (S.builtin_extra(self.dirs[n]) if n == S.BUILTIN
@@ -143,6 +154,11 @@ class SglPageRun:
                  for n in self.names}
         if timed:
             self.drops.append({"rep": rep, **drops})
+        if timed and self.ref_job is not None and S.BUILTIN in self.dirs:
+            # the device on the data just written, now (O_DIRECT: no page cache filled)
+            got = device_now(self.dirs[S.BUILTIN], self.ref_job, max_bytes=self.rep_bytes)
+            if got is not None:
+                self.device_now.append(got)
         for name in order:
             self._load(name, keys, "cold", r)
             if name != S.BUILTIN:
