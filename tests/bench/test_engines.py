@@ -120,6 +120,11 @@ def test_large_batches_against_the_ssd(run) -> None:
     assert large and all(x["batch_bytes"] >= 4 << 20 for x in large)
     for x in large:
         assert x["share_of_ssd"] == pytest.approx(x["gbps"] / dl["read_gbps"])
+    # the pool read the built-in backends' just-written files in every timed repetition
+    now = {(d["engine"], d["run"]): d["gbps"] for d in doc["device_now"]}
+    assert set(now) == {("sglang", "b8"), ("vllm", "j8")}
+    assert all(len(v) == doc["config"]["reps"] and min(v) > 0 for v in now.values())
+    assert all(x["share_of_device_now"] > 0 for x in large)
 
 
 def test_policy_hit_rates(run) -> None:
