@@ -11,14 +11,15 @@ does not.  The short self-check stays in the package: ``hybridstore bench core``
 * :mod:`benchmarks.index`: ``put`` / ``match`` / ``evict`` against prompt
   length and cached blocks, side by side with SGLang's radix cache and vLLM's
   block hashing (:mod:`benchmarks.peers`), hashing, memory per block.
-* :mod:`benchmarks.odirect`: fio and an O_DIRECT thread pool of our own.
 
 Shared with ``bench core``: :mod:`hybridstore.bench.common` (statistics,
-timing, machine facts, aligned buffers, file-system probes) and
+timing, machine facts, aligned buffers, file-system probes),
+:mod:`hybridstore.bench.odirect` and :mod:`hybridstore.bench.device` (fio, an
+O_DIRECT thread pool of our own, page-cache drop / mincore; the device limit), and
 :mod:`hybridstore.bench.index_figures` (the 128K match, hashing and index-memory
 figures).  See ``benchmarks/README.md`` for what each needs.
 """
 
 from __future__ import annotations
 
-__all__ = ["index", "odirect", "peers", "ssd"]
+__all__ = ["index", "peers", "ssd"]

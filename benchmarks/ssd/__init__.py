@@ -5,7 +5,7 @@ What is measured, in order, all on the file system of ``--dir``:
 1. **Device limit.**  O_DIRECT sequential and random reads and writes at
    several block sizes and queue depths on a test file: with fio (``libaio``,
    ``direct=1``, one stonewalled job per cell) when ``fio`` is on ``PATH``, else
-   with an O_DIRECT thread pool of our own (:mod:`benchmarks.odirect`).
+   with an O_DIRECT thread pool of our own (:mod:`hybridstore.bench.odirect`).
    ``read_gbps``/``write_gbps`` are the best cells.
 2. **Object paths.**  For each object size (4 KiB to 256 MiB, including a
    Qwen3.5-9B recurrent-state checkpoint of 50 MB and one of its 576-token KV
@@ -51,7 +51,7 @@ summed wall time of their ops (1e9 bytes/s), median over repetitions;
 ``p50_ms``/``p99_ms`` are per op, over all repetitions.
 
 Modules, in the order the benchmark runs them: ``sizes`` (object sizes),
-``device`` (the device limit), ``paths`` (one class per way of reading and
+``hybridstore.bench.device`` (the device limit), ``paths`` (one class per way of reading and
 writing), ``runs`` (one object size through every path; ``rows`` holds the
 timings), ``host`` (the host pool), ``report`` (ratios, table, plot) and
 ``run`` (:func:`run_ssd_bench`); ``availability`` says what can run here.

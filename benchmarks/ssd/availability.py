@@ -6,7 +6,7 @@ import contextlib
 import os
 from typing import Any
 
-from benchmarks import odirect
+from hybridstore.bench import odirect
 
 
 def _libcuda_path() -> str | None:

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import odirect
 from benchmarks.ssd.rows import ObjectSet, npy_offset
 from hybridstore.backends.engines import fsync_path
+from hybridstore.bench import odirect
 
 
 class ObjectPath:

@@ -13,8 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import odirect
-from benchmarks.odirect import IoJob
 from benchmarks.ssd.availability import (
     block_device,
     cuda_available,
@@ -24,7 +22,6 @@ from benchmarks.ssd.availability import (
     kvikio_state,
     versions,
 )
-from benchmarks.ssd.device import device_matrix, measure_device
 from benchmarks.ssd.host import bench_host
 from benchmarks.ssd.paths import (
     DaliPath,
@@ -37,6 +34,7 @@ from benchmarks.ssd.paths import (
 from benchmarks.ssd.report import plot_results, print_report, ratios, target_summary
 from benchmarks.ssd.runs import Bench, SizeRun, cpu_times, objects_per_size, steal_share
 from benchmarks.ssd.sizes import CKPT_BYTES, FULL_SIZES, KIB, MIB, OURS, QUICK_SIZES
+from hybridstore.bench import odirect
 from hybridstore.bench.common import (
     emit,
     fs_type,
@@ -45,6 +43,8 @@ from hybridstore.bench.common import (
     o_direct_works,
     progress,
 )
+from hybridstore.bench.device import device_matrix, measure_device
+from hybridstore.bench.odirect import IoJob
 
 
 def run_ssd_bench(json_path: str | None = None, disk_dir: str | None = None, *,

@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from benchmarks import odirect
-from benchmarks.odirect import IoJob
 from benchmarks.ssd.paths import (
     FilePath,
     NumpyPath,
@@ -22,7 +20,9 @@ from benchmarks.ssd.paths import (
 )
 from benchmarks.ssd.rows import ObjectSet, Row
 from benchmarks.ssd.sizes import OURS, size_label
+from hybridstore.bench import odirect
 from hybridstore.bench.common import aligned, no_gc
+from hybridstore.bench.odirect import IoJob
 
 
 class SizeRun:

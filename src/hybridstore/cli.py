@@ -1,4 +1,4 @@
-"""The ``hybridstore`` command line: ``demo``, ``replay`` and ``bench core``.
+"""The ``hybridstore`` command line: ``demo``, ``replay``, ``bench core`` and ``bench engines``.
 
 The research benchmarks (``ssd``, ``index``) live outside the package, in the
 repository's ``benchmarks/``: ``python -m benchmarks ssd|index ...`` from a clone.
@@ -104,6 +104,16 @@ def _bench_core(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_engines(args: argparse.Namespace) -> int:
+    from hybridstore.bench.engines import run_engines_bench
+
+    tp = tuple(int(x) for x in args.tp.split(",")) if args.tp else None
+    run_engines_bench(json_path=args.json, plot_path=args.plot, disk_dir=args.dir, quick=args.quick,
+                      use_fio=not args.no_fio, tp=tp, policy_trace=args.trace,
+                      policy_requests=args.requests, print_json=not args.no_json_stdout)
+    return 0
+
+
 MOVED_BENCHES = ("ssd", "index")
 """Benchmarks that moved to the repository's top-level ``benchmarks/`` (not installed)."""
 
@@ -165,6 +175,24 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--dir", default=None, help="directory for the disk tier (default: a temp dir)")
     core.add_argument("--quick", action="store_true", help="fewer repetitions")
     core.set_defaults(func=_bench_core)
+    eng = bsub.add_parser("engines", help="hybridstore vs SGLang's HiCacheFile and vLLM's fs tier "
+                                          "through the engines' own storage interfaces; cold "
+                                          "reads, the SSD limit, hit rate under a budget")
+    eng.add_argument("--json", default=None, help="write the results here as JSON")
+    eng.add_argument("--plot", default=None, help="write the figures here (PNG)")
+    eng.add_argument("--dir", default=None, help="directory for the backends' files (default: a "
+                                                 "temp dir)")
+    eng.add_argument("--quick", action="store_true", help="TP=4 shards, 8-page batches, 2 reps, a "
+                                                          "small synthetic trace (~1 min)")
+    eng.add_argument("--tp", default=None, help="TP sizes to measure, e.g. 1,4 (default: 1,4; "
+                                                "quick: 4)")
+    eng.add_argument("--trace", default=None, help="trace spec of the policy replay (default: "
+                                                   "the bundled WEKA sample)")
+    eng.add_argument("--requests", type=int, default=None, help="requests of the policy replay")
+    eng.add_argument("--no-fio", action="store_true", help="measure the SSD with the built-in "
+                                                           "O_DIRECT pool, not fio")
+    eng.add_argument("--no-json-stdout", action="store_true", help="print only the table")
+    eng.set_defaults(func=_bench_engines)
     for name in MOVED_BENCHES:
         moved = bsub.add_parser(name, help=f"moved: python -m benchmarks {name} (from a clone)",
                                 add_help=False)

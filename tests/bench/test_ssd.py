@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import odirect
+from hybridstore.bench import odirect
 from benchmarks.__main__ import build_parser
 from benchmarks.ssd import CKPT_BYTES, KV_BLOCK_BYTES, OURS, parse_sizes, run_ssd_bench
-from benchmarks.ssd.device import TOOL_FIO, TOOL_POOL, measure_device
+from hybridstore.bench.device import TOOL_FIO, TOOL_POOL, measure_device
 
 KIB, MIB = 1 << 10, 1 << 20
 SIZES = [4 * KIB, 1 * MIB + 5]  # one unaligned size: tails and bounces on every path

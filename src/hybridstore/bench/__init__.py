@@ -8,11 +8,14 @@
 Shared pieces, also used by the research benchmarks in the repository's
 top-level ``benchmarks/`` (``python -m benchmarks ssd|index`` from a clone):
 :mod:`hybridstore.bench.common` (statistics, timing, machine facts, progress
-bar, aligned buffers, file-system probes) and
-:mod:`hybridstore.bench.index_figures` (the 128K match, hashing and
-index-memory figures both ``core`` and ``benchmarks index`` report).
+bar, aligned buffers, file-system probes),
+:mod:`hybridstore.bench.odirect` (fio, an O_DIRECT thread pool, page-cache
+drop and ``mincore``), :mod:`hybridstore.bench.device` (the SSD's read and
+write limit: fio or that pool) and :mod:`hybridstore.bench.index_figures`
+(the 128K match, hashing and index-memory figures both ``core`` and
+``benchmarks index`` report).
 """
 
 from __future__ import annotations
 
-__all__ = ["common", "core", "index_figures"]
+__all__ = ["common", "core", "device", "index_figures", "odirect"]

@@ -1,7 +1,7 @@
 """The device limit: O_DIRECT reads and writes over a matrix of block sizes and queue depths.
 
 With fio when it is installed (and allowed), else with the O_DIRECT thread pool of
-:mod:`benchmarks.odirect`; ``tool`` in the result says which measured it.
+:mod:`hybridstore.bench.odirect`; ``tool`` in the result says which measured it.
 """
 
 from __future__ import annotations
@@ -9,14 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import odirect
-from benchmarks.odirect import IoJob
-from benchmarks.ssd.sizes import KIB, MIB
-from hybridstore.bench.common import median
+from hybridstore.bench import odirect
+from hybridstore.bench.common import KIB, MIB, median
+from hybridstore.bench.odirect import IoJob
 
 TOOL_FIO = "fio"
 TOOL_POOL = "odirect-pool"
-"""``tool`` of the device limit: fio, or the O_DIRECT thread pool of :mod:`benchmarks.odirect`."""
+"""``tool`` of the device limit: fio, or the O_DIRECT thread pool of :mod:`hybridstore.bench.odirect`."""
 
 
 def device_matrix(quick: bool) -> list[IoJob]:

@@ -1,4 +1,4 @@
-"""Raw device measurements for ``python -m benchmarks ssd``: fio, and an O_DIRECT pool of our own.
+"""Raw device measurements (``python -m benchmarks ssd``, ``hybridstore bench engines``): fio and an O_DIRECT pool.
 
 * :func:`fio_matrix` runs one fio invocation (``libaio``, ``direct=1``) with one
   stonewalled job per ``(rw, block size, queue depth)`` and returns a row per job.

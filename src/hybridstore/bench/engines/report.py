@@ -1,0 +1,172 @@
+"""The report of ``hybridstore bench engines``: goals, the table and the figure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridstore.bench.common import fmt_bytes, median
+
+__all__ = ["GOAL_LARGE_BYTES", "GOAL_READ_SHARE", "GOAL_SPEEDUP", "goals", "plot", "print_report"]
+
+GOAL_SPEEDUP = 3.0          # issue 12: >= 3x the built-in file backends' page throughput
+GOAL_LARGE_BYTES = 4 << 20  # issue 12: batch loads of >= 4 MiB ...
+GOAL_READ_SHARE = 0.9       # ... at >= 90% of the SSD's read limit
+
+
+def large_batches(rows: list[dict[str, Any]], read_gbps: float | None,
+                  device_now: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Cold and restart batch loads of >= 4 MiB next to the SSD's read limit of this run.
+
+    ``share_of_ssd`` divides by the limit (fio or the pool on a test file, before the
+    runs); ``share_of_device_now`` by the median of the pool's O_DIRECT reads of the
+    built-in backend's just-written files in the same run (``device_now``).
+    """
+    now = {(d["engine"], d["geometry"], d["run"]): median(d["gbps"])
+           for d in device_now or [] if d["gbps"]}
+    out = []
+    for r in rows:
+        if (r["op"] in ("batch_get", "batch_get_v1", "submit_load") and r["cache"] in ("cold", "restart")
+                and r["batch_bytes"] >= GOAL_LARGE_BYTES):
+            share = r["gbps"] / read_gbps if read_gbps else None
+            dn = now.get((r["engine"], r["geometry"], r.get("run", "")))
+            out.append({k: r[k] for k in ("engine", "backend", "op", "cache", "geometry",
+                                          "batch_bytes", "gbps")}
+                       | {"run": r.get("run", ""), "ssd_read_gbps": read_gbps, "share_of_ssd": share,
+                          "goal_met": None if share is None else share >= GOAL_READ_SHARE,
+                          "device_now_gbps": dn,
+                          "share_of_device_now": r["gbps"] / dn if dn else None})
+    return out
+
+
+def goals(ratios: list[dict[str, Any]], large: list[dict[str, Any]], ours: str) -> dict[str, Any]:
+    """Issue 12's two goals against what was measured (page throughput ops only)."""
+    page_ops = [r for r in ratios if r["op"] in ("batch_set", "batch_get", "submit_store",
+                                                 "submit_load", "batch_set_v1/batch_set",
+                                                 "batch_get_v1/batch_get")]
+    worst = min(page_ops, key=lambda r: r["ratio"]) if page_ops else None
+    ours_large = [x for x in large if x["backend"] == ours and x["share_of_ssd"] is not None]
+    worst_large = min(ours_large, key=lambda x: x["share_of_ssd"]) if ours_large else None
+    ours_now = [x["share_of_device_now"] for x in large
+                if x["backend"] == ours and x["share_of_device_now"] is not None]
+    return {
+        "speedup_goal": GOAL_SPEEDUP,
+        "speedup_min": worst["ratio"] if worst else None,
+        "speedup_min_row": worst,
+        "speedup_met": None if worst is None else worst["ratio"] >= GOAL_SPEEDUP,
+        "speedup_met_rows": sum(r["ratio"] >= GOAL_SPEEDUP for r in page_ops),
+        "speedup_rows": len(page_ops),
+        "speedup_best": max((r["ratio"] for r in page_ops), default=None),
+        "large_batch_goal": GOAL_READ_SHARE,
+        "large_batch_min_share": worst_large["share_of_ssd"] if worst_large else None,
+        "large_batch_min_row": worst_large,
+        "large_batch_met": None if worst_large is None else
+        worst_large["share_of_ssd"] >= GOAL_READ_SHARE,
+        "large_batch_min_share_of_device_now": min(ours_now) if ours_now else None,
+        "large_batch_max_share_of_device_now": max(ours_now) if ours_now else None,
+    }
+
+
+def print_report(doc: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    t = Table(title="hybridstore bench engines: page/state throughput through each engine's "
+                    "storage interface (median of reps)")
+    for col in ("engine", "backend", "op", "cache", "geom", "object", "batch", "pages/s", "GB/s",
+                "+flush", "p50 ms", "p99 ms", "exact"):
+        t.add_column(col, justify="left" if col in ("engine", "backend", "op", "cache") else "right")
+    for r in doc["rows"]:
+        t.add_row(r["engine"], r["backend"], r["op"], r["cache"], r["geometry"],
+                  fmt_bytes(r["object_bytes"]), str(r["batch_objects"]),
+                  f"{r['objects_per_s']:.0f}", f"{r['gbps']:.3f}",
+                  f"{r['gbps_incl_flush']:.3f}" if "gbps_incl_flush" in r else "",
+                  f"{r['p50_ms']:.2f}",
+                  f"{r['p99_ms']:.2f}", str(r["bit_exact"]))
+    console.print(t)
+    q = Table(title="ours / built-in, same repetition (median)")
+    for col in ("engine", "op", "cache", "geom", "run", "batch", "ratio", "min", "max"):
+        q.add_column(col, justify="left" if col in ("engine", "op", "cache") else "right")
+    for r in doc["ratios"]:
+        q.add_row(r["engine"], r["op"], r["cache"], r["geometry"], r.get("run", ""), str(r["batch_objects"]),
+                  f"{r['ratio']:.2f}x", f"{r['ratio_min']:.2f}", f"{r['ratio_max']:.2f}")
+    console.print(q)
+    d = doc["device_limit"]
+    console.print(f"SSD read limit {d.get('read_gbps') or float('nan'):.2f} GB/s "
+                  f"({d.get('tool')}); large cold batch loads:")
+    for x in doc["large_batches"]:
+        share, now = x["share_of_ssd"], x["share_of_device_now"]
+        console.print(f"  {x['engine']:6} {x['backend']:12} {x['op']:12} {x['cache']:8} "
+                      f"{x['geometry']} {fmt_bytes(x['batch_bytes'])}: {x['gbps']:.2f} GB/s = "
+                      f"{'n/a' if share is None else f'{share:.0%}'} of the SSD limit, "
+                      f"{'n/a' if now is None else f'{now:.0%}'} of O_DIRECT reads of the "
+                      "same data now")
+    p = Table(title=f"token hit rate under an SSD byte budget ({doc['policy']['trace']})")
+    for col in ("backend", "policy", "budget", "share of footprint", "token hit rate", "s"):
+        p.add_column(col, justify="left" if col in ("backend", "policy") else "right")
+    for r in doc["policy"]["runs"]:
+        p.add_row(r["backend"], r["policy"], fmt_bytes(r["budget_bytes"]),
+                  f"{r['budget_share']:.0%}", f"{r['token_hit_rate']:.1%}", f"{r['seconds']:.1f}")
+    console.print(p)
+    g = doc["goals"]
+    console.print(f"goal >= {g['speedup_goal']}x page throughput: min {g['speedup_min']}, best "
+                  f"{g['speedup_best']}, met "
+                  f"{g['speedup_met_rows']}/{g['speedup_rows']} rows; goal >= "
+                  f"{g['large_batch_goal']:.0%} of the SSD for >= 4 MiB loads: min "
+                  f"{g['large_batch_min_share']}")
+    for issue in doc["issues"]:
+        console.print(f"[yellow]issue:[/yellow] {issue}")
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    """Three panels: GB/s per backend and op, large loads vs the SSD, hit rate vs budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
+    colour = {doc["ours"]: "C2", "HiCacheFile": "C0", "fs": "C1"}
+    rows = doc["rows"]
+    labels = sorted({(r["engine"], r["op"], r["cache"], r["geometry"], r.get("run", "")) for r in rows})
+    backends = sorted({r["backend"] for r in rows})
+    ax = axes[0]
+    width = 0.8 / max(1, len(backends))
+    for k, b in enumerate(backends):
+        vals = []
+        for lab in labels:
+            hit = [r["gbps"] for r in rows if (r["engine"], r["op"], r["cache"], r["geometry"],
+                                               r.get("run", "")) == lab and r["backend"] == b]
+            vals.append(hit[0] if hit else 0.0)
+        ax.barh([i + k * width for i in range(len(labels))], vals, height=width, label=b,
+                color=colour.get(b))
+    ax.set_yticks([i + 0.4 - width / 2 for i in range(len(labels))])
+    ax.set_yticklabels([f"{e} {o} {c} {g} {n}" for e, o, c, g, n in labels], fontsize=6)
+    ax.set_xlabel("GB/s (median of reps)")
+    ax.set_title("throughput through the engines' storage interfaces")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    large = doc["large_batches"]
+    ax.barh(range(len(large)), [x["gbps"] for x in large],
+            color=[colour.get(x["backend"], "C7") for x in large])
+    ax.set_yticks(range(len(large)))
+    ax.set_yticklabels([f"{x['engine']} {x['backend']} {x['op']} {x['cache']} {x['geometry']} "
+                        f"{fmt_bytes(x['batch_bytes'])}" for x in large], fontsize=6)
+    read = doc["device_limit"].get("read_gbps")
+    if read:
+        ax.axvline(read, color="k", linestyle="--", label=f"SSD read limit {read:.2f} GB/s")
+        ax.axvline(read * GOAL_READ_SHARE, color="g", linestyle=":", label="90% of it (goal)")
+        ax.legend(fontsize=7)
+    ax.set_xlabel("GB/s")
+    ax.set_title("cold batch loads >= 4 MiB vs the SSD")
+    ax = axes[2]
+    runs = doc["policy"]["runs"]
+    for key in sorted({(r["backend"], r["policy"]) for r in runs}):
+        pts = sorted((r["budget_share"], r["token_hit_rate"]) for r in runs
+                     if (r["backend"], r["policy"]) == key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]}")
+    ax.set_xlabel("SSD budget / footprint of the replay")
+    ax.set_ylabel("token hit rate (restorable prefix)")
+    ax.set_title(f"policy: {str(doc['policy']['trace']).split('?')[0]}, same SSD budget")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
