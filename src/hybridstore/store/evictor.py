@@ -119,16 +119,20 @@ class Evictor:
         free bytes in total may still refuse a slot: free more and try again.
         """
         t = self.res.tiers[tier]
-        for round_ in range(1, 5):
+        for round_ in range(1, 6):
             try:
                 return attempt()
             except ObjectTooLargeError:
                 raise
             except CapacityError:
-                if round_ == 4:
+                if round_ == 5:
                     raise
                 self.copies.drain()
-                if not self.evict(tier, t.charge(nbytes) + round_ * t.capacity_bytes // 16):
+                # the last round frees whatever the policy and pins allow: a put refused
+                # for fragmentation costs more than an over-eager eviction
+                want = (t.capacity_bytes if round_ == 4 else
+                        t.charge(nbytes) + round_ * t.capacity_bytes // 16)
+                if not self.evict(tier, want):
                     self.copies.wait_pending()
         raise AssertionError("unreachable")
 
