@@ -175,18 +175,32 @@ class HybridStoreTier(SecondaryTierManager):
     def _load(self, job: TransferJob, plans: list[ResumePlan | None]
               ) -> tuple[list[OffloadKey], int]:
         done, nbytes = [], 0
-        for key, c, plan in zip(list(job.keys), job.chunk_ids.tolist(), plans):
-            if plan is None:     # promoted without a lookup of ours in this request
-                plan = self.store.match_pages(self._prompt(key))
-            try:
-                if len(plan.pages) == 1:
-                    self.store.load(plan, into=([self._primary[c]], None)).result()
+        started: list[tuple[OffloadKey, ResumePlan, Future]] = []
+        try:
+            # every chunk's load is started first: they run in parallel on the store's
+            # load threads and the disk tier's I/O threads, then are waited for in order
+            for key, c, plan in zip(list(job.keys), job.chunk_ids.tolist(), plans):
+                if plan is None:     # promoted without a lookup of ours in this request
+                    plan = self.store.match_pages(self._prompt(key))
+                try:
+                    if len(plan.pages) != 1:
+                        self.store.release(plan)
+                        continue
+                    started.append((key, plan, self.store.load(plan, into=([self._primary[c]],
+                                                                            None))))
+                except HybridStoreError:
+                    log.exception("HybridStoreTier: cannot load a chunk")
+                    self.store.release(plan)
+        finally:
+            for key, plan, fut in started:
+                try:
+                    fut.result()
                     done.append(key)
                     nbytes += self._primary.shape[1]
-            except HybridStoreError:
-                log.exception("HybridStoreTier: cannot load a chunk")
-            finally:
-                self.store.release(plan)
+                except HybridStoreError:
+                    log.exception("HybridStoreTier: cannot load a chunk")
+                finally:
+                    self.store.release(plan)
         return done, nbytes
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
