@@ -295,3 +295,33 @@ def test_a_large_object_lands_in_a_fragmented_pool():
             assert plan.position == B
             assert np.array_equal(store.load(plan).result()[1]["s"], state)
             store.release(plan)
+
+
+def test_a_write_through_copy_without_room_below_never_fails_the_put(tmp_path):
+    """The SIGKILL harness found it: under the partition tier policy and a small disk
+    budget whose page partition held only pages retained checkpoints need, a put raised
+    CapacityError from its write-through copy, though it had landed in DRAM; with the copy
+    skipped, DRAM's own page partition then filled with needed pages the same way.  Now a
+    write-through copy is best effort (skipped, counted, logged once) and a partition that
+    frees nothing by itself evicts the checkpoints that hold its pages."""
+    cfg = StoreConfig(block_size=B, host_bytes=64 * 4096, disk_path=str(tmp_path / "hs"),
+                      disk_bytes=32 * 4096, tier_policy="partition")
+    rng = np.random.default_rng(3)
+    last = None
+    with HybridStore(cfg) as store:
+        for r in range(60):
+            tokens = np.arange(r * 1000, r * 1000 + 6 * B)
+            pages = [rng.integers(0, 256, 2048, dtype=np.uint8) for _ in range(6)]
+            state = rng.integers(0, 256, 600, dtype=np.uint8)
+            assert store.put_kv(tokens, pages) == 6          # never raises
+            assert store.put_state(tokens, state)
+            last = (tokens, pages, state)
+        store.flush()
+        assert store.stats()["skipped_copies"] > 0
+        tokens, pages, state = last
+        plan = store.match(tokens)
+        got, st = store.load(plan).result()
+        store.release(plan)
+        assert plan.position == len(tokens)
+        assert all(np.array_equal(x, y) for x, y in zip(got, pages)) and np.array_equal(st, state)
+        assert store.index.check_refcounts()

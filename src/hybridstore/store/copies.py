@@ -21,6 +21,7 @@ from functools import partial
 import numpy as np
 
 from hybridstore.backends.base import done_future
+from hybridstore.errors import CapacityError
 from hybridstore.index.trie import Checkpoint
 from hybridstore.objects import TIER_BITS, ObjectKey, ObjectKind, object_key
 from hybridstore.store.residency import Residency, RoomMaker
@@ -47,12 +48,35 @@ class TierCopies:
         self._completed: deque[tuple[ObjectKey, str, Future]] = deque()
         self.closed = False
         """Set when the store closes: completions are then no longer applied."""
+        self.skipped_copies = 0
+        """Write-through copies dropped for want of room below (:meth:`skipped`)."""
+        self._warned_skip = False
 
     def placed(self, okey: ObjectKey, kind: ObjectKind, nbytes: int, meta: bytes) -> None:
-        """After a put that writes through: copy to every slower tier."""
+        """After a put that writes through: copy to every slower tier (best effort)."""
         chain = self.res.chain
         for name in chain[1:]:
-            self.copy(okey, kind, nbytes, meta, chain[0], name)
+            try:
+                self.copy(okey, kind, nbytes, meta, chain[0], name)
+            except CapacityError as e:
+                self.skipped(name, 1, e)
+
+    def write_through_many(self, okeys: list[ObjectKey], kind: ObjectKind, nbytes: int,
+                           metas: list[bytes], src: str, dst: str) -> None:
+        """:meth:`copy_many` of a write-through, best effort (see :meth:`skipped`)."""
+        try:
+            self.copy_many(okeys, kind, nbytes, metas, src, dst)
+        except CapacityError as e:
+            self.skipped(dst, len(okeys), e)
+
+    def skipped(self, dst: str, n: int, error: CapacityError) -> None:
+        """A write-through copy found no room below (everything there pinned or needed by
+        retained checkpoints): the put already succeeded in the fast tier, so the copy is
+        dropped, counted and logged (once), never raised into the put."""
+        self.skipped_copies += n
+        if not self._warned_skip:
+            self._warned_skip = True
+            log.warning("write-through copies to the %s tier are being skipped: %s", dst, error)
 
     def copy(self, okey: ObjectKey, kind: ObjectKind, nbytes: int, meta: bytes, src: str,
              dst: str) -> Future:

@@ -107,6 +107,11 @@ class Evictor:
             # Objects whose disk write is still in flight cannot leave DRAM yet.
             self.copies.wait_pending()
             self.evict(tier, need - res.room(tier, kind) + slack, partition)
+        if res.room(tier, kind) < need and partition is not None:
+            # A partition full of pages that retained checkpoints need frees nothing by
+            # itself: those checkpoints (in the other partition) must go, and their pages
+            # with them.
+            self.evict(tier, need - res.room(tier, kind) + slack, None)
         if res.room(tier, kind) < need:
             raise CapacityError(
                 f"the {tier} tier cannot free {need} bytes: everything left is pinned by live "

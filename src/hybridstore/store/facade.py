@@ -614,6 +614,7 @@ class HybridStore:
             out: dict[str, Any] = dict(self._counters)
             out["evictions"] = self._evictor.evictions
             out["corrupt"] = self._loader.corrupt
+            out["skipped_copies"] = self._copies.skipped_copies
             out["pages"] = self.index.n_pages
             out["checkpoints"] = self.index.n_checkpoints
             out["token_hit_rate"] = (self._counters["hit_tokens"] / self._counters["query_tokens"]

@@ -166,8 +166,9 @@ class Landing:
                         metas = [encode_page(k, prompt.block_end(k) - k * B, prompt.key_before(k))
                                  for k in range(c, c + landed)]
                         for dst in res.chain[1:]:
-                            self.copies.copy_many(okeys[c - a:c - a + landed].keys(), ObjectKind.PAGE,
-                                                  nbytes, metas, name, dst)
+                            self.copies.write_through_many(okeys[c - a:c - a + landed].keys(),
+                                                           ObjectKind.PAGE, nbytes, metas, name,
+                                                           dst)
             c = d
         return b - a
 
