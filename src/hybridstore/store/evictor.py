@@ -107,11 +107,18 @@ class Evictor:
             # Objects whose disk write is still in flight cannot leave DRAM yet.
             self.copies.wait_pending()
             self.evict(tier, need - res.room(tier, kind) + slack, partition)
-        if res.room(tier, kind) < need and partition is not None:
-            # A partition full of pages that retained checkpoints need frees nothing by
-            # itself: those checkpoints (in the other partition) must go, and their pages
-            # with them.
-            self.evict(tier, need - res.room(tier, kind) + slack, None)
+        for _ in range(4):
+            # More passes while they free something: the pages a checkpoint alone needed
+            # become evictable only once it has left (the next ranking), and a partition
+            # full of pages that retained checkpoints need frees nothing by itself: those
+            # checkpoints (in the other partition) must go, and their pages with them.
+            if res.room(tier, kind) >= need:
+                break
+            freed = self.evict(tier, need - res.room(tier, kind) + slack, partition)
+            if partition is not None and res.room(tier, kind) < need:
+                freed += self.evict(tier, need - res.room(tier, kind) + slack, None)
+            if not freed:
+                break
         if res.room(tier, kind) < need:
             raise CapacityError(
                 f"the {tier} tier cannot free {need} bytes: everything left is pinned by live "
