@@ -154,6 +154,16 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
     restart: list[dict[str, Any]] = []
     policy_runs: list[dict[str, Any]] = []
     device_now: list[dict[str, Any]] = []
+
+    def gather(engine: str, geometry: str, tag: str, batch: int, run: Any) -> None:
+        """One finished run's rows, device reading, cache drops and restart hits."""
+        series.extend(run.series.values())
+        device_now.append({"engine": engine, "geometry": geometry, "run": tag,
+                           "gbps": run.device_now})
+        drops.extend({"engine": engine, "geometry": geometry, "batch": batch, **d}
+                     for d in run.drops)
+        restart.append({"engine": engine, "geometry": geometry, "batch": batch, **run.restart})
+
     steps = (3 + len(tps) * len(plan) * 2 * (reps + warmup + 1)
              + len(budgets) * (1 + 2 * (len(sgl_names) > 1)) * (n_requests // 25 + 1) + 2)
     device: dict[str, Any] = {}
@@ -192,13 +202,7 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
                             run.rep(r, r >= warmup, step, last=r == warmup + reps - 1)
                     finally:
                         run.close()
-                    series += run.series.values()
-                    device_now.append({"engine": "sglang", "geometry": g.label,
-                                       "run": f"b{batch}", "gbps": run.device_now})
-                    drops += [{"engine": "sglang", "geometry": g.label, "batch": batch, **d}
-                              for d in run.drops]
-                    restart.append({"engine": "sglang", "geometry": g.label, "batch": batch,
-                                    **run.restart})
+                    gather("sglang", g.label, f"b{batch}", batch, run)
                     del run
                     gc.collect()
             phase("sglang")
@@ -216,13 +220,7 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
                             vrun.rep(r, r >= warmup, step, last=r == warmup + reps - 1)
                     finally:
                         vrun.close()
-                    series += vrun.series.values()
-                    device_now.append({"engine": "vllm", "geometry": g.label,
-                                       "run": f"j{batch}", "gbps": vrun.device_now})
-                    drops += [{"engine": "vllm", "geometry": g.label, "batch": batch, **d}
-                              for d in vrun.drops]
-                    restart.append({"engine": "vllm", "geometry": g.label, "batch": batch,
-                                    **vrun.restart})
+                    gather("vllm", g.label, f"j{batch}", batch, vrun)
                     del vrun
                     gc.collect()
             phase("vllm")
