@@ -295,8 +295,12 @@ class HybridStoreHiCache(HiCacheStorage):
         prompt = self._prompt(store, keys, extra_info, write=False)
         if prompt is None:
             return 0
-        first = prompt.nblocks - len(keys)
-        return max(0, min(store.present_pages(prompt) - first, len(keys)))
+        return self._held(store, prompt, len(keys))
+
+    @staticmethod
+    def _held(store: HybridStore, prompt: PrefixKeys, n: int) -> int:
+        """How many of the prompt's last ``n`` pages (a call's keys) lead the held run."""
+        return max(0, min(store.present_pages(prompt) - (prompt.nblocks - n), n))
 
     def _slots(self, host_indices: torch.Tensor, n: int) -> list[int]:
         kv = self._kv
@@ -498,7 +502,7 @@ class HybridStoreHiCache(HiCacheStorage):
         if prompt is None:
             return PoolTransferResult.empty()
         first = prompt.nblocks - len(keys)
-        kv_pages = max(0, min(store.present_pages(prompt) - first, len(keys)))
+        kv_pages = self._held(store, prompt, len(keys))
         hits: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
         for t in transfers:

@@ -770,9 +770,7 @@ class HybridIndex:
         limit = prompt.length if max_position is None else min(max_position, prompt.length)
         walked = len(arr)
         B = self.block_size
-        missing = np.flatnonzero(self._tiers[arr] == 0)
-        first_missing = int(missing[0]) if missing.size else walked
-        top = min(first_missing, prompt.nblocks - 1, (limit - 1) // B if limit > 0 else -1)
+        top = min(self._held_prefix(arr), prompt.nblocks - 1, (limit - 1) // B if limit > 0 else -1)
         if top < 0:
             return
         # The base of block j is the page of block j-1 (the root for j = 0); only
@@ -795,7 +793,10 @@ class HybridIndex:
 
     def held_run(self, prompt: PrefixKeys) -> int:
         """How many leading blocks of ``prompt`` have a page some tier holds."""
-        arr = self._walk_ids(prompt)
+        return self._held_prefix(self._walk_ids(prompt))
+
+    def _held_prefix(self, arr: np.ndarray) -> int:
+        """How many leading pages of a walked path some tier holds."""
         missing = np.flatnonzero(self._tiers[arr] == 0)
         return int(missing[0]) if missing.size else len(arr)
 
@@ -811,9 +812,7 @@ class HybridIndex:
             raise InvalidTokensError(f"page range [{first}, {stop}) is empty or negative; "
                                      "pass 0 <= first <= stop")
         arr = self._walk_ids(prompt)
-        missing = np.flatnonzero(self._tiers[arr] == 0)
-        held = int(missing[0]) if missing.size else len(arr)
-        stop = min(stop, held)
+        stop = min(stop, self._held_prefix(arr))
         if stop <= first:
             return self._pin(prompt, np.zeros(0, np.int64), 0, None, len(arr), first)
         pages = np.array(arr[first:stop], np.int64)

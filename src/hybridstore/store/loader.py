@@ -97,10 +97,8 @@ class Loader:
         until :meth:`release_sources`."""
         page_keys = KeyBatch.of(ObjectKind.PAGE, plan.page_blob).keys()
         jobs: list[Job] = [(okey, ObjectKind.PAGE) for okey in page_keys]
-        sources = self._page_sources(plan, page_keys, skip)
-        if skip_pages:
-            self.release_sources(jobs[:skip_pages], sources[:skip_pages])
-            sources[:skip_pages] = [None] * min(skip_pages, len(sources))
+        k = min(skip_pages, len(page_keys))     # pages the engine holds: never pinned or read
+        sources = [None] * k + self._page_sources(plan.pages[k:], page_keys[k:], skip)
         if plan.state_key is not None:
             try:
                 jobs.append((object_key(ObjectKind.STATE, plan.state_key), ObjectKind.STATE))
@@ -110,15 +108,16 @@ class Loader:
                 raise
         return jobs, sources
 
-    def _page_sources(self, plan: ResumePlan, okeys: list[ObjectKey],
+    def _page_sources(self, pages: np.ndarray, okeys: list[ObjectKey],
                       skip: Sequence[str]) -> list[str | None]:
-        """:meth:`_source` of every page of ``plan``, from the index's tier masks at once;
-        the pages read from a ``zero_copy`` tier are pinned with one ``pin_many`` per tier."""
+        """:meth:`_source` of every page (node ids ``pages``, object keys ``okeys``), from the
+        index's tier masks at once; the pages read from a ``zero_copy`` tier are pinned with
+        one ``pin_many`` per tier."""
         n = len(okeys)
         if not n:
             return []
         res = self.res
-        tiers = res.index.page_columns(plan.pages)["tiers"]
+        tiers = res.index.page_columns(pages)["tiers"]
         rank = np.full(n, -1, np.int64)
         for r, name in enumerate(res.chain):
             rank[(rank < 0) & ((tiers & TIER_BITS[name]) != 0)] = r

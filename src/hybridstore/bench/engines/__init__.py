@@ -155,8 +155,14 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
     policy_runs: list[dict[str, Any]] = []
     device_now: list[dict[str, Any]] = []
 
-    def gather(engine: str, geometry: str, tag: str, batch: int, run: Any) -> None:
-        """One finished run's rows, device reading, cache drops and restart hits."""
+    def measure(engine: str, geometry: str, tag: str, batch: int, run: Any) -> None:
+        """Warm-up and repetitions of one run, then its rows, device reading, cache drops
+        and restart hits."""
+        try:
+            for r in range(warmup + reps):
+                run.rep(r, r >= warmup, step, last=r == warmup + reps - 1)
+        finally:
+            run.close()
         series.extend(run.series.values())
         device_now.append({"engine": engine, "geometry": geometry, "run": tag,
                            "gbps": run.device_now})
@@ -197,12 +203,7 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
                     run = pages.SglPageRun(g, batch=batch, n_pages=n_pages, n_states=n_states,
                                            root=root, names=sgl_names, issues=issues,
                                            ref_job=ref_job)
-                    try:
-                        for r in range(warmup + reps):
-                            run.rep(r, r >= warmup, step, last=r == warmup + reps - 1)
-                    finally:
-                        run.close()
-                    gather("sglang", g.label, f"b{batch}", batch, run)
+                    measure("sglang", g.label, f"b{batch}", batch, run)
                     del run
                     gc.collect()
             phase("sglang")
@@ -215,12 +216,7 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
                     vrun = jobs.VllmJobRun(g, job_chunks=batch, n_chunks=n_pages, root=root,
                                            names=vllm_names, issues=issues, reps=warmup + reps,
                                            ref_job=ref_job)
-                    try:
-                        for r in range(warmup + reps):
-                            vrun.rep(r, r >= warmup, step, last=r == warmup + reps - 1)
-                    finally:
-                        vrun.close()
-                    gather("vllm", g.label, f"j{batch}", batch, vrun)
+                    measure("vllm", g.label, f"j{batch}", batch, vrun)
                     del vrun
                     gc.collect()
             phase("vllm")
