@@ -29,6 +29,7 @@ ENV_CASES: dict[str, tuple[str, str, object]] = {
     "HYBRIDSTORE_TIER_POLICY": ("write-back", "tier_policy", "write-back"),
     "HYBRIDSTORE_DISK_ENGINE": ("posix", "disk_engine", "posix"),
     "HYBRIDSTORE_IO_THREADS": ("8", "io_threads", 8),
+    "HYBRIDSTORE_HASH_SECRET": ("00" * 16 + "ff" * 16, "hash_secret", bytes(16) + b"\xff" * 16),
 }
 
 
@@ -189,3 +190,16 @@ def test_tier_policy_names_match_the_registry():
     from hybridstore.policy.tiering import TIER_POLICIES
 
     assert set(TIER_POLICY_NAMES) == set(TIER_POLICIES)
+
+
+@pytest.mark.parametrize("secret", [b"short", b"x" * 65, "00" * 32, 12])
+def test_a_bad_hash_secret_is_refused(secret) -> None:
+    with pytest.raises(ConfigError, match="hash_secret"):
+        StoreConfig(hash_secret=secret)
+
+
+def test_the_hash_secret_never_shows_in_repr() -> None:
+    cfg = StoreConfig(hash_secret=b"\x01" * 32)
+    assert "hash_secret" not in repr(cfg) and "\\x01" not in repr(cfg)
+    with pytest.raises(ConfigError, match="hex"):
+        StoreConfig.from_env({"HYBRIDSTORE_HASH_SECRET": "not hex"})

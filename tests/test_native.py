@@ -36,7 +36,7 @@ def test_use_twins_runs_the_twins_and_restores_the_extensions() -> None:
         assert not any(_native.in_use().values())
         assert type(u64map.U64Map()) is u64map.PyU64Map
         assert type(keytable.KeyTable(17)) is keytable.PyKeyTable
-        assert HybridIndex(4, K.namespace_root(""))._ids.__class__ is u64map.PyU64Map
+        assert HybridIndex(4, K.HashKey.generate(4).root(""))._ids.__class__ is u64map.PyU64Map
     assert {name: getattr(_native, name) for name in _native.NAMES} == start
 
 
@@ -77,7 +77,8 @@ def test_the_compiled_functions_really_stop_being_called(monkeypatch) -> None:
                                     lambda *a, _real=real, _fn=fn: calls.append(_fn) or _real(*a))
 
     def work() -> None:
-        K.chain_hash_tokens([1, 2, 3, 4, 5], 2, K.namespace_root(""))
+        key = K.HashKey.generate(2)
+        K.chain_hash_tokens([1, 2, 3, 4, 5], 2, key.root(""), key)
         dst = np.zeros((1, 4), np.uint8)
         one = np.zeros(1, np.int64)
         G.gather_rows([np.arange(8, dtype=np.uint8)], one, one, one, 0, 4, dst)
@@ -119,7 +120,8 @@ with warnings.catch_warnings(record=True) as seen:
     from hybridstore import _native
     import hybridstore.index.keys as K
     import hybridstore.index.trie, hybridstore.backends.keytable, hybridstore.backends.gather
-    K.chain_hash_tokens([1, 2, 3], 2, K.namespace_root(''))
+    key = K.HashKey.generate(2)
+    K.chain_hash_tokens([1, 2, 3], 2, key.root(''), key)
 mine = [str(w.message) for w in seen if 'hybridstore' in str(w.message)]
 print(len(mine), _native.available()['hashing'], _native.hashing is None)
 print(mine[0] if mine else '')

@@ -1,8 +1,9 @@
 /*
  * hybridstore._cext.hashing -- the C twin of hybridstore.index.keys.
  *
- * Computes the 128-bit chained prefix keys of hybridstore.  The algorithm is
- * specified in hybridstore/index/keys.py; this file and the numpy twin there
+ * Computes the 128-bit chained prefix keys of hybridstore, keyed by the lane
+ * multipliers of a store's secret.  The algorithm is specified in
+ * hybridstore/index/keys.py; this file and the numpy twin there
  * must agree bit for bit (tests/index/test_keys.py checks it).
  *
  * Inputs are any C-contiguous buffer (buffer protocol) whose items are
@@ -19,7 +20,8 @@
  * at import (get_kernel(); set_kernel() overrides it for tests and
  * benchmarks).  All give identical keys.
  *
- * All arithmetic is on uint64 with wraparound.
+ * All arithmetic is on uint64: wrapping in finalize, and exact (no overflow
+ * by construction) in the multilinear lane sums mod 2**61 - 1.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -30,12 +32,12 @@
 #include "hybridstore/buffers.h"
 #include "hybridstore/tables.h"
 
-#define P1 UINT64_C(0x9E3779B185EBCA87)
-#define P2 UINT64_C(0xC2B2AE3D27D4EB4F)
 #define P3 UINT64_C(0x165667B19E3779F9)
 #define P4 UINT64_C(0x85EBCA77C2B2AE63)
-#define P5 UINT64_C(0x27D4EB2F165667C5)
 #define ID_NTOK_TAG (UINT64_C(1) << 40)
+#define PRIME ((UINT64_C(1) << 61) - 1)
+#define M32 UINT64_C(0xFFFFFFFF)
+#define M29 ((UINT64_C(1) << 29) - 1)
 
 
 static inline uint64_t rotl64(uint64_t x, unsigned r) {
@@ -62,72 +64,69 @@ static inline void finalize(uint64_t plo, uint64_t phi, uint64_t a, uint64_t b,
 }
 
 /*
- * Sums of the per-token terms of one block: a = sum mix64(x ^ P1),
- * b = sum mix64(x ^ P2) with x = t[i] + ((i + 1) << 32).
- *
- * Scalar form: unrolled by four with independent accumulators (the sums are
- * commutative), which keeps the eight multiply chains of one iteration in
- * flight together.  It runs at about one 64-bit multiply per cycle.
+ * The lane multipliers of the store's secret, split in 32-bit halves:
+ * ra[i] = ah[i] * 2**32 + al[i] (ah < 2**29), rb likewise.  A (4, rows)
+ * uint32 table from hybridstore.index.keys.HashKey.
  */
-static inline void block_sums_scalar(const uint32_t *t, size_t n, uint64_t *pa, uint64_t *pb) {
-    uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-    uint64_t b0 = 0, b1 = 0, b2 = 0, b3 = 0;
-    size_t i = 0;
-    const uint64_t step = UINT64_C(1) << 32;
-    uint64_t pos = step; /* (i + 1) << 32 */
-    for (; i + 4 <= n; i += 4) {
-        uint64_t x0 = (uint64_t)t[i] + pos;
-        uint64_t x1 = (uint64_t)t[i + 1] + pos + step;
-        uint64_t x2 = (uint64_t)t[i + 2] + pos + 2 * step;
-        uint64_t x3 = (uint64_t)t[i + 3] + pos + 3 * step;
-        a0 += mix64(x0 ^ P1);
-        b0 += mix64(x0 ^ P2);
-        a1 += mix64(x1 ^ P1);
-        b1 += mix64(x1 ^ P2);
-        a2 += mix64(x2 ^ P1);
-        b2 += mix64(x2 ^ P2);
-        a3 += mix64(x3 ^ P1);
-        b3 += mix64(x3 ^ P2);
-        pos += 4 * step;
-    }
-    for (; i < n; i++) {
-        uint64_t x = (uint64_t)t[i] + pos;
-        a0 += mix64(x ^ P1);
-        b0 += mix64(x ^ P2);
-        pos += step;
-    }
-    *pa = (a0 + a1) + (a2 + a3);
-    *pb = (b0 + b1) + (b2 + b3);
+struct lanes {
+    const uint32_t *al, *ah, *bl, *bh;
+};
+
+/*
+ * (s0 + (s1 + s2) * 2**32 + s3 * 2**64) mod p for p = 2**61 - 1, from the four
+ * partial sums of 32-bit parts (each < 2**49): 2**61 = 1 and 2**64 = 8 (mod p).
+ * Same as keys._reduce_sums.
+ */
+static inline uint64_t reduce_sums(uint64_t s0, uint64_t s1, uint64_t s2, uint64_t s3) {
+    uint64_t q = s1 + s2;
+    uint64_t v = s0 + ((q & M29) << 32) + (q >> 29) + (s3 << 3);
+    v = (v & PRIME) + (v >> 61);
+    return v >= PRIME ? v - PRIME : v;
 }
 
 /*
- * Vector form: a plain reduction loop that the compiler vectorizes when the
- * enclosing function is compiled for a SIMD target (8 lanes of vpmullq with
- * AVX-512DQ).  Same result as block_sums_scalar: wrapping sums commute.
+ * One block's multilinear sums a = sum t[i] * ra[i], b = sum t[i] * rb[i]
+ * (mod p).  Each product is taken from 32-bit halves (t * al < 2**64,
+ * t * ah < 2**61) and its 32-bit parts go to four plain uint64 sums, which
+ * cannot overflow for n <= 65536: no 128-bit arithmetic, and a loop the
+ * compiler vectorizes (vpmuludq) on every SIMD target.
  */
-static inline void block_sums_vector(const uint32_t *t, size_t n, uint64_t *pa, uint64_t *pb) {
-    uint64_t a = 0, b = 0;
+static inline void block_sums(const uint32_t *t, size_t n, const struct lanes *L,
+                              uint64_t *pa, uint64_t *pb) {
+    uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+    uint64_t b0 = 0, b1 = 0, b2 = 0, b3 = 0;
+    const uint32_t *al = L->al, *ah = L->ah, *bl = L->bl, *bh = L->bh;
     for (size_t i = 0; i < n; i++) {
-        uint64_t x = (uint64_t)t[i] + ((uint64_t)(i + 1) << 32);
-        a += mix64(x ^ P1);
-        b += mix64(x ^ P2);
+        uint64_t x = t[i];
+        uint64_t u = x * al[i], v = x * ah[i];
+        a0 += u & M32;
+        a1 += u >> 32;
+        a2 += v & M32;
+        a3 += v >> 32;
+        u = x * bl[i];
+        v = x * bh[i];
+        b0 += u & M32;
+        b1 += u >> 32;
+        b2 += v & M32;
+        b3 += v >> 32;
     }
-    *pa = a;
-    *pb = b;
+    *pa = reduce_sums(a0, a1, a2, a3);
+    *pb = reduce_sums(b0, b1, b2, b3);
 }
 
 /* ------------------------------------------------------------------------ */
 /* kernels (plain C; compiled once per instruction-set target below)        */
 
 /* Chained keys of ceil(n / bs) blocks; 16 bytes of output per block. */
-#define DEFINE_CHAIN_KERNEL(NAME, ATTR, SUMS)                                   \
+#define DEFINE_CHAIN_KERNEL(NAME, ATTR)                                         \
     static ATTR void NAME(const uint32_t *t, size_t n, size_t bs, uint64_t lo,  \
-                          uint64_t hi, unsigned char *out) {                    \
+                          uint64_t hi, const struct lanes *L,                   \
+                          unsigned char *out) {                                 \
         size_t k = 0;                                                           \
         for (size_t start = 0; start < n; start += bs, k++) {                   \
             size_t len = (n - start < bs) ? n - start : bs;                     \
             uint64_t a, b;                                                      \
-            SUMS(t + start, len, &a, &b);                                       \
+            block_sums(t + start, len, L, &a, &b);                              \
             finalize(lo, hi, a, b, (uint64_t)len, &lo, &hi);                    \
             store_le64(out + 16 * k, lo);                                       \
             store_le64(out + 16 * k + 8, hi);                                   \
@@ -135,30 +134,38 @@ static inline void block_sums_vector(const uint32_t *t, size_t n, uint64_t *pa, 
     }
 
 /*
- * Key of every prefix of one block.  Works in chunks: per-token terms
- * (vectorizable), a running sum (serial but one add per term), then the
+ * Key of every prefix of one block.  Works in chunks: the running partial
+ * sums (serial, a few adds per token) reduced at every offset, then the
  * per-offset finalize (vectorizable: c only depends on the offset).
  */
 #define PREFIX_CHUNK 256
 #define DEFINE_PREFIX_KERNEL(NAME, ATTR)                                        \
     static ATTR void NAME(const uint32_t *t, size_t n, uint64_t plo,            \
-                          uint64_t phi, unsigned char *out) {                   \
+                          uint64_t phi, const struct lanes *L,                  \
+                          unsigned char *out) {                                 \
         uint64_t ta[PREFIX_CHUNK], tb[PREFIX_CHUNK];                            \
         const uint64_t pbase = plo ^ rotl64(phi, 29);                           \
         const uint64_t hbase = phi + P4;                                        \
-        uint64_t a = 0, b = 0;                                                  \
+        uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;                                \
+        uint64_t b0 = 0, b1 = 0, b2 = 0, b3 = 0;                                \
         for (size_t i0 = 0; i0 < n; i0 += PREFIX_CHUNK) {                       \
             size_t m = (n - i0 < PREFIX_CHUNK) ? n - i0 : PREFIX_CHUNK;         \
             for (size_t i = 0; i < m; i++) {                                    \
-                uint64_t x = (uint64_t)t[i0 + i] + ((uint64_t)(i0 + i + 1) << 32); \
-                ta[i] = mix64(x ^ P1);                                          \
-                tb[i] = mix64(x ^ P2);                                          \
-            }                                                                   \
-            for (size_t i = 0; i < m; i++) {                                    \
-                a += ta[i];                                                     \
-                ta[i] = a;                                                      \
-                b += tb[i];                                                     \
-                tb[i] = b;                                                      \
+                size_t j = i0 + i;                                              \
+                uint64_t x = t[j];                                              \
+                uint64_t u = x * L->al[j], v = x * L->ah[j];                    \
+                a0 += u & M32;                                                  \
+                a1 += u >> 32;                                                  \
+                a2 += v & M32;                                                  \
+                a3 += v >> 32;                                                  \
+                u = x * L->bl[j];                                               \
+                v = x * L->bh[j];                                               \
+                b0 += u & M32;                                                  \
+                b1 += u >> 32;                                                  \
+                b2 += v & M32;                                                  \
+                b3 += v >> 32;                                                  \
+                ta[i] = reduce_sums(a0, a1, a2, a3);                            \
+                tb[i] = reduce_sums(b0, b1, b2, b3);                            \
             }                                                                   \
             unsigned char *o = out + 16 * i0;                                   \
             for (size_t i = 0; i < m; i++) {                                    \
@@ -169,13 +176,13 @@ static inline void block_sums_vector(const uint32_t *t, size_t n, uint64_t *pa, 
         }                                                                       \
     }
 
-DEFINE_CHAIN_KERNEL(chain_kernel_scalar, , block_sums_scalar)
+DEFINE_CHAIN_KERNEL(chain_kernel_scalar, )
 DEFINE_PREFIX_KERNEL(prefix_kernel_scalar, )
 
 typedef void (*chain_kernel_fn)(const uint32_t *, size_t, size_t, uint64_t, uint64_t,
-                                unsigned char *);
+                                const struct lanes *, unsigned char *);
 typedef void (*prefix_kernel_fn)(const uint32_t *, size_t, uint64_t, uint64_t,
-                                 unsigned char *);
+                                 const struct lanes *, unsigned char *);
 
 static chain_kernel_fn chain_kernel = chain_kernel_scalar;
 static prefix_kernel_fn prefix_kernel = prefix_kernel_scalar;
@@ -191,9 +198,9 @@ static const char *kernel_name = "scalar";
 #define HS_X86_DISPATCH 1
 #define HS_AVX512 __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw")))
 #define HS_AVX2 __attribute__((target("avx2")))
-DEFINE_CHAIN_KERNEL(chain_kernel_avx512, HS_AVX512, block_sums_vector)
+DEFINE_CHAIN_KERNEL(chain_kernel_avx512, HS_AVX512)
 DEFINE_PREFIX_KERNEL(prefix_kernel_avx512, HS_AVX512)
-DEFINE_CHAIN_KERNEL(chain_kernel_avx2, HS_AVX2, block_sums_vector)
+DEFINE_CHAIN_KERNEL(chain_kernel_avx2, HS_AVX2)
 DEFINE_PREFIX_KERNEL(prefix_kernel_avx2, HS_AVX2)
 #endif
 
@@ -260,29 +267,60 @@ static PyObject *new_key_bytes(size_t nkeys, unsigned char **out) {
     return res;
 }
 
+/*
+ * The lane table: a C-contiguous (4, rows) buffer of 4-byte integers with
+ * rows >= need.  0 on success (release *view afterwards).
+ */
+static int get_lanes(PyObject *obj, Py_buffer *view, size_t need, struct lanes *L) {
+    if (get_int_buffer(obj, view, 4, "table") < 0) {
+        return -1;
+    }
+    size_t rows = (size_t)(view->len / 16);
+    if ((size_t)view->len != rows * 16 || rows < need) {
+        PyErr_Format(PyExc_ValueError,
+                     "table must hold 4 rows of at least %zu multipliers, got %zd bytes; "
+                     "pass HashKey.table of a key with positions >= the block size",
+                     need, view->len);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    const uint32_t *base = (const uint32_t *)view->buf;
+    L->al = base;
+    L->ah = base + rows;
+    L->bl = base + 2 * rows;
+    L->bh = base + 3 * rows;
+    return 0;
+}
+
 /* ------------------------------------------------------------------------ */
-/* chain_tokens(tokens_u32, block_size, plo, phi) -> bytearray             */
+/* chain_tokens(tokens_u32, block_size, plo, phi, table) -> bytearray      */
 
 PyDoc_STRVAR(chain_tokens_doc,
-"chain_tokens(tokens, block_size, plo, phi) -> bytearray\n\n"
+"chain_tokens(tokens, block_size, plo, phi, table) -> bytearray\n\n"
 "Chained block keys of a uint32 token buffer: one (lo, hi) little-endian\n"
 "uint64 pair per block of block_size tokens (the last block may be partial).\n"
-"Block 0's parent is (plo, phi); block k's parent is block k-1's key.");
+"Block 0's parent is (plo, phi); block k's parent is block k-1's key.\n"
+"table: the (4, rows) uint32 lane multipliers (HashKey.table), rows >= block_size.");
 
 static PyObject *chain_tokens(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *obj;
+    PyObject *obj, *tobj;
     Py_ssize_t block_size;
     unsigned long long plo, phi;
-    if (!PyArg_ParseTuple(args, "OnKK:chain_tokens", &obj, &block_size, &plo, &phi)) {
+    if (!PyArg_ParseTuple(args, "OnKKO:chain_tokens", &obj, &block_size, &plo, &phi, &tobj)) {
         return NULL;
     }
-    if (block_size < 1) {
-        PyErr_Format(PyExc_ValueError, "block_size must be >= 1, got %zd", block_size);
+    if (block_size < 1 || block_size > 65536) {
+        PyErr_Format(PyExc_ValueError, "block_size must be in [1, 65536], got %zd", block_size);
         return NULL;
     }
-    Py_buffer view;
+    Py_buffer view, tview;
+    struct lanes L;
+    if (get_lanes(tobj, &tview, (size_t)block_size, &L) < 0) {
+        return NULL;
+    }
     if (get_int_buffer(obj, &view, 4, "tokens") < 0) {
+        PyBuffer_Release(&tview);
         return NULL;
     }
     size_t n = (size_t)(view.len / 4);
@@ -290,68 +328,78 @@ static PyObject *chain_tokens(PyObject *self, PyObject *args) {
     size_t nblocks = n / bs + (n % bs != 0);
     unsigned char *out = NULL;
     PyObject *res = new_key_bytes(nblocks, &out);
-    if (res == NULL) {
-        PyBuffer_Release(&view);
-        return NULL;
+    if (res != NULL) {
+        const uint32_t *t = (const uint32_t *)view.buf;
+        Py_BEGIN_ALLOW_THREADS
+        chain_kernel(t, n, bs, (uint64_t)plo, (uint64_t)phi, &L, out);
+        Py_END_ALLOW_THREADS
     }
-    const uint32_t *t = (const uint32_t *)view.buf;
-    Py_BEGIN_ALLOW_THREADS
-    chain_kernel(t, n, bs, (uint64_t)plo, (uint64_t)phi, out);
-    Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
+    PyBuffer_Release(&tview);
     return res;
 }
 
 /* ------------------------------------------------------------------------ */
-/* prefix_keys(tokens_u32, plo, phi) -> bytearray                          */
+/* prefix_keys(tokens_u32, plo, phi, table) -> bytearray                   */
 
 PyDoc_STRVAR(prefix_keys_doc,
-"prefix_keys(tokens, plo, phi) -> bytearray\n\n"
+"prefix_keys(tokens, plo, phi, table) -> bytearray\n\n"
 "Key of every prefix tokens[:j+1] of ONE block under parent (plo, phi):\n"
-"one (lo, hi) little-endian uint64 pair per token.");
+"one (lo, hi) little-endian uint64 pair per token.  table: the (4, rows)\n"
+"uint32 lane multipliers, rows >= len(tokens).");
 
 static PyObject *prefix_keys(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *obj;
+    PyObject *obj, *tobj;
     unsigned long long plo, phi;
-    if (!PyArg_ParseTuple(args, "OKK:prefix_keys", &obj, &plo, &phi)) {
+    if (!PyArg_ParseTuple(args, "OKKO:prefix_keys", &obj, &plo, &phi, &tobj)) {
         return NULL;
     }
-    Py_buffer view;
+    Py_buffer view, tview;
     if (get_int_buffer(obj, &view, 4, "tokens") < 0) {
         return NULL;
     }
     size_t n = (size_t)(view.len / 4);
-    unsigned char *out = NULL;
-    PyObject *res = new_key_bytes(n, &out);
-    if (res == NULL) {
+    struct lanes L;
+    if (n > 65536) {
+        PyErr_Format(PyExc_ValueError, "one block has at most 65536 tokens, got %zu", n);
         PyBuffer_Release(&view);
         return NULL;
     }
-    const uint32_t *t = (const uint32_t *)view.buf;
-    Py_BEGIN_ALLOW_THREADS
-    prefix_kernel(t, n, (uint64_t)plo, (uint64_t)phi, out);
-    Py_END_ALLOW_THREADS
+    if (get_lanes(tobj, &tview, n, &L) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    unsigned char *out = NULL;
+    PyObject *res = new_key_bytes(n, &out);
+    if (res != NULL) {
+        const uint32_t *t = (const uint32_t *)view.buf;
+        Py_BEGIN_ALLOW_THREADS
+        prefix_kernel(t, n, (uint64_t)plo, (uint64_t)phi, &L, out);
+        Py_END_ALLOW_THREADS
+    }
     PyBuffer_Release(&view);
+    PyBuffer_Release(&tview);
     return res;
 }
 
 /* ------------------------------------------------------------------------ */
-/* chain_ids(ids_u64, block_size, last_tokens, plo, phi) -> bytearray      */
+/* chain_ids(ids_u64, block_size, last_tokens, plo, phi, table) -> bytearray */
 
 PyDoc_STRVAR(chain_ids_doc,
-"chain_ids(ids, block_size, last_tokens, plo, phi) -> bytearray\n\n"
-"Chained id_hash over a uint64 buffer of block ids.  Every block counts\n"
-"block_size tokens except the last, which counts last_tokens (pass -1 for\n"
-"block_size).  One (lo, hi) little-endian uint64 pair per id.");
+"chain_ids(ids, block_size, last_tokens, plo, phi, table) -> bytearray\n\n"
+"Chained id_hash over a uint64 buffer of block ids (each hashed as the block\n"
+"of its two 32-bit halves).  Every block counts block_size tokens except the\n"
+"last, which counts last_tokens (pass -1 for block_size).  One (lo, hi)\n"
+"little-endian uint64 pair per id.  table: the lane multipliers, rows >= 2.");
 
 static PyObject *chain_ids(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *obj;
+    PyObject *obj, *tobj;
     Py_ssize_t block_size, last_tokens;
     unsigned long long plo, phi;
-    if (!PyArg_ParseTuple(args, "OnnKK:chain_ids", &obj, &block_size, &last_tokens,
-                          &plo, &phi)) {
+    if (!PyArg_ParseTuple(args, "OnnKKO:chain_ids", &obj, &block_size, &last_tokens,
+                          &plo, &phi, &tobj)) {
         return NULL;
     }
     if (block_size < 1) {
@@ -361,32 +409,36 @@ static PyObject *chain_ids(PyObject *self, PyObject *args) {
     if (last_tokens < 0) {
         last_tokens = block_size;
     }
-    Py_buffer view;
+    Py_buffer view, tview;
+    struct lanes L;
+    if (get_lanes(tobj, &tview, 2, &L) < 0) {
+        return NULL;
+    }
     if (get_int_buffer(obj, &view, 8, "ids") < 0) {
+        PyBuffer_Release(&tview);
         return NULL;
     }
     size_t n = (size_t)(view.len / 8);
     unsigned char *out = NULL;
     PyObject *res = new_key_bytes(n, &out);
-    if (res == NULL) {
-        PyBuffer_Release(&view);
-        return NULL;
+    if (res != NULL) {
+        const uint64_t *ids = (const uint64_t *)view.buf;
+        Py_BEGIN_ALLOW_THREADS
+        uint64_t lo = (uint64_t)plo, hi = (uint64_t)phi;
+        const uint64_t nfull = (uint64_t)block_size + ID_NTOK_TAG;
+        const uint64_t nlast = (uint64_t)last_tokens + ID_NTOK_TAG;
+        for (size_t k = 0; k < n; k++) {
+            uint32_t halves[2] = {(uint32_t)(ids[k] & M32), (uint32_t)(ids[k] >> 32)};
+            uint64_t a, b;
+            block_sums(halves, 2, &L, &a, &b);
+            finalize(lo, hi, a, b, (k + 1 == n) ? nlast : nfull, &lo, &hi);
+            store_le64(out + 16 * k, lo);
+            store_le64(out + 16 * k + 8, hi);
+        }
+        Py_END_ALLOW_THREADS
     }
-    const uint64_t *ids = (const uint64_t *)view.buf;
-    Py_BEGIN_ALLOW_THREADS
-    uint64_t lo = (uint64_t)plo, hi = (uint64_t)phi;
-    const uint64_t nfull = (uint64_t)block_size + ID_NTOK_TAG;
-    const uint64_t nlast = (uint64_t)last_tokens + ID_NTOK_TAG;
-    for (size_t k = 0; k < n; k++) {
-        uint64_t id = ids[k];
-        uint64_t a = mix64(id ^ P1);
-        uint64_t b = mix64(id ^ P5);
-        finalize(lo, hi, a, b, (k + 1 == n) ? nlast : nfull, &lo, &hi);
-        store_le64(out + 16 * k, lo);
-        store_le64(out + 16 * k + 8, hi);
-    }
-    Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
+    PyBuffer_Release(&tview);
     return res;
 }
 
@@ -491,7 +543,7 @@ PyMODINIT_FUNC PyInit_hashing(void) {
         return NULL;
     }
     select_kernels();
-    if (PyModule_AddIntConstant(m, "ABI_VERSION", 1) < 0) {
+    if (PyModule_AddIntConstant(m, "ABI_VERSION", 2) < 0) {
         Py_DECREF(m);
         return NULL;
     }

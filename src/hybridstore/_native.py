@@ -104,7 +104,7 @@ def use_twins(enabled: bool = True, *, only: Iterable[str] | None = None) -> Ite
     switch is seen by every thread (meant for tests and benchmarks)::
 
         with _native.use_twins():
-            keys = chain_hash_tokens(tokens, 16, root)     # the numpy twin
+            keys = chain_hash_tokens(tokens, 16, root, key)   # the numpy twin
 
     Args:
         enabled: ``True`` selects the twins; ``False`` selects the built

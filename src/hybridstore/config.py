@@ -15,6 +15,7 @@ variable                           field                      example
 ``HYBRIDSTORE_TIER_POLICY``        ``tier_policy``            ``write-through``
 ``HYBRIDSTORE_DISK_ENGINE``        ``disk_engine``            ``auto``
 ``HYBRIDSTORE_IO_THREADS``         ``io_threads``             ``8``
+``HYBRIDSTORE_HASH_SECRET``        ``hash_secret``            (64 hex digits)
 ``KVIKIO_AUTO_DIRECT_IO_READ``,    ``kvikio_keep``            (set: kvikio's own)
 ``KVIKIO_TASK_SIZE``
 =================================  =========================  ==================
@@ -91,6 +92,12 @@ class StoreConfig:
         h2d_gbps, ssd_gbps: bandwidths used to *model* restore time (the
             HiState paper's 64 GB/s H2D and 5 GB/s SSD by default).
         verify_checksums: check every object read from disk.
+        hash_secret: the secret (16 to 64 random bytes) that keys every token
+            hash (``index/keys.py``).  ``None``, the default: the disk tier keeps
+            its own, drawn on first use (in its 0600 catalog); a store without a
+            disk tier draws one per process.  Give the same secret to stores
+            that must find each other's objects through another medium (e.g. a
+            remote tier shared across hosts); never log it.
         kvikio_keep: kvikio settings the kvikio engine leaves as kvikio has them
             (``"auto_direct_io_read"``, ``"task_size"``) instead of applying its
             own measured values (kvikio's earlier values come back when the last
@@ -114,6 +121,7 @@ class StoreConfig:
     ssd_gbps: float = 5.0
     verify_checksums: bool = True
     kvikio_keep: frozenset[str] = frozenset()
+    hash_secret: bytes | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1 << 16:
@@ -136,6 +144,13 @@ class StoreConfig:
         if not isinstance(self.kvikio_keep, frozenset) or not self.kvikio_keep <= KVIKIO_TUNED:
             raise ConfigError(f"kvikio_keep must be a frozenset of {sorted(KVIKIO_TUNED)}, "
                               f"got {self.kvikio_keep!r}")
+        if self.hash_secret is not None and (not isinstance(self.hash_secret, bytes)
+                                             or not 16 <= len(self.hash_secret) <= 64):
+            raise ConfigError("hash_secret must be 16 to 64 random bytes (or None: the store "
+                              "keeps its own), got "
+                              + (f"{len(self.hash_secret)} bytes"
+                                 if isinstance(self.hash_secret, bytes)
+                                 else type(self.hash_secret).__name__))
         if self.disk_path is not None and not isinstance(self.disk_path, (str, os.PathLike)):
             raise ConfigError(f"disk_path must be a path or None, got {self.disk_path!r}")
         if self.disk_path is not None and "\0" in os.fsdecode(self.disk_path):
@@ -155,7 +170,13 @@ class StoreConfig:
             raw = env.get(f"HYBRIDSTORE_{field.name.upper()}")
             if raw is None or field.name == "kvikio_keep":
                 continue
-            if field.name.endswith("_bytes"):
+            if field.name == "hash_secret":
+                try:
+                    kwargs[field.name] = bytes.fromhex(raw)
+                except ValueError:
+                    raise ConfigError("HYBRIDSTORE_HASH_SECRET must be hex digits "
+                                      "(e.g. from `openssl rand -hex 32`)") from None
+            elif field.name.endswith("_bytes"):
                 kwargs[field.name] = parse_bytes(raw)
             elif field.type in ("int", "float"):
                 convert = int if field.type == "int" else float

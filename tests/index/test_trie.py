@@ -18,11 +18,12 @@ from hybridstore.index.trie import HybridIndex
 from tests.twins import extension, needs_native
 
 B = 4
-ROOT = K.namespace_root("test")
+KEY = K.HashKey(b"test-secret-0123456789", 64)
+ROOT = KEY.root("test")
 
 
 def P(tokens, block_size=B):
-    return PrefixKeys.from_tokens(list(tokens), block_size=block_size, root=ROOT)
+    return PrefixKeys.from_tokens(list(tokens), block_size=block_size, root=ROOT, hash_key=KEY)
 
 
 def put_prompt(ix: HybridIndex, tokens, tier="host"):
@@ -91,12 +92,14 @@ def test_missing_page_or_state_falls_back_to_a_shallower_resume_point():
 def test_block_id_prompts_match_at_block_ends_only():
     ix = HybridIndex(64, ROOT)
     ids = [11, 12, 13, 14]
-    prompt = PrefixKeys.from_block_ids(ids, block_size=64, root=ROOT, length=250)
+    prompt = PrefixKeys.from_block_ids(ids, block_size=64, root=ROOT, hash_key=KEY,
+                                     length=250)
     for k in range(prompt.nblocks):
         ix.add_page(prompt, k, "disk", 1)
     ix.add_checkpoint(prompt, 250, "disk", 1)
     ix.add_checkpoint(prompt, 128, "disk", 1)
-    query = PrefixKeys.from_block_ids([11, 12, 13, 99], block_size=64, root=ROOT, length=256)
+    query = PrefixKeys.from_block_ids([11, 12, 13, 99], block_size=64, root=ROOT, hash_key=KEY,
+                                    length=256)
     plan = ix.match(query)
     assert plan.position == 128
     with pytest.raises(InvalidTokensError):
@@ -125,8 +128,10 @@ def test_checkpoint_tree_and_exclusive_pages():
 
 
 def test_namespaces_never_share_keys():
-    a = PrefixKeys.from_tokens([1, 2, 3, 4], block_size=B, root=K.namespace_root("a"))
-    b = PrefixKeys.from_tokens([1, 2, 3, 4], block_size=B, root=K.namespace_root("b"))
+    a = PrefixKeys.from_tokens([1, 2, 3, 4], block_size=B, root=KEY.root("a"),
+                              hash_key=KEY)
+    b = PrefixKeys.from_tokens([1, 2, 3, 4], block_size=B, root=KEY.root("b"),
+                              hash_key=KEY)
     assert a.block_key(0) != b.block_key(0)
 
 
@@ -359,7 +364,8 @@ def test_memory_per_cached_block_is_small():
     ix = HybridIndex(64, ROOT)
     rng = np.random.default_rng(0)
     for _ in range(20):
-        prompt = PrefixKeys.from_tokens(rng.integers(0, 50_000, 64 * 500), block_size=64, root=ROOT)
+        prompt = PrefixKeys.from_tokens(rng.integers(0, 50_000, 64 * 500), block_size=64, root=ROOT,
+                                         hash_key=KEY)
         for k in range(prompt.nblocks):
             ix.add_page(prompt, k, "host", 1)
     per_block = ix.memory_bytes() / ix.n_pages

@@ -137,7 +137,7 @@ def _key(prompt, k: int) -> bytes:
 @pytest.mark.parametrize("damage", ["record", "meta", "offset"])
 def test_one_damaged_catalog_record_costs_that_object_only(tmp_path, damage, caplog):
     cfg, tokens, pages = _written(tmp_path)
-    with HybridStore(StoreConfig(block_size=B)) as s:
+    with HybridStore(cfg) as s:                            # the keys under this store's secret
         victim = _key(s.prefix(tokens), 4)
     from hybridstore.backends.catalog import CatalogRecord
 

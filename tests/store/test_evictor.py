@@ -33,7 +33,8 @@ class Rig:
 
     def __init__(self, *, tiering: str = "write-through", policy: str = "lru",
                  host: int = 4000, disk: int = 8000) -> None:
-        self.root = hashing.namespace_root("evictor")
+        self.key = hashing.HashKey.generate(B)
+        self.root = self.key.root("evictor")
         self.index = HybridIndex(B, self.root)
         self.tiers = {"host": AccountingTier("host", host, read_gbps=64),
                       "disk": AccountingTier("disk", disk, read_gbps=5)}
@@ -44,7 +45,8 @@ class Rig:
 
     def prompt(self, first_token: int, nblocks: int) -> PrefixKeys:
         tokens = np.arange(first_token, first_token + nblocks * B, dtype=np.int64)
-        return PrefixKeys.from_tokens(tokens, block_size=B, root=self.root)
+        return PrefixKeys.from_tokens(tokens, block_size=B, root=self.root,
+                                      hash_key=self.key)
 
     def put(self, prompt: PrefixKeys, *, state: bool = True, tier: str = "host") -> None:
         """The pages of every block of ``prompt`` and a checkpoint at its end, in ``tier``."""

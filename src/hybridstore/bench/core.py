@@ -344,15 +344,15 @@ class _TierBench:
         step("store (disk)")
         self._store_rep(self.store_disk, "disk", timed, mc)
 
-    def _prompts(self) -> list[PrefixKeys]:
+    def _prompts(self, store: HybridStore) -> list[PrefixKeys]:
+        """Random prompts hashed by ``store`` (each store keys tokens with its own secret)."""
         wl = self.wl
-        store = self.store_host
         return [store.prefix(self.rng.integers(0, VOCAB, wl.tokens_per_prompt, dtype=np.uint32))
                 for _ in wl.store_prompts]
 
     def _store_rep(self, store: HybridStore, where: str, timed: bool, mc: float) -> None:
         wl = self.wl
-        prompts = self._prompts()  # hashing is measured on its own (section 3)
+        prompts = self._prompts(store)  # hashing is measured on its own (section 3)
 
         def put(batched: bool = False) -> None:
             for pk, (pages, state) in zip(prompts, wl.src_batches if batched else wl.store_prompts):

@@ -118,7 +118,8 @@ def bench_match(reps: int, rng: np.random.Generator, step: Callable[[str], None]
 # ---------------------------------------------------------------------------------
 def bench_hashing(reps: int, rng: np.random.Generator, step: Callable[[str], None]) -> dict[str, Any]:
     tokens = rng.integers(0, VOCAB, MATCH_TOKENS, dtype=np.uint32)
-    root = K.namespace_root("")
+    key = K.HashKey.generate(MATCH_BLOCK)
+    root = key.root("")
     nbytes = tokens.nbytes
 
     def gbps_of(inner: int) -> list[float]:
@@ -127,7 +128,7 @@ def bench_hashing(reps: int, rng: np.random.Generator, step: Callable[[str], Non
             with no_gc():
                 t0 = time.perf_counter()
                 for _ in range(inner):
-                    K.chain_hash_tokens(tokens, MATCH_BLOCK, root)
+                    K.chain_hash_tokens(tokens, MATCH_BLOCK, root, key)
                 out.append(nbytes * inner / (time.perf_counter() - t0) / 1e9)
         return out
 
@@ -136,14 +137,14 @@ def bench_hashing(reps: int, rng: np.random.Generator, step: Callable[[str], Non
     if _native.available()["hashing"]:
         step("hashing: native")
         with _native.use_twins(False, only=["hashing"]):
-            K.chain_hash_tokens(tokens, MATCH_BLOCK, root)
+            K.chain_hash_tokens(tokens, MATCH_BLOCK, root, key)
             native = gbps_of(10)
-            keys_native = K.chain_hash_tokens(tokens, MATCH_BLOCK, root)
+            keys_native = K.chain_hash_tokens(tokens, MATCH_BLOCK, root, key)
     step("hashing: python twin")
     with _native.use_twins(only=["hashing"]):
-        K.chain_hash_tokens(tokens, MATCH_BLOCK, root)
+        K.chain_hash_tokens(tokens, MATCH_BLOCK, root, key)
         python = gbps_of(1)
-        keys_python = K.chain_hash_tokens(tokens, MATCH_BLOCK, root)
+        keys_python = K.chain_hash_tokens(tokens, MATCH_BLOCK, root, key)
     if native is not None:
         same = bool(np.array_equal(keys_native, keys_python))
     out: dict[str, Any] = {
@@ -170,7 +171,8 @@ def bench_index_memory(rng: np.random.Generator, step: Callable[[str], None],
     nprompts = -(-pages // blocks)
     per = blocks * MATCH_BLOCK
     all_tokens = rng.integers(0, VOCAB, nprompts * per, dtype=np.uint32)
-    root = K.namespace_root("")
+    key = K.HashKey.generate(MATCH_BLOCK)
+    root = key.root("")
     step(f"index memory: {nprompts * blocks} pages under tracemalloc")
     gc.collect()
     tracemalloc.start()
@@ -180,7 +182,7 @@ def bench_index_memory(rng: np.random.Generator, step: Callable[[str], None],
         index = HybridIndex(MATCH_BLOCK, root)
         for i in range(nprompts):
             pk = PrefixKeys.from_tokens(all_tokens[i * per:(i + 1) * per], block_size=MATCH_BLOCK,
-                                        root=root)
+                                        root=root, hash_key=key)
             for b in range(blocks):
                 index.add_page(pk, b, "host", PAGE_BYTES)
         build_s = time.perf_counter() - t0

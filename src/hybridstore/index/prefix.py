@@ -58,18 +58,21 @@ class PrefixKeys:
         block_size: tokens per block.
         length: tokens in the prompt.
         root: 16-byte namespace root key (the key at position 0).
+        hash_key: the store's :class:`~hybridstore.index.keys.HashKey` (inner keys
+            of token prompts are hashed with it); ``None`` for engine keys.
         keys: ``(nblocks, 2)`` uint64 array of block keys ``[lo, hi]``.
         tokens: the uint32 token ids, or ``None`` when built from block ids.
     """
 
-    __slots__ = ("block_size", "length", "root", "keys", "tokens", "_lo_array", "_inner",
-                 "_paths")
+    __slots__ = ("block_size", "length", "root", "hash_key", "keys", "tokens", "_lo_array",
+                 "_inner", "_paths")
 
     def __init__(self, *, block_size: int, length: int, root: bytes, keys: np.ndarray,
-                 tokens: np.ndarray | None) -> None:
+                 tokens: np.ndarray | None, hash_key: K.HashKey | None = None) -> None:
         self.block_size = block_size
         self.length = length
         self.root = root
+        self.hash_key = hash_key
         self.keys = keys
         self.tokens = tokens
         self._lo_array: np.ndarray | None = None
@@ -78,15 +81,18 @@ class PrefixKeys:
 
     # -- construction ---------------------------------------------------------------
     @classmethod
-    def from_tokens(cls, tokens: object, *, block_size: int, root: bytes) -> PrefixKeys:
+    def from_tokens(cls, tokens: object, *, block_size: int, root: bytes,
+                    hash_key: K.HashKey) -> PrefixKeys:
         """Hash token ids (list, numpy array or torch tensor) block by block."""
         toks = K.as_token_array(tokens)
         return cls(block_size=block_size, length=int(toks.shape[0]), root=root,
-                   keys=K.chain_hash_tokens(toks, block_size, root), tokens=toks)
+                   keys=K.chain_hash_tokens(toks, block_size, root, hash_key), tokens=toks,
+                   hash_key=hash_key)
 
     @classmethod
     def from_block_ids(cls, block_ids: Sequence[int] | np.ndarray, *, block_size: int,
-                       root: bytes, length: int | None = None) -> PrefixKeys:
+                       root: bytes, hash_key: K.HashKey,
+                       length: int | None = None) -> PrefixKeys:
         """Chain already-hashed block ids (full blocks; the last may be partial).
 
         Args:
@@ -94,6 +100,7 @@ class PrefixKeys:
                 iff equal ids).
             block_size: tokens per block.
             root: namespace root key.
+            hash_key: the store's hash key.
             length: prompt length in tokens; defaults to ``len(block_ids) *
                 block_size``.  When it ends inside the last block, that block
                 is partial.
@@ -101,8 +108,10 @@ class PrefixKeys:
         n = len(block_ids)
         length = _fitted_length(n, block_size, length, "block ids", "id")
         last = length - (n - 1) * block_size if n else None
-        ids = K.chain_hash_ids(block_ids, root, last_tokens=last, block_size=block_size)
-        return cls(block_size=block_size, length=length, root=root, keys=ids, tokens=None)
+        ids = K.chain_hash_ids(block_ids, root, last_tokens=last, block_size=block_size,
+                               key=hash_key)
+        return cls(block_size=block_size, length=length, root=root, keys=ids, tokens=None,
+                   hash_key=hash_key)
 
     @classmethod
     def from_engine_keys(cls, engine: Sequence[object], *, block_size: int, root: bytes,
@@ -167,7 +176,9 @@ class PrefixKeys:
         cached = self._inner.get(k)
         if cached is None:
             s = k * self.block_size
-            cached = K.block_prefix_keys(self.tokens[s:s + self.block_size], self.key_before(k))
+            assert self.hash_key is not None  # token prompts always carry their key
+            cached = K.block_prefix_keys(self.tokens[s:s + self.block_size], self.key_before(k),
+                                         self.hash_key)
             self._inner[k] = cached
         return cached
 

@@ -72,6 +72,8 @@ log = logging.getLogger("hybridstore.store")
 
 NAMESPACE_INFO = "namespace"
 """The disk tier's info blob that records the root key of the namespace owning it."""
+SECRET_INFO = "hash_secret"
+"""The disk tier's info blob that keeps the store's hashing secret (the catalog is 0600)."""
 
 
 class HybridStore:
@@ -108,12 +110,19 @@ class HybridStore:
         self._eviction = eviction or eviction_policy(cfg.policy)
         self._admission = admission or admission_policy(cfg.checkpoint_policy)
         self._placement = placement or RequestEnd()
-        self._root = hashing.namespace_root(cfg.namespace)
-        self.index = HybridIndex(cfg.block_size, self._root)
         self.tiers: dict[str, Tier] = dict(tiers) if tiers is not None else self._open_tiers(cfg)
         for name in self.tiers:
             if name not in TIER_BITS:
                 raise UnknownTierError(f"unknown tier {name!r}; tiers are {list(TIER_BITS)}")
+        disk = self.tiers["disk"] if "disk" in self.tiers and self.tiers["disk"].durable else None
+        try:
+            self._hash_key = self._keying(disk)
+        except BaseException:
+            for tier in self.tiers.values():
+                tier.close()
+            raise
+        self._root = self._hash_key.root(cfg.namespace)
+        self.index = HybridIndex(cfg.block_size, self._root)
         self._layouts: dict[ObjectKind, Layout] = {}
         self._res = res = Residency(self.index, self.tiers, tier_policy(cfg.tier_policy),
                                     cfg.block_size)
@@ -126,9 +135,9 @@ class HybridStore:
                              tier=res.chain[0])
         self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hybridstore-load")
         self._counters = {"matches": 0, "hit_tokens": 0, "query_tokens": 0, "loads": 0}
-        if "disk" in self.tiers and self.tiers["disk"].durable:
+        if disk is not None:
             try:
-                self._claim(self.tiers["disk"])
+                self._claim(disk)
             except BaseException:
                 for tier in self.tiers.values():
                     tier.close()
@@ -162,10 +171,46 @@ class HybridStore:
                 raise
         return tiers
 
+    def _keying(self, disk: Tier | None) -> hashing.HashKey:
+        """The store's hash key: its secret from the config, else the one the disk tier
+        keeps (recorded there, 0600, on first use), else a fresh one for this process.
+
+        Raises:
+            NamespaceError: ``config.hash_secret`` differs from the secret the disk tier
+                was keyed with (its keys would never match).
+        """
+        given = self.config.hash_secret
+        positions = self.config.block_size
+        if disk is None:
+            return hashing.HashKey(given, positions) if given is not None else \
+                hashing.HashKey.generate(positions)
+        recorded = disk.get_info(SECRET_INFO)
+        damaged = recorded is not None and not 16 <= len(recorded) <= 64
+        if damaged or (recorded is None and disk.get_info(NAMESPACE_INFO)):
+            # Keyed by a secret that is gone (a damaged record, or a directory of a
+            # version that hashed without one): no key of its objects can be rebuilt.
+            log.warning("disk tier %s: the hash secret record is %s; its objects can never "
+                        "match again and are dropped", self.config.disk_path,
+                        "damaged" if damaged else "missing")
+            disk.delete_many([key for key, _, _ in disk.entries()])
+            disk.put_info(NAMESPACE_INFO, b"")
+            recorded = None
+        if recorded is None:
+            key = hashing.HashKey(given, positions) if given is not None else \
+                hashing.HashKey.generate(positions)
+            disk.put_info(SECRET_INFO, key.secret)
+            return key
+        if given is not None and given != recorded:
+            raise NamespaceError(
+                f"the disk tier at {self.config.disk_path!r} was keyed with another hash "
+                "secret; open it without hash_secret (it keeps its own) or give this store "
+                "its own disk_path")
+        return hashing.HashKey(recorded, positions)
+
     def _claim(self, disk: Tier) -> None:
         """Record this store's namespace in a new disk directory; refuse another's."""
         recorded = disk.get_info(NAMESPACE_INFO)
-        if recorded is None:
+        if not recorded:
             disk.put_info(NAMESPACE_INFO, self._root)
         elif recorded != self._root:
             raise NamespaceError(
@@ -225,7 +270,8 @@ class HybridStore:
                 raise NamespaceError("this prompt was hashed under another namespace's root; "
                                      "build it with this store's prefix() / engine_prefix()")
             return tokens
-        return PrefixKeys.from_tokens(tokens, block_size=self.config.block_size, root=self._root)
+        return PrefixKeys.from_tokens(tokens, block_size=self.config.block_size, root=self._root,
+                                      hash_key=self._hash_key)
 
     def prefix_from_block_ids(self, block_ids: Sequence[int] | np.ndarray,
                               length: int | None = None) -> PrefixKeys:
@@ -234,7 +280,7 @@ class HybridStore:
             raise InvalidTokensError(f"block_ids must be a sequence of ints, got "
                                      f"{type(block_ids).__name__}")
         return PrefixKeys.from_block_ids(block_ids, block_size=self.config.block_size,
-                                         root=self._root,
+                                         root=self._root, hash_key=self._hash_key,
                                          length=args.optional_whole(length, "length"))
 
     def engine_prefix(self, keys: Sequence[Any], *, prefix: Sequence[Any] | None = (),
@@ -388,7 +434,8 @@ class HybridStore:
         if prompt.tokens is not None:
             return self.put_kv(self.prefix(prompt.tokens[:end]), page)
         return self.put_kv(PrefixKeys(block_size=B, length=end, root=prompt.root,
-                                      keys=prompt.keys[: end // B], tokens=None), page)
+                                      keys=prompt.keys[: end // B], tokens=None,
+                                      hash_key=prompt.hash_key), page)
 
     def put_state(self, tokens: Any, state: Any, *, position: int | None = None) -> bool:
         """Store the recurrent-state checkpoint taken at ``position``.
