@@ -128,10 +128,13 @@ def test_a_tight_budget_evicts_and_hits_less_and_unlimited_bounds_everyone(trace
                                               max_requests=N), progress=False)
     ref = roomy["unlimited"].summary()["token_hit_rate"]
     assert tight["unlimited"].summary()["token_hit_rate"] == ref
+    ref_p99 = roomy["unlimited"].summary()["ttft_p99_s"]
+    assert roomy["unlimited"].summary()["service_p99_s"] == ref_p99     # no queue here
     for name in names[1:]:
         r, t = roomy[name].summary(), tight[name].summary()
         assert r["evictions"] == 0 and t["evictions"] > 0, name
         assert t["token_hit_rate"] < r["token_hit_rate"] <= ref + 1e-12, name
+        assert t["ttft_p99_s"] >= r["ttft_p99_s"] >= ref_p99 - 1e-9, name
 
 
 def test_parse_budgets():
