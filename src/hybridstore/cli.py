@@ -85,7 +85,8 @@ def _replay(args: argparse.Namespace) -> int:
                        host_gib=args.host_gib, disk_gib=args.disk_gib, seed=args.seed,
                        token_level=not args.block_level, max_requests=args.max_requests,
                        scale=scale, data=args.data, data_dir=args.data_dir,
-                       discipline=args.discipline, budget=budget, mamba_ratio=args.mamba_ratio)
+                       discipline=args.discipline, budget=budget, mamba_ratio=args.mamba_ratio,
+                       pools=args.pools)
     specs = args.trace or [str(weka_sample())]
     traces = [load(spec) for spec in specs]
     trace = traces[0] if len(traces) == 1 else merge(traces)
@@ -190,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--mamba-ratio", type=_NON_NEGATIVE, default=0.9,
                      help="state memory per KV memory under --budget (SGLang's "
                           "--mamba-full-memory-ratio; default 0.9)")
+    rep.add_argument("--pools", choices=("preset", "unified", "split"), default="preset",
+                     help="under --budget, how KV and states share it: as each preset does "
+                          "(sglang-hicache splits), one pool for all, or SGLang's split KV and "
+                          "Mamba pools for every preset")
     rep.add_argument("--sweep", default=None,
                      help="a capacity curve instead of one replay: comma-separated budgets, e.g. "
                           "5%%,10%%,20%%,40%%,80%% (--json/--plot get the sweep's document/figure)")

@@ -100,6 +100,11 @@ def test_budgets_size_the_tiers_as_the_engines_split_them(trace):
     assert tiering_of(preset("sglang-hicache"), seq).state_share == pytest.approx(0.9 / 1.9)
     assert tiering_of(preset("sglang-hicache"), ReplayConfig()).state_share == 0.5
     assert tiering_of(preset("vllm-disk"), seq).state_share is None
+    split = ReplayConfig(discipline="sequential", budget=0.1, pools="split")
+    unified = ReplayConfig(discipline="sequential", budget=0.1, pools="unified")
+    assert tiering_of(preset("histate"), split).state_share == pytest.approx(0.9 / 1.9)
+    assert tiering_of(preset("histate"), split).historical_to_ssd     # the rest is the preset's
+    assert tiering_of(preset("sglang-hicache"), unified).state_share is None
     # the server discipline splits the same total over the preset's tiers, by the GiB ratios
     srv = ReplayConfig(budget=0.1, gpu_gib=1, host_gib=3, disk_gib=0)
     tiers = tier_budgets(preset("vllm-disk"), srv, 4.0, fp)
@@ -114,6 +119,7 @@ def test_budgets_size_the_tiers_as_the_engines_split_them(trace):
 
 
 @pytest.mark.parametrize("bad", [{"discipline": "fifo"}, {"budget": 0}, {"budget": -1.0},
+                                 {"pools": "shared"},
                                  {"budget": float("nan")}, {"mamba_ratio": -0.5}])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ConfigError):
@@ -164,3 +170,13 @@ def test_the_sweep_document_and_its_command(trace, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["replay", "--sweep", "5%,x"]) == 2
     assert main(["replay", "--budget", "0%"]) == 2
+
+
+@pytest.mark.parametrize("name", ["histate", "vllm-marconi", "marconi", "flashstates"])
+def test_split_pools_never_fail_a_put(trace, name):
+    """Issue 15, part 5: under SGLang's strict split pools a page partition full of pages the
+    retained checkpoints need must not end the replay with CapacityError."""
+    cfg = ReplayConfig(discipline="sequential", budget=0.05, pools="split", max_requests=N)
+    run = replay(trace, [name], cfg, progress=False)[name]
+    assert len(run.results) == N and run.evictions > 0
+    assert 0 < run.summary()["token_hit_rate"] <= 1

@@ -68,6 +68,11 @@ from hybridstore.store import HybridStore
 GIB = 1 << 30
 _UNLIMITED_BYTES = 1 << 62
 
+POOLS = ("preset", "unified", "split")
+"""How a budget is shared by KV and states: as the preset does (``sglang-hicache``
+partitions), one pool for both (vLLM), or SGLang's split KV and Mamba pools for every
+preset."""
+
 DISCIPLINES = ("server", "sequential")
 """``server``: HiState §4.1's FIFO prefill server with live sessions; ``sequential``: all
 requests merged by trace time, one at a time (Marconi's and the engines' discipline)."""
@@ -116,6 +121,11 @@ class ReplayConfig:
         mamba_ratio: state memory per KV memory (SGLang's
             ``--mamba-full-memory-ratio``, 0.9): sizes the budget's state part,
             and the state share of partitioned presets under ``budget``.
+        pools: with ``budget``, how KV and states share it (:data:`POOLS`):
+            ``"preset"`` (partitioning presets split, the others share),
+            ``"unified"`` (every preset shares one pool), ``"split"`` (every
+            preset gets SGLang's split pools: states ``mamba_ratio / (1 +
+            mamba_ratio)`` of each tier, strictly).
     """
 
     model: str = "qwen3.5-9b"
@@ -134,8 +144,11 @@ class ReplayConfig:
     discipline: str = "server"
     budget: float | None = None
     mamba_ratio: float = 0.9
+    pools: str = "preset"
 
     def __post_init__(self) -> None:
+        if self.pools not in POOLS:
+            raise ConfigError(f"pools must be one of {POOLS}, got {self.pools!r}")
         if self.discipline not in DISCIPLINES:
             raise ConfigError(f"discipline must be one of {DISCIPLINES}, got {self.discipline!r}")
         if self.budget is not None and not (isinstance(self.budget, (int, float))
@@ -280,11 +293,15 @@ def tier_budgets(p: Preset, cfg: ReplayConfig, scale: float = 1.0,
 
 
 def tiering_of(p: Preset, cfg: ReplayConfig) -> TierPolicy:
-    """The preset's tier policy; a partition splits by ``mamba_ratio`` under a budget."""
+    """The preset's tier policy; under a budget, KV and states share it as ``cfg.pools`` says
+    (split pools give states ``mamba_ratio / (1 + mamba_ratio)`` of each tier)."""
     policy = tier_policy(p.tier_policy)
-    if cfg.budget is not None and policy.state_share is not None and cfg.mamba_ratio > 0:
-        policy = dataclasses.replace(policy, state_share=cfg.mamba_ratio / (1 + cfg.mamba_ratio))
-    return policy
+    if cfg.budget is None or p.unlimited:
+        return policy
+    split = cfg.pools == "split" or (cfg.pools == "preset" and policy.state_share is not None)
+    if split and cfg.mamba_ratio > 0:
+        return dataclasses.replace(policy, state_share=cfg.mamba_ratio / (1 + cfg.mamba_ratio))
+    return dataclasses.replace(policy, state_share=None)
 
 
 def build_store(p: Preset, cfg: ReplayConfig, model: ModelPreset, block_size: int,
