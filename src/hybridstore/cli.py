@@ -89,6 +89,16 @@ def _replay(args: argparse.Namespace) -> int:
                        pools=args.pools)
     specs = args.trace or [str(weka_sample())]
     traces = [load(spec) for spec in specs]
+    if args.divergence:
+        from hybridstore.replay.divergence import divergence, plot_divergence, print_divergence
+
+        docs = [divergence(t) for t in traces]
+        print_divergence(docs)
+        if args.json:
+            write_json({"traces": docs}, args.json)
+        if args.plot:
+            plot_divergence(docs, args.plot)
+        return 0
     trace = traces[0] if len(traces) == 1 else merge(traces)
     # the objects: real bytes (unlimited presets: sizes, as the reference) or sizes only
     plane_for = data_planes(cfg.data_dir) if cfg.data else None
@@ -198,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--sweep", default=None,
                      help="a capacity curve instead of one replay: comma-separated budgets, e.g. "
                           "5%%,10%%,20%%,40%%,80%% (--json/--plot get the sweep's document/figure)")
+    rep.add_argument("--divergence", action="store_true",
+                     help="instead of a replay: where each request leaves its predecessor's "
+                          "prefix, a histogram per trace (--json/--plot get it)")
     rep.add_argument("--no-progress", action="store_true")
     rep.set_defaults(func=_replay)
     bench = sub.add_parser("bench", help="benchmarks (print JSON and a table)")

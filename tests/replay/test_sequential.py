@@ -180,3 +180,28 @@ def test_split_pools_never_fail_a_put(trace, name):
     run = replay(trace, [name], cfg, progress=False)[name]
     assert len(run.results) == N and run.evictions > 0
     assert 0 < run.summary()["token_hit_rate"] <= 1
+
+
+def test_divergence_points_agree_with_the_synthesized_tokens(trace, tmp_path):
+    """Block-level divergence from the chained ids equals the one read off the token ids."""
+    from hybridstore.replay.divergence import divergence
+
+    B = trace.block_size
+    backs = []
+    for s in trace.sessions:
+        toks = list(session_tokens(s))
+        for prev, cur in zip(toks, toks[1:]):
+            n = min(len(prev), len(cur))
+            diff = np.flatnonzero(prev[:n] != cur[:n])
+            lcp = int(diff[0]) if diff.size else n
+            backs.append(len(prev) - lcp // B * B)
+    doc = divergence(trace)
+    assert doc["pairs"] == len(backs) == trace.n_requests - len(trace.sessions)
+    got = [b["count"] for b in doc["bins"]]
+    edges = [(b["from_tokens"], b["to_tokens"] or 1 << 62) for b in doc["bins"]]
+    assert got == [sum(lo <= x < hi for x in backs) for lo, hi in edges]
+    assert doc["appends"] == sum(x < B for x in backs) and doc["appends"] > 0.8 * len(backs)
+    out, png = tmp_path / "div.json", tmp_path / "div.png"
+    assert main(["replay", "--divergence", "--json", str(out), "--plot", str(png)]) == 0
+    assert json.loads(out.read_text())["traces"][0]["bins"] == json.loads(json.dumps(doc["bins"]))
+    assert png.read_bytes()[:4] == b"\x89PNG"
