@@ -90,7 +90,11 @@ def _replay(args: argparse.Namespace) -> int:
     specs = args.trace or [str(weka_sample())]
     traces = [load(spec) for spec in specs]
     if args.divergence:
-        from hybridstore.replay.divergence import divergence, plot_divergence, print_divergence
+        from hybridstore.replay.divergence import (
+            divergence,
+            plot_divergence,
+            print_divergence,
+        )
 
         docs = [divergence(t) for t in traces]
         print_divergence(docs)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+from itertools import pairwise
 import json
 
 import numpy as np
@@ -190,7 +191,7 @@ def test_divergence_points_agree_with_the_synthesized_tokens(trace, tmp_path):
     backs = []
     for s in trace.sessions:
         toks = list(session_tokens(s))
-        for prev, cur in zip(toks, toks[1:]):
+        for prev, cur in pairwise(toks):
             n = min(len(prev), len(cur))
             diff = np.flatnonzero(prev[:n] != cur[:n])
             lcp = int(diff[0]) if diff.size else n

@@ -20,6 +20,7 @@ and :func:`plot_divergence` a histogram per trace (log-spaced distance bins).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,7 @@ def divergence(trace: Trace) -> dict[str, Any]:
     resets = 0
     for session in trace.sessions:
         reqs = session.requests
-        for prev, cur in zip(reqs, reqs[1:]):
+        for prev, cur in pairwise(reqs):
             p = prev.block_ids[:prev.input_tokens // B]
             c = cur.block_ids[:cur.input_tokens // B]
             shared = _shared_blocks(p, c) * B
@@ -61,14 +62,14 @@ def divergence(trace: Trace) -> dict[str, Any]:
     frac = np.asarray(fractions, dtype=np.float64)
     edges = [0, *(e * B for e in EDGES_BLOCKS), None]
     bins = []
-    for lo, hi in zip(edges, edges[1:]):
+    for lo, hi in pairwise(edges):
         sel = (arr >= lo) & (arr < hi) if hi is not None else arr >= lo
         count = int(sel.sum())
         bins.append({"from_tokens": lo, "to_tokens": hi, "count": count,
                      "share": count / len(arr) if len(arr) else 0.0})
     far = arr >= B
     qs = (0.1, 0.25, 0.5, 0.75, 0.9)
-    return {"trace": trace.name, "block_size": B, "pairs": int(len(arr)), "bins": bins,
+    return {"trace": trace.name, "block_size": B, "pairs": len(arr), "bins": bins,
             "appends": int((~far).sum()), "resets": int(resets),
             "back_tokens_quantiles": ({str(q): float(np.quantile(arr[far], q)) for q in qs}
                                       if far.any() else {}),
