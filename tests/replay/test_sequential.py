@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import hashlib
-from itertools import pairwise
 import json
+from itertools import pairwise
 
 import numpy as np
 import pytest
