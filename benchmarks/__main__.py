@@ -1,4 +1,4 @@
-"""``python -m benchmarks ssd|index ...`` (from the root of a clone; see README.md here)."""
+"""``python -m benchmarks ssd|index|calibrate ...`` (from the root of a clone; see README.md here)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,16 @@ def _index(args: argparse.Namespace) -> int:
     from benchmarks.index import run_index_bench
 
     run_index_bench(json_path=args.json, plot_path=args.plot, quick=args.quick)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from benchmarks.calibrate import run_calibration
+    from hybridstore.replay.sweep import parse_budgets
+
+    run_calibration(trace_spec=args.trace, budgets=parse_budgets(args.budgets),
+                    presets=[p.strip() for p in args.policy.split(",") if p.strip()],
+                    max_requests=args.max_requests, json_path=args.json)
     return 0
 
 
@@ -46,6 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--plot", default=None, help="write latency/memory figures here (PNG)")
     index.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (~1 min)")
     index.set_defaults(func=_index)
+    cal = sub.add_parser("calibrate", help="the replay's presets against SGLang's own "
+                                           "UnifiedRadixCache, same requests and budgets")
+    cal.add_argument("--trace", default=None, help="trace spec (default: the bundled WEKA sample)")
+    cal.add_argument("--budgets", default="10%,20%,50%",
+                     help="fractions of the KV footprint (default 10%%,20%%,50%%)")
+    cal.add_argument("--policy", default="sglang-hicache,vllm-marconi,histate",
+                     help="presets to compare")
+    cal.add_argument("--max-requests", type=int, default=None)
+    cal.add_argument("--json", default=None, help="write the document here")
+    cal.set_defaults(func=_calibrate)
     return parser
 
 

@@ -1,0 +1,204 @@
+"""``python -m benchmarks calibrate``: the replay's presets against SGLang's own radix cache.
+
+Issue 15, part 1 (first step): the same requests (the sequential discipline: every request
+of the trace by trace time, one at a time, the replay's synthesized token ids), the same
+budgets (a fraction of the KV footprint; KV pool + Mamba pool of ``--mamba-full-memory-
+ratio`` 0.9), through
+
+* SGLang 0.5.23's real ``UnifiedRadixCache`` with FULL + MAMBA components and its real
+  pools (``HybridReqToTokenPool`` / ``HybridLinearKVPool`` / ``TokenToKVPoolAllocator``),
+  page size 1 without the Mamba extra buffer (SGLang requires page size 1 there: its
+  ``MambaComponent``), LRU: per request ``match_prefix``, then KV and a Mamba slot for
+  the rest (``evict`` when a pool is short), then ``insert`` of the prompt with its state
+  at the prompt's end, the matched prefix locked meanwhile (what ``cache_unfinished_req``
+  does after a prefill);
+* hybridstore's replay with a preset, over one accounting tier split the same way.
+
+It prints, per budget, SGLang's token hit rate and each preset's, as JSON and a table.
+What it does not model of SGLang: chunked prefill with the extra buffer (states at chunk
+ends, page size 64), decode-time states, host and storage tiers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hybridstore.adapters.cpu_shims import import_sglang
+from hybridstore.replay.model_presets import model_preset
+from hybridstore.replay.sim import ReplayConfig, kv_footprint, merged_requests, replay
+from hybridstore.replay.tokens import session_tokens
+from hybridstore.replay.trace import Trace
+
+_MODULES = (
+    "sglang.srt.mem_cache.unified_radix_cache",
+    "sglang.srt.mem_cache.unified_cache.components.base",
+    "sglang.srt.mem_cache.allocator",
+    "sglang.srt.mem_cache.memory_pool",
+    "sglang.srt.mem_cache.cache_init_params",
+    "sglang.srt.mem_cache.events",
+    "sglang.srt.mem_cache.base_prefix_cache",
+    "sglang.srt.mem_cache.radix_cache",
+    "sglang.srt.server_args",
+    "sglang.srt.runtime_context",
+    "sglang.srt.configs.mamba_utils",
+    "sglang.srt.environ",
+)
+DEFAULT_PRESETS = ("sglang-hicache", "vllm-marconi", "histate")
+
+
+class SGLangRadixCache:
+    """SGLang's ``UnifiedRadixCache`` (FULL + MAMBA, page 1, LRU) over real pools on CPU.
+
+    Args:
+        kv_tokens: the KV pool, in tokens.
+        mamba_slots: the Mamba pool, in states.
+    """
+
+    def __init__(self, kv_tokens: int, mamba_slots: int) -> None:
+        import torch
+
+        m = import_sglang(_MODULES)
+        sa_mod = m["sglang.srt.server_args"]
+        self._bpc = m["sglang.srt.mem_cache.base_prefix_cache"]
+        self._radix = m["sglang.srt.mem_cache.radix_cache"]
+        comp = m["sglang.srt.mem_cache.unified_cache.components.base"].ComponentType
+        pools = m["sglang.srt.mem_cache.memory_pool"]
+        mamba = m["sglang.srt.configs.mamba_utils"]
+        self._parallel = m["sglang.srt.runtime_context"].get_parallel().override(
+            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+        self._parallel.__enter__()
+        sa = sa_mod.ServerArgs(model_path="dummy", page_size=1)
+        sa._mamba_cache_chunk_size = 64       # no model config to read it from here
+        sa_mod.set_global_server_args_for_scheduler(sa)
+        with m["sglang.srt.environ"].envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
+            # the smallest real shapes: the calibration counts slots, not bytes
+            shape = mamba.Mamba2StateShape.create(tp_world_size=1, intermediate_size=8,
+                                                  n_groups=1, num_heads=1, head_dim=8,
+                                                  state_size=4, conv_kernel=2)
+            cparams = mamba.Mamba2CacheParams(shape=shape, layers=[0])
+        rtp = pools.HybridReqToTokenPool(
+            size=2, mamba_size=mamba_slots, mamba_spec_state_size=1, max_context_len=8,
+            device="cpu", enable_memory_saver=False, cache_params=cparams, mamba_layer_ids=[0],
+            enable_mamba_extra_buffer=False, speculative_num_draft_tokens=1)
+        kv = pools.HybridLinearKVPool(
+            size=kv_tokens, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=1,
+            full_attention_layer_ids=[1], device="cpu", enable_memory_saver=False,
+            mamba_pool=rtp.mamba_pool)
+        self.kv = m["sglang.srt.mem_cache.allocator"].TokenToKVPoolAllocator(
+            size=kv_tokens, dtype=torch.bfloat16, device="cpu", kvcache=kv, need_sort=False)
+        self.mamba = rtp.mamba_allocator
+        params = m["sglang.srt.mem_cache.cache_init_params"].CacheInitParams(
+            req_to_token_pool=rtp, token_to_kv_pool_allocator=self.kv, page_size=1,
+            disable=False, tree_components=(comp.FULL, comp.MAMBA),
+            enable_mamba_extra_buffer=False,
+            kv_event_lora_names=m["sglang.srt.mem_cache.events"].KvEventLoraNames(),
+            eviction_policy="lru")
+        self.cache = m["sglang.srt.mem_cache.unified_radix_cache"].UnifiedRadixCache(params=params)
+        self.kv_tokens = kv_tokens
+        self.skipped = 0
+
+    def serve(self, tokens: np.ndarray) -> int:
+        """One prefill: the hit (tokens with KV and a state at their end), then the insert."""
+        import torch
+
+        key = self._radix.RadixKey(array("q", tokens.astype(np.int64).tolist()))
+        match = self.cache.match_prefix(self._bpc.MatchPrefixParams(key=key))
+        hit = int(match.device_prefix_len)
+        new = len(tokens) - hit
+        lock = self.cache.lock(match.last_device_node)
+        try:
+            if new > self.kv_tokens:
+                self.skipped += 1
+                return hit
+            if self.kv.available_size() < new:
+                self.cache.evict(self._bpc.EvictParams(num_tokens=new - self.kv.available_size()))
+            if self.mamba.available_size() < 1:
+                self.cache.evict(self._bpc.EvictParams(mamba_num=1))
+            idx = self.kv.alloc(new)
+            slot = self.mamba.alloc(1) if idx is not None else None
+            if idx is None or slot is None:
+                if idx is not None:
+                    self.kv.free(idx)
+                self.skipped += 1
+                return hit
+            # the matched prefix is in the tree already: insert only reads the new part
+            value = torch.cat([torch.zeros(hit, dtype=idx.dtype), idx])
+            got = self.cache.insert(self._bpc.InsertParams(key=key, value=value, mamba_value=slot))
+            if got.prefix_len > hit:           # KV the tree had beyond the state hit
+                self.kv.free(value[hit:got.prefix_len])
+            if got.mamba_exist:
+                self.mamba.free(slot)
+            return hit
+        finally:
+            self.cache.unlock(lock)
+
+
+def sglang_hits(trace: Trace, cfg: ReplayConfig) -> list[int]:
+    """Per-request hits of SGLang's own cache, in the sequential discipline's order."""
+    assert cfg.budget is not None
+    model = model_preset(cfg.model)
+    footprint = kv_footprint(trace, cfg, model)
+    cache = SGLangRadixCache(max(1, int(cfg.budget * footprint / model.kv_bytes_per_token)),
+                             max(1, int(cfg.budget * footprint * cfg.mamba_ratio
+                                        / model.checkpoint_bytes)))
+    order = merged_requests(trace)
+    if cfg.max_requests is not None:
+        order = order[:cfg.max_requests]
+    tokens = {s.id: session_tokens(s) for s in trace.sessions}
+    return [cache.serve(next(tokens[r.session])) for r in order]
+
+
+def calibrate(trace: Trace, budgets: Sequence[float], presets: Sequence[str] = DEFAULT_PRESETS,
+              *, max_requests: int | None = None, mamba_ratio: float = 0.9) -> dict[str, Any]:
+    """Token hit rates of SGLang's cache and of each preset at each budget (sequential)."""
+    rows = []
+    for budget in budgets:
+        cfg = ReplayConfig(discipline="sequential", budget=budget, max_requests=max_requests,
+                           mamba_ratio=mamba_ratio)
+        t0 = time.perf_counter()
+        hits = sglang_hits(trace, cfg)
+        runs = replay(trace, list(presets), cfg, progress=False)
+        inp = sum(r.input_tokens for r in next(iter(runs.values())).results)
+        row: dict[str, Any] = {"budget": budget, "sglang_radix_cache": sum(hits) / inp}
+        for name, run in runs.items():
+            row[name] = run.summary()["token_hit_rate"]
+        row["seconds"] = time.perf_counter() - t0
+        rows.append(row)
+    return {"trace": trace.name, "requests": max_requests or trace.n_requests,
+            "discipline": "sequential", "mamba_ratio": mamba_ratio, "rows": rows}
+
+
+def print_calibration(doc: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    cols = [k for k in doc["rows"][0] if k not in ("budget", "seconds")]
+    table = Table(title=f"token hit rate, {doc['trace']} ({doc['requests']} requests, sequential)")
+    table.add_column("budget")
+    for c in cols:
+        table.add_column(c, justify="right")
+    for row in doc["rows"]:
+        table.add_row(f"{row['budget']:.0%}", *(f"{row[c]:.3f}" for c in cols))
+    Console().print(table)
+
+
+def run_calibration(*, trace_spec: str | None, budgets: Sequence[float],
+                    presets: Sequence[str], max_requests: int | None,
+                    json_path: str | None) -> dict[str, Any]:
+    from hybridstore.replay.loaders import load
+    from hybridstore.replay.samples import weka_sample
+
+    doc = calibrate(load(trace_spec or str(weka_sample())), budgets, presets,
+                    max_requests=max_requests)
+    print_calibration(doc)
+    print(json.dumps(doc, indent=2))
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(doc, fh, indent=2)
+    return doc
