@@ -11,11 +11,11 @@ import pytest
 if importlib.util.find_spec("sglang") is None:   # not importorskip: sglang/__init__ is skipped
     pytest.skip("SGLang is not installed (pip install --no-deps sglang)", allow_module_level=True)
 
-from benchmarks.calibrate import calibrate, sglang_hits  # noqa: E402
-from hybridstore.replay.loaders import load  # noqa: E402
-from hybridstore.replay.samples import weka_sample  # noqa: E402
-from hybridstore.replay.sim import ReplayConfig, merged_requests  # noqa: E402
-from hybridstore.replay.tokens import session_tokens  # noqa: E402
+from benchmarks.calibrate import calibrate, sglang_hits
+from hybridstore.replay.loaders import load
+from hybridstore.replay.samples import weka_sample
+from hybridstore.replay.sim import ReplayConfig, merged_requests
+from hybridstore.replay.tokens import session_tokens
 
 N = 40
 
