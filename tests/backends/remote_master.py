@@ -1,0 +1,70 @@
+"""A ``mooncake_master`` on a free loopback port, for the remote tier's tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def master_binary() -> str | None:
+    """The ``mooncake_master`` the installed Mooncake package ships, or None."""
+    try:
+        from hybridstore.backends.remote.client import import_store
+
+        store = import_store()
+    except ImportError:
+        return None
+    path = Path(store.__file__).parent / "mooncake_master"
+    return str(path) if path.exists() else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Master:
+    """A running master; :meth:`kill` it (SIGKILL) or :meth:`stop` it."""
+
+    def __init__(self, binary: str, log_path: Path) -> None:
+        self.port = free_port()
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [binary, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
+             f"--metrics_port={free_port()}", "--default_kv_lease_ttl=100"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}; "
+                                   f"see {log_path}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"mooncake_master did not listen on {self.port} within 20 s")
+
+    def url(self, **options: object) -> str:
+        query = "&".join(f"{k}={v}" for k, v in options.items())
+        return f"mooncake://127.0.0.1:{self.port}" + (f"?{query}" if query else "")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
