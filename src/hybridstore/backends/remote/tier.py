@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,7 @@ class _Entry:
     own: bool
 
 
-def _failed(error: BaseException) -> Future:
+def _failed(error: BaseException) -> Future:  # a read that failed
     fut: Future = Future()
     fut.set_exception(error)
     return fut
@@ -82,10 +82,12 @@ class MooncakeTier(ObjectTable):
         self._net = net_gbps
         self._h2d = h2d_gbps
         self._objects: dict[ObjectKey, _Entry] = {}
-        self._used = 0
+        self._used = 0           # charges of the table's objects
+        self._reserved = 0       # charges of puts in flight
         self._lost: list[ObjectKey] = []
         self._keylocks = [threading.RLock() for _ in range(64)]
         self._counts = dict.fromkeys(("puts", "gets", "misses", "corrupt", "failed"), 0)
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hybridstore-remote")
         self._owns_client = client is None
         self.client = client if client is not None else MooncakeClient(self.spec)
         self.staging = self.client.staging
@@ -97,7 +99,7 @@ class MooncakeTier(ObjectTable):
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._used + self._reserved
 
     def charge(self, nbytes: int) -> int:
         """The object plus its header, in 4 KiB units."""
@@ -121,32 +123,50 @@ class MooncakeTier(ObjectTable):
     # -- objects ------------------------------------------------------------------
     def put(self, key: ObjectKey, data: np.ndarray | None, *, nbytes: int,
             meta: bytes = b"") -> Future:
+        """Reserve the budget now (``CapacityError`` if short), write on the tier's
+        threads; the future completes once the value is in the pool (or fails with
+        ``BackendIOError``, the reservation given back)."""
         self._check_open()
         charged = self.charge(nbytes)
         payload = byte_view(data, nbytes, what="data")
-        with self._keylock(key):
+        with self._lock:
+            old = self._objects.get(key)
+            freed = self.charge(old.nbytes) if old is not None else 0
+            if self.used_bytes - freed + charged > self._capacity:
+                raise CapacityError(f"remote tier: {charged} bytes do not fit "
+                                    f"({self.free_bytes + freed} free)")
+            self._reserved += charged                  # until the write ends
+        try:
+            return self._pool.submit(self._put_now, key, payload, int(nbytes), bytes(meta),
+                                     charged)
+        except RuntimeError:                           # the pool was shut down: closed
             with self._lock:
-                old = self._objects.get(key)
-                freed = self.charge(old.nbytes) if old is not None else 0
-                if self._used - freed + charged > self._capacity:
-                    raise CapacityError(f"remote tier: {charged} bytes do not fit "
-                                        f"({self.free_bytes + freed} free)")
+                self._reserved -= charged
+            self._check_open()
+            raise
+
+    def _put_now(self, key: ObjectKey, payload: np.ndarray, nbytes: int, meta: bytes,
+                 charged: int) -> None:
+        with self._keylock(key):
             try:
-                if old is not None:
+                with self._lock:
+                    replacing = key in self._objects
+                if replacing:
                     self._remove(key)
                 self._write(key, payload, meta)
-            except BackendIOError as e:
+            except BaseException as e:
+                with self._lock:
+                    self._reserved -= charged
                 self._counts["failed"] += 1
                 if isinstance(e, RemoteDown):
                     self._drop_all()
-                return _failed(e)
+                raise
             with self._lock:
-                self._check_open()
+                self._reserved -= charged
                 old = self._objects.get(key)
                 self._used += charged - (self.charge(old.nbytes) if old is not None else 0)
-                self._objects[key] = _Entry(int(nbytes), bytes(meta), True)
+                self._objects[key] = _Entry(nbytes, meta, True)
                 self._counts["puts"] += 1
-        return done_future()
 
     def _write(self, key: bytes, payload: np.ndarray, meta: bytes) -> None:
         """One value in the pool: through a registered slot, or the client's buffer."""
@@ -320,7 +340,7 @@ class MooncakeTier(ObjectTable):
                 if meta is None or key in self._objects:
                     continue
                 charged = self.charge(nbytes)
-                if self._used + charged > self._capacity:
+                if self.used_bytes + charged > self._capacity:
                     break
                 self._used += charged
                 self._objects[key] = _Entry(nbytes, meta, False)
@@ -386,7 +406,7 @@ class MooncakeTier(ObjectTable):
 
     def stats(self) -> dict[str, float]:
         with self._lock:
-            out: dict[str, float] = {"capacity_bytes": self._capacity, "used_bytes": self._used,
+            out: dict[str, float] = {"capacity_bytes": self._capacity, "used_bytes": self.used_bytes,
                                      "objects": len(self._objects),
                                      "foreign": sum(not e.own for e in self._objects.values())}
         out.update(self._counts)
@@ -399,5 +419,6 @@ class MooncakeTier(ObjectTable):
         if self._closed:
             return
         super().close()
+        self._pool.shutdown(wait=True)       # every call is bounded: this ends
         if self._owns_client:
             self.client.close()
