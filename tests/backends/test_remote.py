@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from hybridstore import HybridStore
+from hybridstore import HybridStore, HybridStoreError
 from hybridstore.backends.base import Tier
+from hybridstore.objects import TIER_BITS
 from hybridstore.testing.tiers import TierConformance
 from tests.backends import remote_peer as rp
 from tests.backends.remote_master import Master, master_binary
@@ -134,3 +136,134 @@ def test_prefix_put_by_one_process_is_loaded_bit_exact_by_another(master: Master
             assert store.match(rp.TOKENS[:150]).position == 0
     finally:
         finish(proc)
+
+
+def test_a_state_goes_remote_only_with_its_pages(master: Master) -> None:
+    url = master.url(prefix=f"s{os.getpid()}-{next(_prefixes)}", **SMALL)
+    with HybridStore(rp.config(url, os.urandom(32))) as store:
+        assert store.put_state(rp.TOKENS[:100], rp.state_of(100), position=100)
+        store.flush()
+        remote = store.stats()["tiers"]["remote"]
+        assert remote["objects"] == 0 and store._remote.skipped_states == 1  # type: ignore[union-attr]
+        rp.put_conversation(store)                 # pages first, then the states
+        remote = store.stats()["tiers"]["remote"]
+        # the pages and the state at 64 went; the one at 100 was declined at its put
+        # (held already, it is not put again)
+        assert remote["objects"] == 7 + 1 and remote["failed"] == 0
+        prompt = store.prefix(rp.TOKENS[:100])
+        tiers = {p: store.index.checkpoint(prompt.key_at(p)).tiers for p in (64, 100)}  # type: ignore[union-attr]
+        assert tiers == {64: TIER_BITS["host"] | TIER_BITS["remote"], 100: TIER_BITS["host"]}
+
+
+def test_damaged_or_foreign_values_are_misses(master: Master, client: object) -> None:
+    from hybridstore.backends.remote import frame
+    from hybridstore.errors import CorruptObjectError
+    from hybridstore.testing.tiers import blob, key_of
+
+    tier = tier_on(master, 8 << 20, client)
+    try:
+        for i in range(3):
+            tier.put(key_of(i), blob(5000, i), nbytes=5000, meta=b"m").result()
+        store = tier.client.store  # type: ignore[attr-defined]
+        prefix = tier.spec.prefix  # type: ignore[attr-defined]
+        value = np.frombuffer(store.get(frame.object_name(prefix, key_of(0))), np.uint8).copy()
+        value[-1] ^= 1                                                  # one payload bit
+        store.remove(frame.object_name(prefix, key_of(0)), True)
+        assert store.put(frame.object_name(prefix, key_of(0)), value.tobytes()) == 0
+        good = store.get(frame.object_name(prefix, key_of(2)))          # another key's value
+        store.remove(frame.object_name(prefix, key_of(1)), True)
+        assert store.put(frame.object_name(prefix, key_of(1)), good) == 0
+        for i in (0, 1):
+            with pytest.raises(CorruptObjectError):
+                tier.get(key_of(i))
+            assert not tier.contains(key_of(i))
+        assert sorted(tier.take_lost()) == [key_of(0), key_of(1)]  # type: ignore[attr-defined]
+        assert np.array_equal(tier.get(key_of(2)), blob(5000, 2))
+        assert tier.used_bytes == tier.charge(5000)
+        assert tier.adopt([key_of(1)]) == []      # its header names another key  # type: ignore[attr-defined]
+    finally:
+        tier.close()
+
+
+def test_master_unreachable_at_open(caplog: pytest.LogCaptureFixture) -> None:
+    from tests.backends.remote_master import free_port
+
+    url = f"mooncake://127.0.0.1:{free_port()}?timeout=2"
+    with caplog.at_level("WARNING", logger="hybridstore"):
+        started = time.monotonic()
+        with HybridStore(rp.config(url, os.urandom(32))) as store:
+            assert "remote" not in store.tiers        # opens without it
+            rp.put_conversation(store)
+            plan = store.match(rp.TOKENS[:150])
+            assert plan.position == 100
+            store.release(plan)
+        assert time.monotonic() - started < 10
+    assert "remote tier is not used" in caplog.text and "unreachable" in caplog.text
+
+
+def test_missing_package_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybridstore.backends.remote.tier import MooncakeTier
+    from hybridstore.errors import MissingExtraError
+
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)   # import fails
+    with pytest.raises(MissingExtraError, match="pip install mooncake-transfer-engine-non-cuda"):
+        MooncakeTier("mooncake://127.0.0.1:1", 1 << 20)
+
+
+def test_bad_urls_are_config_errors() -> None:
+    from hybridstore import ConfigError, StoreConfig
+
+    for url in ("redis://h:1", "mooncake://h", "mooncake://h:1/x", "mooncake://h:1?bogus=1",
+                "mooncake://h:1?segment=lots", "mooncake://h:1?timeout=0"):
+        with pytest.raises(ConfigError):
+            StoreConfig(remote=url)
+    spec = StoreConfig(remote="mooncake://h:9?segment=1GiB&prefix=a").remote
+    from hybridstore.backends.remote import parse_remote
+
+    parsed = parse_remote(spec)  # type: ignore[arg-type]
+    assert parsed.segment_bytes == 1 << 30 and parsed.prefix == "a" and parsed.master == "h:9"
+
+
+def test_master_killed_mid_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Objects only the pool held become misses with a logged reason; every call returns
+    within the bound; the store keeps serving what its own tiers hold."""
+    assert BINARY is not None
+    own = Master(BINARY, tmp_path / "master.log")
+    url = own.url(prefix="k", **SMALL)
+    secret = os.urandom(32)
+    writer = HybridStore(rp.config(url, secret))
+    reader = HybridStore(rp.config(url, secret))
+    try:
+        rp.put_conversation(writer)
+        plan = reader.match(rp.TOKENS[:150])
+        assert plan.position == 100 and set(reader.restore_cost(plan)) == {"remote"}
+        mine = rp.TOKENS[::-1][:32].copy()
+        reader.put_kv(mine, [rp.page_of(90), rp.page_of(91)])            # the reader's own
+        own.kill()
+        with caplog.at_level("WARNING", logger="hybridstore"):
+            started = time.monotonic()
+            with pytest.raises(HybridStoreError):        # typed: BackendIOError
+                reader.load(plan).result(timeout=30)
+            reader.release(plan)
+            again = reader.match(rp.TOKENS[:150])        # a miss now
+            assert again.position == 0 and reader.present_pages(rp.TOKENS[:150]) == 0
+            reader.release(again)
+            assert reader.present_pages(mine) == 2         # its own tiers still serve
+            own_plan = reader.match_pages(mine)
+            pages, _ = reader.load(own_plan).result(timeout=30)
+            reader.release(own_plan)
+            assert same(pages[1], rp.page_of(91))
+            reader.put_kv(rp.TOKENS[:64], [rp.page_of(k) for k in range(4)])   # no raise
+            reader.flush()
+            assert reader.present_pages(rp.TOKENS[:150]) == 4
+            elapsed = time.monotonic() - started
+        assert elapsed < 3 * SMALL["timeout"] + 5, elapsed      # type: ignore[operator]
+        assert "unreachable" in caplog.text
+        stats = reader.stats()["tiers"]["remote"]
+        assert stats["down_events"] >= 1 and stats["objects"] == 0 and not stats["available"]
+    finally:
+        started = time.monotonic()
+        reader.close()
+        writer.close()
+        assert time.monotonic() - started < 4 * SMALL["timeout"] + 10  # type: ignore[operator]
+        own.stop()

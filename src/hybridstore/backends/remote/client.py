@@ -17,6 +17,7 @@ Mooncake's own client retries a dead master for seconds per call (and 20 times a
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import socket
 import threading
@@ -111,7 +112,7 @@ class MooncakeClient:
         if rc != 0:
             raise ConfigError(f"Mooncake master {spec.master}: setup failed with code {rc} "
                               f"(protocol={spec.protocol!r}, metadata={spec.metadata!r})")
-        self.store = store
+        self.store: Any = store
         self.staging = Staging(store, spec.staging_bytes)
 
     # -- the breaker ------------------------------------------------------------------
@@ -123,8 +124,11 @@ class MooncakeClient:
                 return True
             if time.monotonic() < self._down_until:
                 return False
+        store = self.store
+        if store is None:
+            return False
         try:
-            healthy = bounded(self.store.health_check, self.spec.timeout_s, "health") == 0
+            healthy = bounded(store.health_check, self.spec.timeout_s, "health") == 0
         except Exception:
             healthy = False
         with self._lock:
@@ -167,8 +171,11 @@ class MooncakeClient:
                 self.refused += 1
             raise RemoteDown(f"Mooncake master {self.spec.master} is counted down; {what} "
                              "not attempted")
+        store = self.store
+        if store is None:
+            raise RemoteDown(f"the Mooncake client is closed; {what} not attempted")
         try:
-            out = bounded(lambda: fn(self.store), self.spec.timeout_s, what)
+            out = bounded(lambda: fn(store), self.spec.timeout_s, what)
         except TimeoutError as e:
             self.trip(str(e))
             raise RemoteDown(f"Mooncake {what}: {e}") from None
@@ -179,11 +186,27 @@ class MooncakeClient:
         return out
 
     def close(self) -> None:
-        """Close the client; bounded (a dead master makes Mooncake's close slow)."""
+        """Close the client.
+
+        Mooncake's ``close`` (and its destructor) holds the GIL: about 2 s with a live
+        master, and 15 s or more of retries with a dead one, during which no Python
+        thread runs.  With the master counted down the client is therefore left open
+        on purpose (its reference count is raised so that no destructor ever runs; the
+        master drops it after ``client_ttl``); otherwise it is closed here.
+        """
+        store, self.store = self.store, None
+        if store is None:
+            return
         try:
-            bounded(self.store.close, self.spec.timeout_s, "close")
-        except Exception as e:
-            log.warning("Mooncake client close: %s", e)
+            down = self._down or bounded(store.health_check, self.spec.timeout_s, "health") != 0
+        except Exception:
+            down = True
+        if down:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))
+            log.warning("Mooncake master %s is down: its client is abandoned, not closed",
+                        self.spec.master)
+            return
+        store.close()
 
 
 def _probe(spec: RemoteSpec) -> None:

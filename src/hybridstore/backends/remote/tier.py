@@ -215,6 +215,33 @@ class MooncakeTier(ObjectTable):
         self._counts["gets"] += 1
         return done_future(entry.nbytes)
 
+    def read_many_into(self, keys: Sequence[ObjectKey], dst: np.ndarray,
+                       offsets: Sequence[int]) -> Future:
+        """:meth:`get_into` of each, stopping at the first failure (its error in the
+        future): with the master down the rest would be misses too."""
+        self._check_open()
+        if len(keys) != len(offsets):
+            raise ValueError("keys and offsets must have one length")
+        sizes = []
+        with self._lock:
+            for key, off in zip(keys, offsets):
+                entry = self._objects.get(key)
+                if entry is None:
+                    raise KeyError(key)
+                if off < 0 or off + entry.nbytes > dst.nbytes:
+                    raise ValueError(f"offset {off} + {entry.nbytes} bytes is past dst "
+                                     f"({dst.nbytes} bytes)")
+                sizes.append(entry.nbytes)
+        for key, off, n in zip(keys, offsets, sizes):
+            try:
+                fut = self.get_into(key, dst[off:off + n])
+            except KeyError:          # dropped since (the master went down, or it vanished)
+                return _failed(BackendIOError(f"remote object {key.hex()} was dropped "
+                                              "during the read", key=key))
+            if fut.exception() is not None:
+                return fut
+        return done_future(sum(sizes))
+
     def _read(self, key: ObjectKey, entry: _Entry, dst: np.ndarray) -> None:
         """The verified payload into ``dst``; a missing or damaged value leaves the table."""
         name = self._name(key)
