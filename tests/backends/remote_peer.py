@@ -29,9 +29,9 @@ def state_of(seed: int) -> dict[str, torch.Tensor]:
 
 
 def config(url: str, secret: bytes, **kw: object) -> StoreConfig:
-    base: dict[str, object] = dict(block_size=B, host_bytes=32 << 20, remote=url,
-                                   remote_bytes=256 << 20, hash_secret=secret,
-                                   pin_host_memory=False)
+    base: dict[str, object] = {"block_size": B, "host_bytes": 32 << 20, "remote": url,
+                               "remote_bytes": 256 << 20, "hash_secret": secret,
+                               "pin_host_memory": False}
     base.update(kw)
     return StoreConfig(**base)  # type: ignore[arg-type]
 

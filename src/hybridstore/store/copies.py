@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
-from collections.abc import Callable
 
 import numpy as np
 

@@ -47,7 +47,7 @@ class RemoteDown(BackendIOError):
 def import_store() -> Any:
     """``mooncake.store``; a typed error naming the pip package when it is missing."""
     try:
-        import mooncake.store as store
+        import mooncake.store as store  # noqa: PLR0402  (the import system, not an attribute)
     except ImportError as e:      # the module, or a shared library it needs (libibverbs)
         err = MissingExtraError(
             f"the remote tier needs Mooncake Store: pip install {PIP_PACKAGE} "

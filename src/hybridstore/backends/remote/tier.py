@@ -29,7 +29,11 @@ import numpy as np
 
 from hybridstore.backends.base import ObjectTable, done_future
 from hybridstore.backends.remote import frame
-from hybridstore.backends.remote.client import OBJECT_NOT_FOUND, MooncakeClient, RemoteDown
+from hybridstore.backends.remote.client import (
+    OBJECT_NOT_FOUND,
+    MooncakeClient,
+    RemoteDown,
+)
 from hybridstore.backends.remote.url import RemoteSpec, parse_remote
 from hybridstore.errors import (
     BackendIOError,
@@ -381,16 +385,17 @@ class MooncakeTier(ObjectTable):
         step = max(1, self.staging.slot_bytes // max(max(sizes, default=1), 1))
         for i in range(0, len(keys), step):
             chunk = list(keys[i:i + step])
+            names = [[self._name(k) for k in chunk]]
+            offs = np.cumsum([0] + sizes[i:i + step]).tolist()
+            src = [[[s0] for s0 in starts[i:i + step]]]
+            size = [[[n] for n in sizes[i:i + step]]]
             with self.staging.slot() as slot:
-                offs = np.cumsum([0] + sizes[i:i + step])
-                got = self.client.call("get ranges", lambda s: s.get_into_ranges(
-                    [slot.ctypes.data], [[self._name(k) for k in chunk]],
-                    [[[int(offs[j])] for j in range(len(chunk))]],
-                    [[[starts[i + j]] for j in range(len(chunk))]],
-                    [[[sizes[i + j]] for j in range(len(chunk))]]))
+                base, dsts = [slot.ctypes.data], [[[o] for o in offs[:-1]]]
+                got = self.client.call("get ranges", lambda s, b=base, n=names, d=dsts, a=src,
+                                       z=size: s.get_into_ranges(b, n, d, a, z))
                 for j in range(len(chunk)):
                     ok = got[0][j][0] == sizes[i + j]
-                    out.append(bytes(slot[int(offs[j]):int(offs[j + 1])]) if ok else None)
+                    out.append(bytes(slot[offs[j]:offs[j + 1]]) if ok else None)
         return out
 
     # -- info blobs ---------------------------------------------------------------
