@@ -20,7 +20,7 @@ from hybridstore.backends.base import Tier
 from hybridstore.objects import TIER_BITS
 from hybridstore.testing.tiers import TierConformance
 from tests.backends import remote_peer as rp
-from tests.backends.remote_master import Master, master_binary
+from hybridstore.backends.remote.master import Master, master_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -186,7 +186,7 @@ def test_damaged_or_foreign_values_are_misses(master: Master, client: object) ->
 
 
 def test_master_unreachable_at_open(caplog: pytest.LogCaptureFixture) -> None:
-    from tests.backends.remote_master import free_port
+    from hybridstore.backends.remote.master import free_port
 
     url = f"mooncake://127.0.0.1:{free_port()}?timeout=2"
     with caplog.at_level("WARNING", logger="hybridstore"):

@@ -1,4 +1,5 @@
-"""A ``mooncake_master`` on a free loopback port, for the remote tier's tests."""
+"""A ``mooncake_master`` on a free loopback port: what the tests and ``hybridstore bench
+remote`` start (a deployment runs its own: docs/remote.md)."""
 
 from __future__ import annotations
 
@@ -23,17 +24,24 @@ def master_binary() -> str | None:
 
 
 def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
 class Master:
-    """A running master; :meth:`kill` it (SIGKILL) or :meth:`stop` it."""
+    """A ``mooncake_master`` started on a free loopback port; :meth:`kill` it (SIGKILL)
+    or :meth:`stop` it.
+
+    Args:
+        binary: the ``mooncake_master`` executable (:func:`master_binary`).
+        log_path: where its output goes.
+    """
 
     def __init__(self, binary: str, log_path: Path) -> None:
         self.port = free_port()
-        self.log = open(log_path, "wb")
+        self.log = open(log_path, "wb")  # noqa: SIM115  (closed by stop())
         self.proc = subprocess.Popen(
             [binary, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
              f"--metrics_port={free_port()}", "--default_kv_lease_ttl=100"],
@@ -52,6 +60,7 @@ class Master:
         raise RuntimeError(f"mooncake_master did not listen on {self.port} within 20 s")
 
     def url(self, **options: object) -> str:
+        """``mooncake://127.0.0.1:PORT?options`` of this master."""
         query = "&".join(f"{k}={v}" for k, v in options.items())
         return f"mooncake://127.0.0.1:{self.port}" + (f"?{query}" if query else "")
 
