@@ -52,21 +52,22 @@ def _key(i: int) -> Any:
     return object_key(ObjectKind.PAGE, i.to_bytes(16, "little"))
 
 
-def _throughput(tier: Tier, datas: list[np.ndarray], outs: list[np.ndarray],
+def _throughput(tier: Tier, datas: list[np.ndarray], out: np.ndarray,
                 base: int) -> tuple[float, float]:
-    """Seconds to put then to get a batch (every put awaited, every byte checked)."""
+    """Seconds to put a batch (every future awaited), then to read it back with one
+    ``read_many_into`` (the load path; every byte checked)."""
     n = datas[0].nbytes
     t0 = time.perf_counter()
     futs = [tier.put(_key(base + i), d, nbytes=n) for i, d in enumerate(datas)]
     for f in futs:
         f.result()
     t1 = time.perf_counter()
-    gets = [tier.get_into(_key(base + i), o) for i, o in enumerate(outs)]
-    for f in gets:
-        f.result()
+    slot = -(-n // 4096) * 4096
+    tier.read_many_into([_key(base + i) for i in range(len(datas))], out,
+                        [i * slot for i in range(len(datas))]).result()
     t2 = time.perf_counter()
-    for d, o in zip(datas, outs):
-        if not np.array_equal(d, o):
+    for i, d in enumerate(datas):
+        if not np.array_equal(d, out[i * slot:i * slot + n]):
             raise AssertionError(f"{tier.name} tier returned other bytes")
     tier.delete_many([_key(base + i) for i in range(len(datas))])
     return t1 - t0, t2 - t1
@@ -137,19 +138,19 @@ def run_remote_bench(json_path: str | None = None, disk_dir: str | None = None,
                 datas = [aligned(nbytes) for _ in range(k)]
                 for d in datas:
                     d[:] = np.frombuffer(rng.bytes(nbytes), np.uint8)
-                outs = [aligned(nbytes) for _ in range(k)]
+                out = aligned(k * (-(-nbytes // 4096) * 4096))
                 for r in range(reps + 1):                # repetition 0 warms up
                     order = list(tiers) if r % 2 else list(tiers)[::-1]
                     for name in order:
                         step(f"{size_name} {fmt_bytes(nbytes)} x{k} rep {r}/{reps}: {name}")
-                        put_s, get_s = _throughput(tiers[name], datas, outs, 1000 * r)
+                        put_s, get_s = _throughput(tiers[name], datas, out, 1000 * r)
                         if r:
                             for op, s in (("put", put_s), ("get", get_s)):
                                 series.setdefault((name, size_name, op), ([], []))[0].append(s)
                 for r in range(lat_reps):
                     for name in (list(tiers) if r % 2 else list(tiers)[::-1]):
                         step(f"{size_name} latency {r}/{lat_reps}: {name}")
-                        put_s, get_s = _latency(tiers[name], datas[0], outs[0], _key(99_999))
+                        put_s, get_s = _latency(tiers[name], datas[0], out[:nbytes], _key(99_999))
                         for op, s in (("put", put_s), ("get", get_s)):
                             series.setdefault((name, size_name, op), ([], []))[1].append(s)
         rows = [_row(name, size_name, SIZES[size_name], op, batch[size_name], thr, lat)

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridstore.backends.base import ObjectTable, done_future
+from hybridstore.backends.base import FutureSum, ObjectTable, done_future
 from hybridstore.backends.remote import frame
 from hybridstore.backends.remote.client import (
     OBJECT_NOT_FOUND,
@@ -44,6 +44,15 @@ from hybridstore.errors import (
 from hybridstore.objects import ObjectKey, byte_view
 
 _SLOT = 4096
+
+
+class RemoteMiss(BackendIOError, KeyError):
+    """An object a batch read asked for is not (or no longer) in the tier: a ``KeyError``
+    as the contract says, and a ``BackendIOError`` for the loader, which then forgets
+    what the tier dropped."""
+
+    def __str__(self) -> str:
+        return BackendIOError.__str__(self)
 
 
 @dataclass(slots=True)
@@ -221,8 +230,9 @@ class MooncakeTier(ObjectTable):
 
     def read_many_into(self, keys: Sequence[ObjectKey], dst: np.ndarray,
                        offsets: Sequence[int]) -> Future:
-        """:meth:`get_into` of each, stopping at the first failure (its error in the
-        future): with the master down the rest would be misses too."""
+        """:meth:`get_into` of each, on the tier's threads (up to 4 at once, one staging
+        slot each); the future fails with the first error (with the master down the
+        others fail at once too)."""
         self._check_open()
         if len(keys) != len(offsets):
             raise ValueError("keys and offsets must have one length")
@@ -230,21 +240,28 @@ class MooncakeTier(ObjectTable):
         with self._lock:
             for key, off in zip(keys, offsets):
                 entry = self._objects.get(key)
-                if entry is None:
-                    raise KeyError(key)
+                if entry is None:     # never here, or dropped since the caller looked
+                    return _failed(RemoteMiss(f"remote object {key.hex()} is not in the "
+                                              "remote tier", key=key))
                 if off < 0 or off + entry.nbytes > dst.nbytes:
                     raise ValueError(f"offset {off} + {entry.nbytes} bytes is past dst "
                                      f"({dst.nbytes} bytes)")
                 sizes.append(entry.nbytes)
+        if len(keys) == 1:
+            return self._get_one(keys[0], dst[offsets[0]:offsets[0] + sizes[0]])
+        total = FutureSum(len(keys))
         for key, off, n in zip(keys, offsets, sizes):
-            try:
-                fut = self.get_into(key, dst[off:off + n])
-            except KeyError:          # dropped since (the master went down, or it vanished)
-                return _failed(BackendIOError(f"remote object {key.hex()} was dropped "
-                                              "during the read", key=key))
-            if fut.exception() is not None:
-                return fut
-        return done_future(sum(sizes))
+            fut = self._pool.submit(lambda k=key, o=dst[off:off + n]: self._get_one(k, o).result())
+            fut.add_done_callback(total.done_future)
+        return total.future
+
+    def _get_one(self, key: ObjectKey, out: np.ndarray) -> Future:
+        """:meth:`get_into`; a key dropped since it was listed is a ``BackendIOError``."""
+        try:
+            return self.get_into(key, out)
+        except KeyError:          # dropped since (the master went down, or it vanished)
+            return _failed(RemoteMiss(f"remote object {key.hex()} was dropped during the "
+                                      "read", key=key))
 
     def _read(self, key: ObjectKey, entry: _Entry, dst: np.ndarray) -> None:
         """The verified payload into ``dst``; a missing or damaged value leaves the table."""
