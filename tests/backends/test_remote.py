@@ -20,7 +20,7 @@ from hybridstore.backends.base import Tier
 from hybridstore.objects import TIER_BITS
 from hybridstore.testing.tiers import TierConformance
 from tests.backends import remote_peer as rp
-from hybridstore.backends.remote.master import Master, master_binary
+from hybridstore.backends.remote.master import Lender, Master, master_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,12 +71,12 @@ class TestMooncakeTier(TierConformance):
 
 
 # -- two stores, two processes, one master ----------------------------------------------
-def peer(master: Master, prefix: str, secret: bytes) -> subprocess.Popen:
+def peer(master: Master, prefix: str, secret: bytes, **options: object) -> subprocess.Popen:
     """Start the peer store (tests/backends/remote_peer.py) and wait for its READY."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "tests.backends.remote_peer",
-                             master.url(prefix=prefix, **SMALL), secret.hex()],
+                             master.url(prefix=prefix, **{**SMALL, **options}), secret.hex()],
                             cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     line = _readline(proc, 60)
@@ -109,10 +109,14 @@ def same(a: object, b: object) -> bool:
                                                    else a, b.view(torch.uint8) if b.dtype == torch.bfloat16 else b))  # type: ignore[attr-defined,union-attr]
 
 
-def test_prefix_put_by_one_process_is_loaded_bit_exact_by_another(master: Master) -> None:
+def test_prefix_put_by_one_process_is_loaded_bit_exact_by_another(master: Master,
+                                                                 tmp_path: Path) -> None:
+    """The writer lends no memory (``segment=0``): its objects live in a ``mooncake_client``
+    lender and outlive it; the reader opens only after the writer has exited."""
     secret, prefix = os.urandom(32), f"x{os.getpid()}-{next(_prefixes)}"
-    proc = peer(master, prefix, secret)
+    lender = Lender(master, tmp_path / "lender.log")
     try:
+        finish(peer(master, prefix, secret, segment=0))
         with HybridStore(rp.config(master.url(prefix=prefix, **SMALL), secret)) as store:
             assert "remote" in store.tiers
             query = rp.TOKENS[:150]                   # the same conversation, continued
@@ -135,7 +139,7 @@ def test_prefix_put_by_one_process_is_loaded_bit_exact_by_another(master: Master
         with HybridStore(other) as store:
             assert store.match(rp.TOKENS[:150]).position == 0
     finally:
-        finish(proc)
+        lender.stop()
 
 
 def test_a_state_goes_remote_only_with_its_pages(master: Master) -> None:

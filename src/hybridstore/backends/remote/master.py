@@ -11,15 +11,16 @@ import time
 from pathlib import Path
 
 
-def master_binary() -> str | None:
-    """The ``mooncake_master`` the installed Mooncake package ships, or None."""
+def master_binary(name: str = "mooncake_master") -> str | None:
+    """A binary the installed Mooncake package ships (``mooncake_master``,
+    ``mooncake_client``), or None."""
     try:
         from hybridstore.backends.remote.client import import_store
 
         store = import_store()
     except ImportError:
         return None
-    path = Path(store.__file__).parent / "mooncake_master"
+    path = Path(store.__file__).parent / name
     return str(path) if path.exists() else None
 
 
@@ -76,4 +77,37 @@ class Master:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self.log.close()
+
+
+class Lender:
+    """A ``mooncake_client`` that lends ``segment`` bytes of its memory to the pool of a
+    :class:`Master`: objects put there outlive the stores that put them (stores
+    then use ``segment=0``)."""
+
+    def __init__(self, master: Master, log_path: Path, segment: str = "256MB") -> None:
+        binary = master_binary("mooncake_client")
+        if binary is None:
+            raise RuntimeError("the Mooncake package ships no mooncake_client")
+        self.log = open(log_path, "wb")  # noqa: SIM115  (closed by stop())
+        self.proc = subprocess.Popen(
+            [binary, f"--global_segment_size={segment}",
+             f"--master_server_address=127.0.0.1:{master.port}", "--metadata_server=P2PHANDSHAKE",
+             "--host=127.0.0.1", f"--port={free_port()}", "--protocol=tcp"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 20
+        while b"Starting real client service" not in log_path.read_bytes():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mooncake_client did not start; see {log_path}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
         self.log.close()

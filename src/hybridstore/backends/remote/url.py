@@ -18,7 +18,8 @@ key                   meaning                                     default
 ``device``            RDMA device names (``""`` for tcp)          ``""``
 ``hostname``          this client's address as others reach it    ``127.0.0.1``
 ``segment``           bytes of memory this process lends to the   ``256MiB``
-                      pool (objects live in lenders' segments)
+                      pool (objects live in lenders' segments;
+                      ``0``: none, a ``mooncake_client`` lends)
 ``buffer``            the client's local transfer buffer          ``128MiB``
 ``staging``           registered staging arena of this tier       ``64MiB``
 ``timeout``           seconds any one call may take before the    ``5``
@@ -108,8 +109,11 @@ def parse_remote(url: str) -> RemoteSpec:
     spec = RemoteSpec(scheme=parts.scheme, host=parts.hostname, port=port, **kwargs)  # type: ignore[arg-type]
     if spec.timeout_s <= 0 or spec.retry_s < 0:
         raise ConfigError(f"remote {url!r}: timeout must be > 0 and retry >= 0 seconds")
-    if spec.staging_bytes < (1 << 20) or spec.segment_bytes < (1 << 20) or spec.buffer_bytes < (1 << 20):
-        raise ConfigError(f"remote {url!r}: segment, buffer and staging must be at least 1 MiB")
+    if spec.staging_bytes < (1 << 20) or spec.buffer_bytes < (1 << 20) or \
+            0 < spec.segment_bytes < (1 << 20):
+        raise ConfigError(f"remote {url!r}: buffer and staging must be at least 1 MiB, segment "
+                          "0 (lend nothing: objects live in other processes' segments) or at "
+                          "least 1 MiB")
     if not spec.prefix or any(c in spec.prefix for c in " \n\0"):
         raise ConfigError(f"remote {url!r}: prefix must be non-empty, without spaces")
     return spec
