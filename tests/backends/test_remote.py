@@ -17,10 +17,10 @@ import torch
 
 from hybridstore import HybridStore, HybridStoreError
 from hybridstore.backends.base import Tier
+from hybridstore.backends.remote.master import Lender, Master, master_binary
 from hybridstore.objects import TIER_BITS
 from hybridstore.testing.tiers import TierConformance
 from tests.backends import remote_peer as rp
-from hybridstore.backends.remote.master import Lender, Master, master_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(
     BINARY is None, reason="Mooncake is not installed (pip install "
     "mooncake-transfer-engine-non-cuda; apt-get install libibverbs1)")
 
-SMALL = {"segment": "64MiB", "buffer": "32MiB", "staging": "16MiB", "timeout": 3, "retry": 1}
+SMALL = {"segment": "64MiB", "buffer": "32MiB", "staging": "16MiB", "timeout": 10, "retry": 1}
 _prefixes = itertools.count()
 
 
@@ -109,11 +109,12 @@ def same(a: object, b: object) -> bool:
                                                    else a, b.view(torch.uint8) if b.dtype == torch.bfloat16 else b))  # type: ignore[attr-defined,union-attr]
 
 
-def test_prefix_put_by_one_process_is_loaded_bit_exact_by_another(master: Master,
-                                                                 tmp_path: Path) -> None:
+def test_prefix_put_by_one_process_is_loaded_bit_exact_by_another(tmp_path: Path) -> None:
     """The writer lends no memory (``segment=0``): its objects live in a ``mooncake_client``
     lender and outlive it; the reader opens only after the writer has exited."""
+    assert BINARY is not None
     secret, prefix = os.urandom(32), f"x{os.getpid()}-{next(_prefixes)}"
+    master = Master(BINARY, tmp_path / "master.log")  # its own: the lender leaves with the test
     lender = Lender(master, tmp_path / "lender.log")
     try:
         finish(peer(master, prefix, secret, segment=0))
@@ -140,6 +141,7 @@ def test_prefix_put_by_one_process_is_loaded_bit_exact_by_another(master: Master
             assert store.match(rp.TOKENS[:150]).position == 0
     finally:
         lender.stop()
+        master.stop()
 
 
 def test_a_state_goes_remote_only_with_its_pages(master: Master) -> None:
@@ -261,7 +263,7 @@ def test_master_killed_mid_run(tmp_path: Path, caplog: pytest.LogCaptureFixture)
             reader.flush()
             assert reader.present_pages(rp.TOKENS[:150]) == 4
             elapsed = time.monotonic() - started
-        assert elapsed < 3 * SMALL["timeout"] + 5, elapsed      # type: ignore[operator]
+        assert elapsed < 15, elapsed         # measured: well under a second
         assert "unreachable" in caplog.text
         stats = reader.stats()["tiers"]["remote"]
         assert stats["down_events"] >= 1 and stats["objects"] == 0 and not stats["available"]
@@ -269,5 +271,5 @@ def test_master_killed_mid_run(tmp_path: Path, caplog: pytest.LogCaptureFixture)
         started = time.monotonic()
         reader.close()
         writer.close()
-        assert time.monotonic() - started < 4 * SMALL["timeout"] + 10  # type: ignore[operator]
+        assert time.monotonic() - started < 15     # measured: about 2 s (the writer)
         own.stop()

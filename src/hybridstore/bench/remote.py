@@ -156,11 +156,11 @@ def run_remote_bench(json_path: str | None = None, disk_dir: str | None = None,
         rows = [_row(name, size_name, SIZES[size_name], op, batch[size_name], thr, lat)
                 for (name, size_name, op), (thr, lat) in series.items()]
         by = {(r["tier"], r["object"], r["op"]): r for r in rows}
-        for r in rows:
-            if r["tier"] == "remote":
-                disk = by[("disk", r["object"], r["op"])]
-                r["gbps_vs_disk"] = r["gbps_median"] / disk["gbps_median"]
-                r["latency_vs_disk"] = r["latency_ms_median"] / disk["latency_ms_median"]
+        for row in rows:
+            if row["tier"] == "remote":
+                disk = by[("disk", row["object"], row["op"])]
+                row["gbps_vs_disk"] = row["gbps_median"] / disk["gbps_median"]
+                row["latency_vs_disk"] = row["latency_ms_median"] / disk["latency_ms_median"]
         doc = {"bench": "remote", "machine": machine_info(),
                "config": {"reps": reps, "latency_reps": lat_reps, "batch": batch,
                           "sizes": SIZES, "master": "started on loopback" if started else master,

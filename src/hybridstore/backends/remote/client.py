@@ -37,6 +37,7 @@ PIP_PACKAGE = "mooncake-transfer-engine-non-cuda"
 """The CPU build of Mooncake (``mooncake-transfer-engine`` is the CUDA one)."""
 
 OBJECT_NOT_FOUND = -704
+TRANSFER_FAIL = -800
 LOG_EVERY = 30.0
 
 

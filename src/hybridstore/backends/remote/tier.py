@@ -23,6 +23,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from hybridstore.backends.base import FutureSum, ObjectTable, done_future
 from hybridstore.backends.remote import frame
 from hybridstore.backends.remote.client import (
     OBJECT_NOT_FOUND,
+    TRANSFER_FAIL,
     MooncakeClient,
     RemoteDown,
 )
@@ -60,6 +62,10 @@ class _Entry:
     nbytes: int
     meta: bytes
     own: bool
+
+
+def _get_ranges(store: Any, args: tuple[Any, ...]) -> Any:
+    return store.get_into_ranges(*args)
 
 
 def _failed(error: BaseException) -> Future:  # a read that failed
@@ -182,17 +188,24 @@ class MooncakeTier(ObjectTable):
                 self._counts["puts"] += 1
 
     def _write(self, key: bytes, payload: np.ndarray, meta: bytes) -> None:
-        """One value in the pool: through a registered slot, or the client's buffer."""
+        """One value in the pool: through a registered slot, or the client's buffer.  A
+        transfer that fails (the segment chosen belongs to a lender that just left: the
+        master learns of it only after its ``client_ttl``) is tried once more, elsewhere."""
         head = frame.header(key, meta, payload)
         name = self._name(key)
         total = len(head) + payload.nbytes
-        if self.staging.fits(total):
-            with self.staging.slot() as slot:
-                slot[:len(head)] = np.frombuffer(head, np.uint8)
-                slot[len(head):total] = payload
-                rc = self.client.call("put", lambda s: s.put_from(name, slot.ctypes.data, total))
-        else:
-            rc = self.client.call("put", lambda s: s.put_parts(name, head, payload))
+        for attempt in range(2):
+            if self.staging.fits(total):
+                with self.staging.slot() as slot:
+                    slot[:len(head)] = np.frombuffer(head, np.uint8)
+                    slot[len(head):total] = payload
+                    rc = self.client.call("put", lambda s: s.put_from(name, slot.ctypes.data,
+                                                                      total))
+            else:
+                rc = self.client.call("put", lambda s: s.put_parts(name, head, payload))
+            if rc != TRANSFER_FAIL or attempt:
+                break
+            self.client.call("remove", lambda s: s.remove(name, True))
         if rc != 0:
             raise BackendIOError(f"remote put of {key.hex()} failed with Mooncake code {rc}",
                                  key=key, expected=total)
@@ -251,9 +264,13 @@ class MooncakeTier(ObjectTable):
             return self._get_one(keys[0], dst[offsets[0]:offsets[0] + sizes[0]])
         total = FutureSum(len(keys))
         for key, off, n in zip(keys, offsets, sizes):
-            fut = self._pool.submit(lambda k=key, o=dst[off:off + n]: self._get_one(k, o).result())
+            fut = self._pool.submit(self._get_now, key, dst[off:off + n])
             fut.add_done_callback(total.done_future)
         return total.future
+
+    def _get_now(self, key: ObjectKey, out: np.ndarray) -> int:
+        """:meth:`_get_one`, waited for (on the tier's threads)."""
+        return int(self._get_one(key, out).result())
 
     def _get_one(self, key: ObjectKey, out: np.ndarray) -> Future:
         """:meth:`get_into`; a key dropped since it was listed is a ``BackendIOError``."""
@@ -408,8 +425,8 @@ class MooncakeTier(ObjectTable):
             size = [[[n] for n in sizes[i:i + step]]]
             with self.staging.slot() as slot:
                 base, dsts = [slot.ctypes.data], [[[o] for o in offs[:-1]]]
-                got = self.client.call("get ranges", lambda s, b=base, n=names, d=dsts, a=src,
-                                       z=size: s.get_into_ranges(b, n, d, a, z))
+                got: list[Any] = self.client.call("get ranges", partial(
+                    _get_ranges, args=(base, names, dsts, src, size)))
                 for j in range(len(chunk)):
                     ok = got[0][j][0] == sizes[i + j]
                     out.append(bytes(slot[offs[j]:offs[j + 1]]) if ok else None)
