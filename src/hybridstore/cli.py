@@ -68,6 +68,7 @@ def _replay(args: argparse.Namespace) -> int:
     from hybridstore.replay.report import plot, print_table, summarize, write_json
     from hybridstore.replay.samples import weka_sample
     from hybridstore.replay.sim import ReplayConfig, replay
+    from hybridstore.replay.sweep import parse_budgets, plot_sweep, print_sweep, sweep
     from hybridstore.replay.systems import preset
     from hybridstore.replay.trace import merge
 
@@ -78,15 +79,42 @@ def _replay(args: argparse.Namespace) -> int:
         preset(name)
     model_preset(args.model)
     scale = args.scale if args.scale is not None else (DATA_SCALE if args.data else 1.0)
+    budgets = parse_budgets(args.sweep) if args.sweep else None
+    budget = parse_budgets(args.budget)[0] if args.budget else None
     cfg = ReplayConfig(model=args.model, live_sessions=args.live_sessions, gpu_gib=args.gpu_gib,
                        host_gib=args.host_gib, disk_gib=args.disk_gib, seed=args.seed,
                        token_level=not args.block_level, max_requests=args.max_requests,
-                       scale=scale, data=args.data, data_dir=args.data_dir)
+                       scale=scale, data=args.data, data_dir=args.data_dir,
+                       discipline=args.discipline, budget=budget, mamba_ratio=args.mamba_ratio,
+                       pools=args.pools)
     specs = args.trace or [str(weka_sample())]
     traces = [load(spec) for spec in specs]
+    if args.divergence:
+        from hybridstore.replay.divergence import (
+            divergence,
+            plot_divergence,
+            print_divergence,
+        )
+
+        docs = [divergence(t) for t in traces]
+        print_divergence(docs)
+        if args.json:
+            write_json({"traces": docs}, args.json)
+        if args.plot:
+            plot_divergence(docs, args.plot)
+        return 0
     trace = traces[0] if len(traces) == 1 else merge(traces)
     # the objects: real bytes (unlimited presets: sizes, as the reference) or sizes only
     plane_for = data_planes(cfg.data_dir) if cfg.data else None
+    if budgets is not None:
+        doc = sweep(trace, names, cfg, budgets, plane_for=plane_for,
+                    progress=not args.no_progress)
+        print_sweep(doc)
+        if args.json:
+            write_json(doc, args.json)
+        if args.plot:
+            plot_sweep(doc, args.plot)
+        return 0
     runs = replay(trace, names, cfg, plane_for=plane_for, progress=not args.no_progress)
     doc = summarize(trace, runs, cfg)
     print_table(doc)
@@ -173,6 +201,27 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--scale", type=_POSITIVE, default=None,
                      help="divide KV, checkpoint and budget bytes by this (hit rates are kept; "
                           "default 1, with --data 128)")
+    rep.add_argument("--discipline", choices=("server", "sequential"), default="server",
+                     help="server: HiState's FIFO prefill server with live sessions (TTFT includes "
+                          "queueing); sequential: every request by trace time, one at a time "
+                          "(Marconi's and the engines' discipline)")
+    rep.add_argument("--budget", default=None,
+                     help="cache budget as a fraction of the trace's KV footprint, e.g. 10%% "
+                          "(the cache gets budget x footprint x (1 + --mamba-ratio) bytes), "
+                          "instead of --gpu-gib/--host-gib/--disk-gib")
+    rep.add_argument("--mamba-ratio", type=_NON_NEGATIVE, default=0.9,
+                     help="state memory per KV memory under --budget (SGLang's "
+                          "--mamba-full-memory-ratio; default 0.9)")
+    rep.add_argument("--pools", choices=("preset", "unified", "split"), default="preset",
+                     help="under --budget, how KV and states share it: as each preset does "
+                          "(sglang-hicache splits), one pool for all, or SGLang's split KV and "
+                          "Mamba pools for every preset")
+    rep.add_argument("--sweep", default=None,
+                     help="a capacity curve instead of one replay: comma-separated budgets, e.g. "
+                          "5%%,10%%,20%%,40%%,80%% (--json/--plot get the sweep's document/figure)")
+    rep.add_argument("--divergence", action="store_true",
+                     help="instead of a replay: where each request leaves its predecessor's "
+                          "prefix, a histogram per trace (--json/--plot get it)")
     rep.add_argument("--no-progress", action="store_true")
     rep.set_defaults(func=_replay)
     bench = sub.add_parser("bench", help="benchmarks (print JSON and a table)")

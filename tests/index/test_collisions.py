@@ -27,7 +27,7 @@ def _reduce(basis: list[list[int]]) -> list[list[int]]:
     delta = 3/4).  Exact integer arithmetic; fine for a few dozen dimensions."""
     b = [list(row) for row in basis]
     n = len(b)
-    dot = lambda u, v: sum(x * y for x, y in zip(u, v))  # noqa: E731
+    dot = lambda u, v: sum(x * y for x, y in zip(u, v))
     d = [1] + [0] * n               # d[i]: Gram determinant of the first i rows
     lam = [[0] * n for _ in range(n)]
 

@@ -23,6 +23,16 @@ modes, so both make the same decisions.  ``ReplayConfig.scale``
 divides object sizes and budgets alike (real bytes must fit the machine);
 modeled times are reported at full size.
 
+A second discipline, ``ReplayConfig.discipline = "sequential"``, is the one
+published simulators (Marconi's) and engine caches are compared in: the requests
+of all sessions merged by trace time and served one at a time (no queue), so
+TTFT = restore + recompute.  Budgets may be given as a fraction of the trace's
+KV footprint (``ReplayConfig.budget``, :func:`kv_footprint`): the cache gets
+``budget x footprint x (1 + mamba_ratio)`` bytes, SGLang's KV pool plus its
+Mamba pool (``--mamba-full-memory-ratio``, 0.9 by default), and a preset that
+partitions its tiers (``sglang-hicache``) splits them as SGLang does (states
+``mamba_ratio / (1 + mamba_ratio)``).
+
 TTFT = queueing + restore + recompute.  Rules for time between requests of a
 session (closed loop): the next request arrives ``decode + think`` after the
 previous one's first token, where decode = output tokens x the model's
@@ -33,7 +43,9 @@ new input there (what a trace that records inputs only allows).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+import math
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +57,7 @@ from tqdm import tqdm
 from hybridstore.config import StoreConfig
 from hybridstore.errors import ConfigError
 from hybridstore.index.prefix import PrefixKeys
+from hybridstore.policy.tiering import TierPolicy, tier_policy
 from hybridstore.replay.model_presets import ModelPreset, model_preset
 from hybridstore.replay.planes import ObjectPlane, SizedObjects, TierBudget
 from hybridstore.replay.systems import Preset, preset
@@ -54,6 +67,15 @@ from hybridstore.store import HybridStore
 
 GIB = 1 << 30
 _UNLIMITED_BYTES = 1 << 62
+
+POOLS = ("preset", "unified", "split")
+"""How a budget is shared by KV and states: as the preset does (``sglang-hicache``
+partitions), one pool for both (vLLM), or SGLang's split KV and Mamba pools for every
+preset."""
+
+DISCIPLINES = ("server", "sequential")
+"""``server``: HiState §4.1's FIFO prefill server with live sessions; ``sequential``: all
+requests merged by trace time, one at a time (Marconi's and the engines' discipline)."""
 
 PlaneFactory = Callable[[Preset], ObjectPlane]
 """The objects of one preset's run (a fresh plane per run; the loop closes it)."""
@@ -89,6 +111,21 @@ class ReplayConfig:
             ``bytes_plane.data_planes(data_dir)`` as its ``plane_for``.
         data_dir: directory for data mode's disk tier (a temporary one inside
             it per preset, removed after its run); None: the system's temp dir.
+        discipline: ``"server"`` or ``"sequential"`` (:data:`DISCIPLINES`).
+        budget: the cache budget as a fraction of the trace's KV footprint
+            (:func:`kv_footprint`; ``0.1`` = 10 %), replacing the GiB budgets:
+            ``budget x footprint x (1 + mamba_ratio)`` bytes in all, in the
+            preset's first tier (sequential) or split over its tiers in the
+            proportion of ``gpu_gib : host_gib : disk_gib`` (server).
+            ``None``: the GiB budgets.
+        mamba_ratio: state memory per KV memory (SGLang's
+            ``--mamba-full-memory-ratio``, 0.9): sizes the budget's state part,
+            and the state share of partitioned presets under ``budget``.
+        pools: with ``budget``, how KV and states share it (:data:`POOLS`):
+            ``"preset"`` (partitioning presets split, the others share),
+            ``"unified"`` (every preset shares one pool), ``"split"`` (every
+            preset gets SGLang's split pools: states ``mamba_ratio / (1 +
+            mamba_ratio)`` of each tier, strictly).
     """
 
     model: str = "qwen3.5-9b"
@@ -104,8 +141,22 @@ class ReplayConfig:
     scale: float = 1.0
     data: bool = False
     data_dir: str | None = None
+    discipline: str = "server"
+    budget: float | None = None
+    mamba_ratio: float = 0.9
+    pools: str = "preset"
 
     def __post_init__(self) -> None:
+        if self.pools not in POOLS:
+            raise ConfigError(f"pools must be one of {POOLS}, got {self.pools!r}")
+        if self.discipline not in DISCIPLINES:
+            raise ConfigError(f"discipline must be one of {DISCIPLINES}, got {self.discipline!r}")
+        if self.budget is not None and not (isinstance(self.budget, (int, float))
+                                            and math.isfinite(self.budget) and self.budget > 0):
+            raise ConfigError(f"budget is a positive fraction of the KV footprint (0.1 = 10 %), "
+                              f"got {self.budget!r}")
+        if not (math.isfinite(self.mamba_ratio) and self.mamba_ratio >= 0):
+            raise ConfigError(f"mamba_ratio must be >= 0, got {self.mamba_ratio!r}")
         if self.live_sessions < 1:
             raise ConfigError("live_sessions must be at least 1")
         if min(self.gpu_gib, self.host_gib, self.disk_gib) < 0:
@@ -156,6 +207,7 @@ class PolicyRun:
         """The per-policy figures the CLI prints and writes to JSON."""
         res = self.results
         ttft = np.array([r.ttft_s for r in res]) if res else np.zeros(1)
+        service = ttft - np.array([r.queue_s for r in res]) if res else np.zeros(1)
         inp = sum(r.input_tokens for r in res)
         hit = sum(r.hit_tokens for r in res)
         restored: dict[str, int] = {}
@@ -167,6 +219,9 @@ class PolicyRun:
             "recomputed_tokens": inp - hit, "token_hit_rate": hit / inp if inp else 0.0,
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p95_s": float(np.percentile(ttft, 95)),
             "ttft_p99_s": float(np.percentile(ttft, 99)), "ttft_mean_s": float(ttft.mean()),
+            # restore + recompute: the TTFT without queueing, which `unlimited` bounds
+            "service_p95_s": float(np.percentile(service, 95)),
+            "service_p99_s": float(np.percentile(service, 99)),
             "restored_bytes": restored, "evictions": self.evictions,
             "requests_per_s": len(res) / self.wall_s if self.wall_s else 0.0,
             "block_lookups_per_s": self.lookups / self.wall_s if self.wall_s else 0.0,
@@ -174,23 +229,84 @@ class PolicyRun:
         }
 
 
-def tier_budgets(p: Preset, cfg: ReplayConfig, scale: float = 1.0) -> list[TierBudget]:
-    """The tiers of preset ``p``: configured budgets divided by ``scale``, HiState's bandwidths."""
+def merged_requests(trace: Trace) -> list[Request]:
+    """Every request of the trace merged by trace time (ties: source order), each session's
+    requests kept in their order (a request never precedes its predecessor)."""
+    keyed = []
+    for k, session in enumerate(trace.sessions):
+        at = -math.inf
+        for r in session.requests:
+            at = max(at, r.arrival_s)
+            keyed.append((at, k, r.index, r))
+    keyed.sort(key=lambda x: x[:3])
+    return [r for *_, r in keyed]
+
+
+def kv_footprint(trace: Trace, cfg: ReplayConfig, model: ModelPreset) -> int:
+    """KV bytes (full size) of the distinct blocks the replay's requests hold: one page
+    per distinct chained block id (equal id, equal prefix) and, for a partial last block,
+    per distinct (id, length), its id being the block's own or, where the trace gives
+    none, the last full block's (it takes a whole page, as the tiers charge it), of the first ``cfg.max_requests`` requests by trace
+    time (the server discipline serves a slightly different set when it stops early)."""
+    reqs = merged_requests(trace)
+    if cfg.max_requests is not None:
+        reqs = reqs[:cfg.max_requests]
+    B = trace.block_size
+    pages: set[tuple[int, int, int]] = set()
+    for r in reqs:
+        full = r.input_tokens // B
+        ids = r.block_ids.tolist()
+        pages.update((i, B, 0) for i in ids[:full])
+        if r.input_tokens % B:   # the partial last block: its own id, else the one before it
+            pages.add((ids[full], r.input_tokens % B, 1) if len(ids) > full else
+                      (ids[full - 1] if full else -1, r.input_tokens % B, 2))
+    return len(pages) * model.page_bytes(B)
+
+
+def tier_budgets(p: Preset, cfg: ReplayConfig, scale: float = 1.0,
+                 footprint: int | None = None) -> list[TierBudget]:
+    """The tiers of preset ``p``: configured budgets divided by ``scale``, HiState's bandwidths.
+
+    With ``cfg.budget`` the bytes come from ``footprint`` (:func:`kv_footprint`) instead:
+    ``budget x footprint x (1 + mamba_ratio)`` in all (see :class:`ReplayConfig`).
+    """
     budgets = {"device": cfg.gpu_gib, "host": cfg.host_gib, "disk": cfg.disk_gib}
     ssd_path = 1.0 / (1.0 / cfg.ssd_gbps + 1.0 / cfg.h2d_gbps)  # HiState eq. 2, T_SSD
     gbps = {"device": 1e9, "host": cfg.h2d_gbps, "disk": ssd_path}
+    caps = {name: budgets[name] * GIB for name in p.tiers}
+    if cfg.budget is not None and not p.unlimited:
+        if footprint is None:
+            raise ConfigError("a budget as a fraction needs the trace's KV footprint")
+        total = cfg.budget * footprint * (1.0 + cfg.mamba_ratio)
+        names = p.tiers[:1] if cfg.discipline == "sequential" else \
+            tuple(n for n in p.tiers if budgets[n] > 0) or p.tiers[:1]
+        weight = sum(budgets[n] for n in names) or 1.0
+        caps = {n: total * ((budgets[n] / weight) if len(names) > 1 else 1.0) for n in names}
     out = []
-    for name in p.tiers:
-        cap = _UNLIMITED_BYTES if p.unlimited else int(budgets[name] * GIB / scale)
-        if cap > 0:
-            out.append(TierBudget(name, cap, gbps[name]))
+    for name, cap in caps.items():
+        nbytes = _UNLIMITED_BYTES if p.unlimited else int(cap / scale)
+        if nbytes > 0:
+            out.append(TierBudget(name, nbytes, gbps[name]))
     if not out:
         raise ConfigError(f"preset {p.name} has no tier with a budget")
     return out
 
 
+def tiering_of(p: Preset, cfg: ReplayConfig) -> TierPolicy:
+    """The preset's tier policy; under a budget, KV and states share it as ``cfg.pools`` says
+    (split pools give states ``mamba_ratio / (1 + mamba_ratio)`` of each tier)."""
+    policy = tier_policy(p.tier_policy)
+    if cfg.budget is None or p.unlimited:
+        return policy
+    split = cfg.pools == "split" or (cfg.pools == "preset" and policy.state_share is not None)
+    if split and cfg.mamba_ratio > 0:
+        return dataclasses.replace(policy, state_share=cfg.mamba_ratio / (1 + cfg.mamba_ratio))
+    return dataclasses.replace(policy, state_share=None)
+
+
 def build_store(p: Preset, cfg: ReplayConfig, model: ModelPreset, block_size: int,
-                objects: ObjectPlane | None = None, scale: float = 1.0) -> HybridStore:
+                objects: ObjectPlane | None = None, scale: float = 1.0,
+                footprint: int | None = None) -> HybridStore:
     """A store with the preset's policies over tiers of the configured (scaled) sizes.
 
     Args:
@@ -200,14 +316,15 @@ def build_store(p: Preset, cfg: ReplayConfig, model: ModelPreset, block_size: in
         block_size: tokens per page.
         objects: builds the tiers (accounting tiers by default).
         scale: budgets are divided by it.
+        footprint: the trace's KV footprint at full size, for ``cfg.budget``.
     """
     objects = objects or SizedObjects()
-    tiers = objects.open_tiers(tier_budgets(p, cfg, scale))
+    tiers = objects.open_tiers(tier_budgets(p, cfg, scale, footprint))
     store_cfg = StoreConfig(block_size=block_size, policy=p.eviction, checkpoint_policy=p.admission,
                             tier_policy=p.tier_policy, h2d_gbps=cfg.h2d_gbps, ssd_gbps=cfg.ssd_gbps)
     eviction, admission = p.policies(model)
     return HybridStore(store_cfg, tiers=tiers, placement=p.placement(model, block_size),
-                       eviction=eviction, admission=admission)
+                       eviction=eviction, admission=admission, tiering=tiering_of(p, cfg))
 
 
 class _Sessions:
@@ -237,23 +354,67 @@ def replay_policy(trace: Trace, name: str, cfg: ReplayConfig, *,
     full = model_preset(cfg.model)
     model = full.scaled(cfg.scale)
     scale = full.kv_bytes_per_token / model.kv_bytes_per_token  # the factor applied exactly
+    footprint = kv_footprint(trace, cfg, full) if cfg.budget is not None else None
     objects = plane_for(p)
     try:
-        store = build_store(p, cfg, model, trace.block_size, objects, scale)
-        run = _run(trace, p, cfg, model, scale, store, objects, progress=progress)
+        store = build_store(p, cfg, model, trace.block_size, objects, scale, footprint)
+        loop = _run_sequential if cfg.discipline == "sequential" else _run
+        run = loop(trace, p, cfg, model, scale, store, objects, progress=progress)
     finally:
         objects.close()
     return run
 
 
+@dataclass(slots=True)
+class _Served:
+    """What serving one request cost (full-size times and bytes)."""
+
+    hit_tokens: int
+    restore_s: float
+    recompute_s: float
+    restored_bytes: dict[str, int]
+    measured_restore_s: float | None
+
+
+def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPreset, scale: float,
+           prompt: PrefixKeys, req: Request, run: PolicyRun) -> _Served:
+    """One request, as the engine serves it in either discipline: match, restore, then put
+    the pages of the recomputed segment and the checkpoints the placement asks for."""
+    plan = store.match(prompt)
+    run.lookups += prompt.nblocks
+    cost = store.restore_cost(plan)
+    try:
+        measured = objects.restore(store, plan) if plan.position else None
+    finally:
+        store.release(plan)
+    # The simulated clock runs on the modeled restore, in data mode too.
+    restore_s = sum(sec for _, sec in cost.values()) * scale
+    recompute_s = model.prefill_seconds(plan.position, req.input_tokens)
+    hints = list(req.anchors) if p.anchors else []
+    if p.branch and plan.position < plan.kv_tokens < prompt.length:
+        hints.append(plan.kv_tokens)
+    _put_segment(store, objects, prompt, plan.position, hints, model.page_bytes(prompt.block_size),
+                 model.checkpoint_bytes)
+    return _Served(plan.position, restore_s, recompute_s,
+                   {t: round(n * scale) for t, (n, _) in cost.items()}, measured)
+
+
+def _result(session: str, req: Request, served: _Served, arrival: float,
+            queue_s: float) -> RequestResult:
+    return RequestResult(session=session, index=req.index, kind=req.tags[0] if req.tags else "",
+                         input_tokens=req.input_tokens, hit_tokens=served.hit_tokens,
+                         arrival_s=arrival, queue_s=queue_s, restore_s=served.restore_s,
+                         recompute_s=served.recompute_s, restored_bytes=served.restored_bytes,
+                         measured_restore_s=served.measured_restore_s)
+
+
 def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: float,
          store: HybridStore, objects: ObjectPlane, *, progress: bool) -> PolicyRun:
-    """The replay loop; results are at full size (the store's bytes and times x ``scale``)."""
+    """The server discipline's loop; results are at full size (the store's bytes and times
+    x ``scale``)."""
     import time
 
     name = p.name
-    B = trace.block_size
-    page_bytes = model.page_bytes(B)
     run = PolicyRun(name, scale=scale)
     sessions = _Sessions([s for s in trace.sessions if s.requests], cfg.live_sessions, cfg.seed)
     total = trace.n_requests if cfg.max_requests is None else min(cfg.max_requests, trace.n_requests)
@@ -281,29 +442,10 @@ def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: 
             req = session.requests[i]
             prompt = _prompt(store, req, tokens[session.id], cfg.token_level)
             begin = max(arrival, server_free)
-            plan = store.match(prompt)
-            run.lookups += prompt.nblocks
-            cost = store.restore_cost(plan)
-            try:
-                measured = objects.restore(store, plan) if plan.position else None
-            finally:
-                store.release(plan)
-            # The simulated clock runs on the modeled restore, in data mode too.
-            restore_s = sum(sec for _, sec in cost.values()) * scale
-            recompute_s = model.prefill_seconds(plan.position, req.input_tokens)
-            hints = list(req.anchors) if p.anchors else []
-            if p.branch and plan.position < plan.kv_tokens < prompt.length:
-                hints.append(plan.kv_tokens)
-            _put_segment(store, objects, prompt, plan.position, hints, page_bytes,
-                         model.checkpoint_bytes)
-            done = begin + restore_s + recompute_s
+            served = _serve(store, objects, p, model, scale, prompt, req, run)
+            done = begin + served.restore_s + served.recompute_s
             server_free = done
-            run.results.append(RequestResult(
-                session=session.id, index=i, kind=req.tags[0] if req.tags else "",
-                input_tokens=req.input_tokens, hit_tokens=plan.position, arrival_s=arrival,
-                queue_s=begin - arrival, restore_s=restore_s, recompute_s=recompute_s,
-                restored_bytes={t: round(n * scale) for t, (n, _) in cost.items()},
-                measured_restore_s=measured))
+            run.results.append(_result(session.id, req, served, arrival, begin - arrival))
             bar.update()
             if i + 1 < len(session.requests):
                 nxt = session.requests[i + 1]
@@ -318,6 +460,36 @@ def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: 
         run.evictions = store.stats()["evictions"]
         run.data = objects.finish(store)
     bar.close()
+    run.wall_s = time.perf_counter() - t0
+    return run
+
+
+def _run_sequential(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset,
+                    scale: float, store: HybridStore, objects: ObjectPlane, *,
+                    progress: bool) -> PolicyRun:
+    """The sequential discipline: every request by trace time, one at a time, no queue."""
+    import time
+
+    run = PolicyRun(p.name, scale=scale)
+    order = merged_requests(trace)
+    if cfg.max_requests is not None:
+        order = order[:cfg.max_requests]
+    by_id = {s.id: s for s in trace.sessions}
+    tokens: dict[str, Iterator[np.ndarray]] = {}
+    t0 = time.perf_counter()
+    with store:
+        for req in tqdm(order, desc=f"replay {p.name} (sequential)", unit="req",
+                        disable=not progress, leave=False):
+            session = by_id[req.session]
+            if req.session not in tokens:
+                tokens[req.session] = session_tokens(session) if cfg.token_level else iter(())
+            prompt = _prompt(store, req, tokens[req.session], cfg.token_level)
+            served = _serve(store, objects, p, model, scale, prompt, req, run)
+            run.results.append(_result(req.session, req, served, req.arrival_s, 0.0))
+            if req.index + 1 == len(session.requests):
+                tokens.pop(req.session, None)
+        run.evictions = store.stats()["evictions"]
+        run.data = objects.finish(store)
     run.wall_s = time.perf_counter() - t0
     return run
 

@@ -60,7 +60,7 @@ from hybridstore.objects import TIER_BITS, ObjectKind, key_kind
 from hybridstore.policy import admission_policy, eviction_policy
 from hybridstore.policy.base import AdmissionPolicy, EvictionPolicy, PlacementPolicy
 from hybridstore.policy.placement import RequestEnd
-from hybridstore.policy.tiering import tier_policy
+from hybridstore.policy.tiering import TierPolicy, tier_policy
 from hybridstore.store import args
 from hybridstore.store.copies import TierCopies
 from hybridstore.store.evictor import Evictor
@@ -90,6 +90,8 @@ class HybridStore:
         eviction, admission: policy instances that override ``config.policy``
             and ``config.checkpoint_policy`` (for policies with parameters,
             e.g. a model's prefill cost).
+        tiering: a tier policy instance that overrides ``config.tier_policy``
+            (e.g. a partition with another state share).
 
     Example::
 
@@ -104,7 +106,8 @@ class HybridStore:
 
     def __init__(self, config: StoreConfig | None = None, *, tiers: dict[str, Tier] | None = None,
                  placement: PlacementPolicy | None = None, eviction: EvictionPolicy | None = None,
-                 admission: AdmissionPolicy | None = None) -> None:
+                 admission: AdmissionPolicy | None = None,
+                 tiering: TierPolicy | None = None) -> None:
         self.config = cfg = config or StoreConfig()
         self._lock = threading.RLock()
         self._closed = False
@@ -125,7 +128,7 @@ class HybridStore:
         self._root = self._hash_key.root(cfg.namespace)
         self.index = HybridIndex(cfg.block_size, self._root)
         self._layouts: dict[ObjectKind, Layout] = {}
-        self._res = res = Residency(self.index, self.tiers, tier_policy(cfg.tier_policy),
+        self._res = res = Residency(self.index, self.tiers, tiering or tier_policy(cfg.tier_policy),
                                     cfg.block_size)
         self.residence = res.residence
         self._copies = TierCopies(res)
