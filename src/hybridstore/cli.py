@@ -132,6 +132,13 @@ def _bench_core(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_remote(args: argparse.Namespace) -> int:
+    from hybridstore.bench.remote import run_remote_bench
+
+    run_remote_bench(json_path=args.json, disk_dir=args.dir, quick=args.quick, master=args.master)
+    return 0
+
+
 def _bench_engines(args: argparse.Namespace) -> int:
     from hybridstore.bench.engines import run_engines_bench
 
@@ -224,6 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--dir", default=None, help="directory for the disk tier (default: a temp dir)")
     core.add_argument("--quick", action="store_true", help="fewer repetitions")
     core.set_defaults(func=_bench_core)
+    rem = bsub.add_parser("remote", help="the remote tier (Mooncake Store on loopback) next to "
+                                         "the disk tier: put/get throughput and latency")
+    rem.add_argument("--json", default=None, help="write the results here as JSON")
+    rem.add_argument("--dir", default=None, help="directory for the disk tier (default: a temp dir)")
+    rem.add_argument("--quick", action="store_true", help="fewer repetitions (~20 s)")
+    rem.add_argument("--master", default=None, help="a running master, mooncake://HOST:PORT "
+                                                    "(default: one started on loopback)")
+    rem.set_defaults(func=_bench_remote)
     eng = bsub.add_parser("engines", help="hybridstore vs SGLang's HiCacheFile and vLLM's fs tier "
                                           "through the engines' own storage interfaces; cold "
                                           "reads, the SSD limit, hit rate under a budget")

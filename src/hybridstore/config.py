@@ -98,6 +98,13 @@ class StoreConfig:
             disk tier draws one per process.  Give the same secret to stores
             that must find each other's objects through another medium (e.g. a
             remote tier shared across hosts); never log it.
+        remote: a remote tier below the disk tier, shared by stores on any host:
+            ``"mooncake://HOST:PORT"`` (a Mooncake Store master's RPC port, with
+            optional ``?prefix=&protocol=&segment=&buffer=&staging=&timeout=&retry=``;
+            docs/remote.md); ``None``, the default, disables it.  Stores that must
+            find each other's objects there share ``namespace``, ``hash_secret``,
+            ``block_size`` and the URL's ``prefix``.
+        remote_bytes: this store's budget in the remote pool.
         kvikio_keep: kvikio settings the kvikio engine leaves as kvikio has them
             (``"auto_direct_io_read"``, ``"task_size"``) instead of applying its
             own measured values (kvikio's earlier values come back when the last
@@ -122,11 +129,13 @@ class StoreConfig:
     verify_checksums: bool = True
     kvikio_keep: frozenset[str] = frozenset()
     hash_secret: bytes | None = dataclasses.field(default=None, repr=False)
+    remote: str | None = None
+    remote_bytes: int = 16 << 30
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1 << 16:
             raise ConfigError(f"block_size must be an int in [1, 65536], got {self.block_size!r}")
-        for name in ("host_bytes", "disk_bytes", "device_bytes"):
+        for name in ("host_bytes", "disk_bytes", "device_bytes", "remote_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative int of bytes, got {value!r}")
@@ -151,6 +160,10 @@ class StoreConfig:
                               + (f"{len(self.hash_secret)} bytes"
                                  if isinstance(self.hash_secret, bytes)
                                  else type(self.hash_secret).__name__))
+        if self.remote is not None:
+            from hybridstore.backends.remote.url import parse_remote
+
+            parse_remote(self.remote)          # ConfigError on a bad URL
         if self.disk_path is not None and not isinstance(self.disk_path, (str, os.PathLike)):
             raise ConfigError(f"disk_path must be a path or None, got {self.disk_path!r}")
         if self.disk_path is not None and "\0" in os.fsdecode(self.disk_path):

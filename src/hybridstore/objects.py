@@ -40,10 +40,10 @@ OBJECT_KEY_BYTES = HASH_BYTES + 1
 ALIGN = 4096
 """Alignment of host-pool and device slots, disk slots and read buffers (``O_DIRECT``, GDS)."""
 
-TIER_ORDER: tuple[str, ...] = ("device", "host", "disk")
+TIER_ORDER: tuple[str, ...] = ("device", "host", "disk", "remote")
 """Fastest first: a load reads each object from the first tier that holds it."""
 
-TIER_BITS: dict[str, int] = {"device": 1, "host": 2, "disk": 4}
+TIER_BITS: dict[str, int] = {"device": 1, "host": 2, "disk": 4, "remote": 8}
 """Bit of each tier in the per-object tier masks."""
 
 ObjectKey = NewType("ObjectKey", bytes)

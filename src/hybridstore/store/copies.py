@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
 
@@ -51,11 +52,25 @@ class TierCopies:
         self.skipped_copies = 0
         """Write-through copies dropped for want of room below (:meth:`skipped`)."""
         self._warned_skip = False
+        self.remote_gate: Callable[[ObjectKey], bool] | None = None
+        """Whether an object may go to the ``remote`` tier (``store/remote.py``); set when
+        the store has one."""
+
+    def may_send(self, okey: ObjectKey, dst: str) -> bool:
+        """Whether a copy of ``okey`` to ``dst`` is wanted: always, except to a ``remote``
+        tier that is down or when the remote rule declines the object."""
+        if dst != "remote":
+            return True
+        if not getattr(self.res.tiers[dst], "available", True):
+            return False
+        return self.remote_gate is None or self.remote_gate(okey)
 
     def placed(self, okey: ObjectKey, kind: ObjectKind, nbytes: int, meta: bytes) -> None:
         """After a put that writes through: copy to every slower tier (best effort)."""
         chain = self.res.chain
         for name in chain[1:]:
+            if not self.may_send(okey, name):
+                continue
             try:
                 self.copy(okey, kind, nbytes, meta, chain[0], name)
             except CapacityError as e:
@@ -64,6 +79,8 @@ class TierCopies:
     def write_through_many(self, okeys: list[ObjectKey], kind: ObjectKind, nbytes: int,
                            metas: list[bytes], src: str, dst: str) -> None:
         """:meth:`copy_many` of a write-through, best effort (see :meth:`skipped`)."""
+        if okeys and not self.may_send(okeys[0], dst):
+            return
         try:
             self.copy_many(okeys, kind, nbytes, metas, src, dst)
         except CapacityError as e:
@@ -175,7 +192,14 @@ class TierCopies:
         self.drain()
 
     def spill(self, okey: ObjectKey, kind: ObjectKind, nbytes: int, src: str, dst: str) -> None:
-        """Write-back: copy the last copy of an object one tier down before ``src`` drops it."""
+        """Write-back: copy the last copy of an object one tier down before ``src`` drops it.
+
+        Raises:
+            CapacityError: no room below, or the object is not wanted there (a remote tier
+                down, or a state whose pages are not remote): the caller drops it.
+        """
+        if not self.may_send(okey, dst):
+            raise CapacityError(f"{okey.hex()} is not sent to the {dst} tier")
         if kind == ObjectKind.PAGE:
             meta = self.res.page_meta(okey)
         else:

@@ -66,6 +66,7 @@ from hybridstore.store.copies import TierCopies
 from hybridstore.store.evictor import Evictor
 from hybridstore.store.landing import LAYOUT_INFO, Landing
 from hybridstore.store.loader import Loader
+from hybridstore.store.remote import RemoteSync, open_remote
 from hybridstore.store.residency import Residency
 
 log = logging.getLogger("hybridstore.store")
@@ -134,6 +135,10 @@ class HybridStore:
         self._evictor = Evictor(res, self._copies, self._eviction)
         self._landing = Landing(res, self._copies, self._evictor, self._admission, self._layouts)
         self._loader = Loader(res, self._layouts, self._lock)
+        self._remote = RemoteSync(res, self._layouts, self._copies.pending) \
+            if "remote" in self.tiers and self.tiers["remote"].stores_bytes else None
+        if self._remote is not None:
+            self._copies.remote_gate = self._remote.worth_sending
         self._admission.bind(free_bytes=lambda: res.room(res.chain[0], ObjectKind.STATE),
                              tier=res.chain[0])
         self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hybridstore-load")
@@ -172,6 +177,15 @@ class HybridStore:
             except BaseException:
                 tiers["host"].close()
                 raise
+        if cfg.remote is not None:
+            try:
+                remote = open_remote(cfg.remote, cfg.remote_bytes, cfg.h2d_gbps)
+            except BaseException:
+                for tier in tiers.values():
+                    tier.close()
+                raise
+            if remote is not None:
+                tiers["remote"] = remote
         return tiers
 
     def _keying(self, disk: Tier | None) -> hashing.HashKey:
@@ -488,6 +502,8 @@ class HybridStore:
         with self._lock:
             self._check_open()
             self._copies.drain()
+            if self._remote is not None:
+                self._remote.sync(prompt)
             plan = self.index.match(prompt, max_position)
             if plan.state_key is not None:
                 ck = self.index.checkpoint(plan.state_key)
@@ -521,6 +537,8 @@ class HybridStore:
         with self._lock:
             self._check_open()
             self._copies.drain()
+            if self._remote is not None:
+                self._remote.sync(prompt)
             plan = self.index.pin_pages(prompt, first, max(end, first))
             self._counters["matches"] += 1
             return plan
@@ -531,6 +549,8 @@ class HybridStore:
         with self._lock:
             self._check_open()
             self._copies.drain()
+            if self._remote is not None:
+                self._remote.sync(prompt)
             return self.index.held_run(prompt)
 
     def restorable(self, tokens: Any, *, max_position: int | None = None) -> list[int]:
@@ -545,6 +565,8 @@ class HybridStore:
         with self._lock:
             self._check_open()
             self._copies.drain()
+            if self._remote is not None:
+                self._remote.sync(prompt)
             return self.index.restorable(prompt, max_position)
 
     def release(self, plan: ResumePlan) -> None:

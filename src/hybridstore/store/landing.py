@@ -247,6 +247,9 @@ class Landing:
             disk = self.res.tiers.get("disk")
             if disk is not None and disk.durable:
                 disk.put_info(LAYOUT_INFO[kind], layout.to_json())
+            remote = self.res.tiers.get("remote")
+            if remote is not None:          # for stores that adopt this one's objects
+                remote.put_info(LAYOUT_INFO[kind], layout.to_json())
             self.layouts[kind] = layout
         return layout
 

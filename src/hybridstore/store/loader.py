@@ -21,7 +21,7 @@ import numpy as np
 
 from hybridstore.backends.gather import gather_rows
 from hybridstore.backends.transfer import rows_to_device, synchronize
-from hybridstore.errors import CorruptObjectError, LayoutMismatchError
+from hybridstore.errors import BackendIOError, CorruptObjectError, LayoutMismatchError
 from hybridstore.index.trie import ResumePlan
 from hybridstore.layout import Layout, Target, copy_out
 from hybridstore.objects import (
@@ -246,7 +246,7 @@ class Loader:
             for name, idx, fut in waits:
                 try:
                     fut.result()
-                except CorruptObjectError:
+                except (CorruptObjectError, BackendIOError):   # a remote tier drops on both
                     self._forget_dropped(name, [jobs[i][0] for i in idx])
                     raise
             if batch and targets is not None and rows:
