@@ -42,6 +42,8 @@ PACKAGE = "hybridstore"
 # package's own re-exports.  A new top-level module must be placed here before the test passes.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "_cext"),
+    ("units",),
+    ("remote_url",),           # the remote tier's URL, which config validates
     ("config", "objects", "_native"),
     ("layout", "index", "backends"),
     ("policy",),

@@ -32,32 +32,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from hybridstore.errors import ConfigError
+from hybridstore.units import parse_bytes
 
 DISK_ENGINES = ("auto", "kvikio", "posix")
 KVIKIO_TUNED = frozenset({"auto_direct_io_read", "task_size"})
 """The kvikio settings the kvikio engine tunes (``backends/engines/kvikio.py``)."""
 TIER_POLICY_NAMES = ("write-through", "write-back", "partition", "asymmetric")
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
-          "tib": 1 << 40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """Parse ``"8GiB"``, ``"512 MB"``, ``"4096"`` or an int into a byte count."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"cannot read {text!r} as a size; write e.g. '8GiB', '512MB' or '4096'")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreConfig:
@@ -161,7 +146,7 @@ class StoreConfig:
                                  if isinstance(self.hash_secret, bytes)
                                  else type(self.hash_secret).__name__))
         if self.remote is not None:
-            from hybridstore.backends.remote.url import parse_remote
+            from hybridstore.remote_url import parse_remote
 
             parse_remote(self.remote)          # ConfigError on a bad URL
         if self.disk_path is not None and not isinstance(self.disk_path, (str, os.PathLike)):

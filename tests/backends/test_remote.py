@@ -45,7 +45,7 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
 def client(master: Master) -> Iterator[object]:
     """One client of the master shared by the conformance tiers (a client's close takes 2 s)."""
     from hybridstore.backends.remote.client import MooncakeClient
-    from hybridstore.backends.remote.url import parse_remote
+    from hybridstore.remote_url import parse_remote
 
     c = MooncakeClient(parse_remote(master.url(**SMALL)))
     yield c

@@ -3,7 +3,7 @@
 =================  ===============================================================
 module             role
 =================  ===============================================================
-``url.py``         ``StoreConfig.remote`` (``mooncake://HOST:PORT?...``) parsed
+``hybridstore.remote_url``  ``StoreConfig.remote`` (``mooncake://HOST:PORT?...``) parsed (beside config)
 ``frame.py``       a value's header, meta and checksum; object names
 ``client.py``      the Mooncake client, imported lazily, every call bounded, a
                    failed master counted down for a while
@@ -15,7 +15,7 @@ Mooncake is imported only when a tier is opened: ``pip install
 mooncake-transfer-engine-non-cuda`` (the ``remote`` extra) brings it.
 """
 
-from hybridstore.backends.remote.url import RemoteSpec, parse_remote
+from hybridstore.remote_url import RemoteSpec, parse_remote
 
 __all__ = ["MooncakeTier", "RemoteSpec", "parse_remote"]
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from hybridstore.backends.remote.staging import Staging
-from hybridstore.backends.remote.url import RemoteSpec
+from hybridstore.remote_url import RemoteSpec
 from hybridstore.errors import BackendIOError, ConfigError, MissingExtraError
 
 log = logging.getLogger("hybridstore.remote")

@@ -36,7 +36,7 @@ from hybridstore.backends.remote.client import (
     MooncakeClient,
     RemoteDown,
 )
-from hybridstore.backends.remote.url import RemoteSpec, parse_remote
+from hybridstore.remote_url import RemoteSpec, parse_remote
 from hybridstore.errors import (
     BackendIOError,
     CapacityError,

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
 from hybridstore.errors import ConfigError
+from hybridstore.units import parse_bytes
 
 SCHEMES = ("mooncake",)
 
@@ -76,7 +77,6 @@ def parse_remote(url: str) -> RemoteSpec:
         ConfigError: not a ``mooncake://HOST:PORT`` URL, an unknown query key, or a
             value out of range.
     """
-    from hybridstore.config import parse_bytes
 
     if not isinstance(url, str):
         raise ConfigError(f"remote must be a URL string like 'mooncake://127.0.0.1:50051', got {url!r}")
