@@ -415,7 +415,10 @@ class HybridIndex:
         """Give a node restored without its parent (after a reopen) its parent."""
         self._parent[nid] = parent
         self._nchild[parent] += 1
-        carried = int(self._deps[nid])
+        # The checkpoints whose path runs through the node now need the path above it too;
+        # those that only have it as a cover do not (a cover is not on its owner's path).
+        # Relinks happen only after a reopen that lost pages: the scan is rare.
+        carried = int(self._deps[nid]) - sum(ck.covers.count(nid) for ck in self._ckpts.values())
         if carried:
             self._deps[self._path(parent)] += carried
 

@@ -260,20 +260,24 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
 
     def _create_segment(self, segment: int, nbytes: int) -> None:
         path = self._segment_path(segment)
+        fresh = True
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
             try:
-                if os.fstat(fd).st_size < nbytes:
+                size = os.fstat(fd).st_size
+                fresh = size == 0
+                if size < nbytes:      # new, or cut short (its objects past the cut are gone)
                     _preallocate(fd, nbytes)
             finally:
                 os.close(fd)
             fsync_path(self.path)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                try:
-                    os.unlink(path)        # nothing may stay of a refused segment
-                except OSError:
-                    pass
+                if fresh:
+                    try:
+                        os.unlink(path)        # nothing may stay of a refused segment
+                    except OSError:
+                        pass
                 raise DiskFullError(f"the file system under {self.path} is full: no room for a "
                                     f"{nbytes}-byte segment ({e.strerror}) within the tier's "
                                     f"{self._capacity}-byte budget; lower disk_bytes to what the "
@@ -293,14 +297,30 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
                         self._segment_path(segment), e.strerror)
 
 
+_ZEROS = bytes(1 << 20)
+
+
 def _preallocate(fd: int, nbytes: int) -> None:
-    """Reserve ``nbytes`` for a segment: posix_fallocate, or ftruncate where unsupported."""
+    """Reserve the blocks of a ``nbytes`` segment up front: ``posix_fallocate``, or where
+    the file system does not support it, zeros written over the whole file.
+
+    Either way a full file system shows up here, as ``ENOSPC``/``EDQUOT`` when the segment
+    is created (the store then makes room on the tier), never in a later write: a sparse
+    file would let puts fail one by one with the device full and nothing to evict.
+    """
     try:
         os.posix_fallocate(fd, 0, nbytes)
+        return
     except OSError as e:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
-        os.ftruncate(fd, nbytes)
+    done = os.fstat(fd).st_size // ALIGN * ALIGN    # what a former try wrote stays written
+    while done < nbytes:
+        n = os.pwrite(fd, memoryview(_ZEROS)[:min(len(_ZEROS), nbytes - done)], done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"a write of zeros at offset {done} made no progress")
+        done += n
+    os.fsync(fd)
 
 
 def _validate(capacity_bytes: int, segment_bytes: int, io_threads: int, ssd_gbps: float,
