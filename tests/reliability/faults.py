@@ -68,11 +68,25 @@ from tests.reliability.crash import (
 
 UNIVERSE = 256
 """Prompts of a damage round are drawn from ``prompt(0..UNIVERSE-1)``."""
-FILL = 40
-"""Prompts put before a damage round's fault (a few hundred objects, two segments)."""
 FULL_UNIVERSE = 4096
-FULL_PUTS = 250
-"""Prompts put into a full file system (a few MiB of new objects)."""
+
+
+@dataclass(frozen=True)
+class Size:
+    """How much a round puts.
+
+    Attributes:
+        fill: prompts put before a damage round's fault (40: a few hundred objects over
+            two 1 MiB segments).
+        full_puts: prompts put into a full file system (250: a few MiB of new objects,
+            well past the free space left).
+        full_free: bytes left free on a full file system (a filler file takes the rest),
+            or the quota, drawn from this range.
+    """
+
+    fill: int = 40
+    full_puts: int = 250
+    full_free: tuple[int, int] = (1 << 20, 5 << 19)
 
 DAMAGE = ("flip", "flip-padding", "truncate", "delete-segment", "catalog-record",
           "catalog-delete")
@@ -266,14 +280,14 @@ def inject_engine(kind: str, store: Any, recs: inj.Records, rng: Random,
     return fault
 
 
-def damage_round(root: Path, kind: str, rng: Random, tally: Tally) -> None:
+def damage_round(root: Path, kind: str, rng: Random, tally: Tally, size: Size) -> None:
     """One damage round (see the module docstring)."""
     from hybridstore import HybridStore
 
     what, when = kind.split("@")
     path = root / f"{what}-{when}-{sum(tally.rounds.values())}"
     cfg = config(path, rng.choice(POLICIES))
-    js = rng.sample(range(UNIVERSE), FILL)
+    js = rng.sample(range(UNIVERSE), size.fill)
     store = HybridStore(cfg)
     try:
         fill(store, js)
@@ -290,7 +304,7 @@ def damage_round(root: Path, kind: str, rng: Random, tally: Tally) -> None:
                 if what in RUNNING_ONLY:
                     fault = inject_engine(what, store, recs, rng, stack)
                     if what.startswith(("write", "fsync")):     # puts meet the failing writes
-                        more = rng.sample(range(UNIVERSE), FILL // 2)
+                        more = rng.sample(range(UNIVERSE), size.fill // 2)
                         try:
                             fill(store, more)
                         except Exception as e:  # noqa: BLE001 - the harness reports it
@@ -315,7 +329,7 @@ def damage_round(root: Path, kind: str, rng: Random, tally: Tally) -> None:
 
 
 # -- full file systems ----------------------------------------------------------------
-def full_round(root: Path, kind: str, rng: Random, tally: Tally) -> None:
+def full_round(root: Path, kind: str, rng: Random, tally: Tally, size: Size) -> None:
     """Fill a small real file system (or an explicit quota) with a store whose budget is
     far above it: every put succeeds, whatever is on disk loads bit-exact, and a reopen
     finds exactly what was there, with nothing half stored."""
@@ -328,7 +342,7 @@ def full_round(root: Path, kind: str, rng: Random, tally: Tally) -> None:
         if kind == "full-quota":
             mnt = base / "q"
             mnt.mkdir()
-            refused = stack.enter_context(inj.quota(mnt, rng.choice([2, 3, 4]) << 20))
+            refused = stack.enter_context(inj.quota(mnt, rng.randrange(*size.full_free)))
         else:
             reason = inj.mount_refusal()
             if reason is not None:
@@ -346,10 +360,10 @@ def full_round(root: Path, kind: str, rng: Random, tally: Tally) -> None:
         engine = inj.FaultyEngine(tier)         # no faults: counts ENOSPC from the real engine
         full = Counter()
         _count_disk_full(tier, full)
-        if kind != "full-quota" and rng.random() < 0.5:     # leave little room for the catalog
-            _filler(mnt, rng.randrange(1 << 20, 3 << 20) + rng.randrange(64 << 10))
+        if kind != "full-quota":          # little room left for segments and catalog
+            _filler(mnt, rng.randrange(*size.full_free) + rng.randrange(64 << 10))
         js = []
-        for _ in range(FULL_PUTS):
+        for _ in range(size.full_puts):
             j = rng.randrange(FULL_UNIVERSE)
             try:
                 put_prompt(store, prompt(j))
@@ -410,12 +424,12 @@ def _filler(mnt: Path, leave: int) -> None:
 
 
 # -- the harness ----------------------------------------------------------------------
-ROUNDS: dict[str, Callable[[Path, str, Random, Tally], None]] = {
+ROUNDS: dict[str, Callable[[Path, str, Random, Tally, Size], None]] = {
     kind: (full_round if kind in FULL else damage_round) for kind in KINDS}
 
 
 def harness(root: Path, rounds: int, seed: int = 0, kinds: Iterable[str] = KINDS,
-            progress: bool = False) -> Tally:
+            size: Size = Size(), progress: bool = False) -> Tally:
     """``rounds`` rounds cycling through ``kinds``; returns what they did and found."""
     kinds = list(kinds)
     rng = Random(seed)
@@ -429,7 +443,7 @@ def harness(root: Path, rounds: int, seed: int = 0, kinds: Iterable[str] = KINDS
         if kind in tally.skipped:
             continue
         try:
-            ROUNDS[kind](root, kind, Random(rng.randrange(1 << 30)), tally)
+            ROUNDS[kind](root, kind, Random(rng.randrange(1 << 30)), tally, size)
         except Exception as e:  # noqa: BLE001 - the harness reports it and goes on
             tally.violate(kind, f"round failed: {type(e).__name__}: {e}")
         tally.rounds[kind] += 1
