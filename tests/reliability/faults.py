@@ -72,8 +72,8 @@ FULL_UNIVERSE = 4096
 
 
 @dataclass(frozen=True)
-class Size:
-    """How much a round puts.
+class Setup:
+    """How much a round puts, and with which I/O engine.
 
     Attributes:
         fill: prompts put before a damage round's fault (40: a few hundred objects over
@@ -82,11 +82,15 @@ class Size:
             well past the free space left).
         full_free: bytes left free on a full file system (a filler file takes the rest),
             or the quota, drawn from this range.
+
+        engine: the disk tier's ``disk_engine`` ("posix", or "kvikio" for its compat
+            mode; kvikio needs ``libcuda.so.1``, the test suite's stand-in will do).
     """
 
     fill: int = 40
     full_puts: int = 250
     full_free: tuple[int, int] = (1 << 20, 5 << 19)
+    engine: str = "posix"
 
 DAMAGE = ("flip", "flip-padding", "truncate", "delete-segment", "catalog-record",
           "catalog-delete")
@@ -136,13 +140,14 @@ class Tally:
                 "violations": [f"{v} (x{n})" if n > 1 else v for v, n in self.violations.items()]}
 
 
-def config(path: Path, policy: str, *, host_pages: int = 32, disk_bytes: int = 16 << 20):
+def config(path: Path, policy: str, *, host_pages: int = 32, disk_bytes: int = 16 << 20,
+           engine: str = "posix"):
     from hybridstore import StoreConfig
 
     # objects take 4 KiB slots on disk; host_pages of DRAM keep most of them on disk only
     return StoreConfig(block_size=B, host_bytes=host_pages * PAGE, disk_path=str(path),
                        disk_bytes=disk_bytes, disk_segment_bytes=1 << 20, tier_policy=policy,
-                       disk_engine="posix")
+                       disk_engine=engine)
 
 
 def disk_keys(store: Any) -> set[bytes]:
@@ -267,7 +272,11 @@ def inject_engine(kind: str, store: Any, recs: inj.Records, rng: Random,
         eof, left = rng.random() < 0.5, rng.choice([1, 2, None])
         ranges = [(recs[k].segment, recs[k].offset, recs[k].offset + recs[k].length)
                   for k in targets]
-        stack.enter_context(inj.short_preadv(tier, ranges, eof=eof, left=left))
+        if engine.name.startswith("posix"):       # the OS returns short counts
+            stack.enter_context(inj.short_preadv(tier, ranges, eof=eof, left=left))
+        else:                                       # the engine reports a short read
+            eof = True
+            engine.faults += [inj.EngineFault("read", *r, short=True, left=left) for r in ranges]
         fault.detail["eof" if eof else "partial"] += 1
         if eof and left is None:
             fault.running = set(targets)
@@ -280,14 +289,14 @@ def inject_engine(kind: str, store: Any, recs: inj.Records, rng: Random,
     return fault
 
 
-def damage_round(root: Path, kind: str, rng: Random, tally: Tally, size: Size) -> None:
+def damage_round(root: Path, kind: str, rng: Random, tally: Tally, setup: Setup) -> None:
     """One damage round (see the module docstring)."""
     from hybridstore import HybridStore
 
     what, when = kind.split("@")
     path = root / f"{what}-{when}-{sum(tally.rounds.values())}"
-    cfg = config(path, rng.choice(POLICIES))
-    js = rng.sample(range(UNIVERSE), size.fill)
+    cfg = config(path, rng.choice(POLICIES), engine=setup.engine)
+    js = rng.sample(range(UNIVERSE), setup.fill)
     store = HybridStore(cfg)
     try:
         fill(store, js)
@@ -304,7 +313,7 @@ def damage_round(root: Path, kind: str, rng: Random, tally: Tally, size: Size) -
                 if what in RUNNING_ONLY:
                     fault = inject_engine(what, store, recs, rng, stack)
                     if what.startswith(("write", "fsync")):     # puts meet the failing writes
-                        more = rng.sample(range(UNIVERSE), size.fill // 2)
+                        more = rng.sample(range(UNIVERSE), setup.fill // 2)
                         try:
                             fill(store, more)
                         except Exception as e:  # noqa: BLE001 - the harness reports it
@@ -329,7 +338,7 @@ def damage_round(root: Path, kind: str, rng: Random, tally: Tally, size: Size) -
 
 
 # -- full file systems ----------------------------------------------------------------
-def full_round(root: Path, kind: str, rng: Random, tally: Tally, size: Size) -> None:
+def full_round(root: Path, kind: str, rng: Random, tally: Tally, setup: Setup) -> None:
     """Fill a small real file system (or an explicit quota) with a store whose budget is
     far above it: every put succeeds, whatever is on disk loads bit-exact, and a reopen
     finds exactly what was there, with nothing half stored."""
@@ -342,7 +351,7 @@ def full_round(root: Path, kind: str, rng: Random, tally: Tally, size: Size) -> 
         if kind == "full-quota":
             mnt = base / "q"
             mnt.mkdir()
-            refused = stack.enter_context(inj.quota(mnt, rng.randrange(*size.full_free)))
+            refused = stack.enter_context(inj.quota(mnt, rng.randrange(*setup.full_free)))
         else:
             reason = inj.mount_refusal()
             if reason is not None:
@@ -353,7 +362,8 @@ def full_round(root: Path, kind: str, rng: Random, tally: Tally, size: Size) -> 
             refused = Counter()
         if kind == "full-ext4-nofalloc":
             stack.enter_context(inj.no_fallocate())
-        cfg = config(mnt / "hs", rng.choice(POLICIES), host_pages=64, disk_bytes=256 << 20)
+        cfg = config(mnt / "hs", rng.choice(POLICIES), host_pages=64, disk_bytes=256 << 20,
+                     engine=setup.engine)
         store = HybridStore(cfg)
         stack.callback(store.close)
         tier = store.tiers["disk"]
@@ -361,9 +371,9 @@ def full_round(root: Path, kind: str, rng: Random, tally: Tally, size: Size) -> 
         full = Counter()
         _count_disk_full(tier, full)
         if kind != "full-quota":          # little room left for segments and catalog
-            _filler(mnt, rng.randrange(*size.full_free) + rng.randrange(64 << 10))
+            _filler(mnt, rng.randrange(*setup.full_free) + rng.randrange(64 << 10))
         js = []
-        for _ in range(size.full_puts):
+        for _ in range(setup.full_puts):
             j = rng.randrange(FULL_UNIVERSE)
             try:
                 put_prompt(store, prompt(j))
@@ -424,12 +434,12 @@ def _filler(mnt: Path, leave: int) -> None:
 
 
 # -- the harness ----------------------------------------------------------------------
-ROUNDS: dict[str, Callable[[Path, str, Random, Tally, Size], None]] = {
+ROUNDS: dict[str, Callable[[Path, str, Random, Tally, Setup], None]] = {
     kind: (full_round if kind in FULL else damage_round) for kind in KINDS}
 
 
 def harness(root: Path, rounds: int, seed: int = 0, kinds: Iterable[str] = KINDS,
-            size: Size = Size(), progress: bool = False) -> Tally:
+            setup: Setup = Setup(), progress: bool = False) -> Tally:
     """``rounds`` rounds cycling through ``kinds``; returns what they did and found."""
     kinds = list(kinds)
     rng = Random(seed)
@@ -443,7 +453,7 @@ def harness(root: Path, rounds: int, seed: int = 0, kinds: Iterable[str] = KINDS
         if kind in tally.skipped:
             continue
         try:
-            ROUNDS[kind](root, kind, Random(rng.randrange(1 << 30)), tally, size)
+            ROUNDS[kind](root, kind, Random(rng.randrange(1 << 30)), tally, setup)
         except Exception as e:  # noqa: BLE001 - the harness reports it and goes on
             tally.violate(kind, f"round failed: {type(e).__name__}: {e}")
         tally.rounds[kind] += 1
@@ -470,6 +480,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=len(KINDS) * 10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated round kinds")
+    parser.add_argument("--engine", default="posix", choices=("posix", "kvikio"))
     parser.add_argument("--dir", default=None, help="scratch directory (a new temporary one)")
     parser.add_argument("--json", default=None, help="write the summary here too")
     args = parser.parse_args()
@@ -477,7 +488,8 @@ def main() -> int:
 
     logging.getLogger("hybridstore").setLevel(logging.ERROR)   # drops are expected here
     root = Path(args.dir or tempfile.mkdtemp(prefix="hs-faults-"))
-    tally = harness(root, args.rounds, args.seed, args.kinds.split(","), progress=True)
+    tally = harness(root, args.rounds, args.seed, args.kinds.split(","),
+                    Setup(engine=args.engine), progress=True)
     summary = tally.summary()
     print(table(summary), file=sys.stderr)
     print(json.dumps(summary))

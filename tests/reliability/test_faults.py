@@ -9,9 +9,9 @@ import logging
 import pytest
 
 from tests.reliability import injectors
-from tests.reliability.faults import DAMAGE, FULL, KINDS, RUNNING_ONLY, Size, harness
+from tests.reliability.faults import DAMAGE, FULL, KINDS, RUNNING_ONLY, Setup, harness
 
-SMALL = Size(fill=10, full_puts=60, full_free=(1 << 20, 5 << 18))
+SMALL = Setup(fill=10, full_puts=60, full_free=(1 << 20, 5 << 18))
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +27,7 @@ def _check(tally, kinds) -> None:
 
 def test_damage_while_running_costs_exactly_the_damaged_objects(tmp_path):
     kinds = [f"{k}@running" for k in DAMAGE + RUNNING_ONLY]
-    tally = harness(tmp_path, len(kinds), seed=5, kinds=kinds, size=SMALL)
+    tally = harness(tmp_path, len(kinds), seed=5, kinds=kinds, setup=SMALL)
     _check(tally, kinds)
     assert tally.checked > 0
     assert tally.lost["flip@running"] == tally.damaged["flip@running"] > 0
@@ -37,7 +37,7 @@ def test_damage_while_running_costs_exactly_the_damaged_objects(tmp_path):
 
 def test_damage_between_runs_costs_exactly_the_damaged_objects(tmp_path):
     kinds = [f"{k}@reopen" for k in DAMAGE + ("catalog-info",)]
-    tally = harness(tmp_path, len(kinds), seed=6, kinds=kinds, size=SMALL)
+    tally = harness(tmp_path, len(kinds), seed=6, kinds=kinds, setup=SMALL)
     _check(tally, kinds)
     assert sum(tally.lost.values()) == sum(tally.damaged.values()) > 0
 
@@ -46,7 +46,7 @@ def test_a_full_file_system_is_a_full_tier(tmp_path):
     """Loop ext4 (with and without fallocate) and tmpfs where this machine can mount them;
     an explicit quota everywhere."""
     reason = injectors.mount_refusal()
-    tally = harness(tmp_path, len(FULL), seed=7, kinds=FULL, size=SMALL)
+    tally = harness(tmp_path, len(FULL), seed=7, kinds=FULL, setup=SMALL)
     ran = FULL if reason is None else ("full-quota",)
     _check(tally, ran)
     assert all(tally.disk_full[kind] > 0 for kind in ran)           # they really filled up
