@@ -900,3 +900,35 @@ def test_a_damaged_geometry_record_opens_with_the_configured_size(tmp_path: Path
     with open_tier(path) as tier:
         assert tier.segment_bytes == 4 * MiB
         assert np.array_equal(tier.get(key(1)), payload(9000, 1))
+
+
+def test_the_catalog_keeps_room_to_commit_on_a_full_device(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a full ext4 a put raised CatalogError: the segments had taken every block, and
+    lmdb could not commit, not even the deletes that make room.  Now the catalog keeps a
+    slack allocated, reserved before any new segment: a segment that would take it is
+    refused (DiskFullError, room-making) and nothing of it stays."""
+    import errno
+
+    from hybridstore.backends.catalog import SLACK_BYTES
+    from hybridstore.errors import DiskFullError
+
+    path = tmp_path / "d"
+    with open_tier(path, segment_bytes=MiB) as tier:
+        tier.put(key(1), payload(9000, 1), nbytes=9000).result()
+        data = path / CATALOG_DIR / "data.mdb"
+        assert os.stat(data).st_blocks * 512 >= SLACK_BYTES       # allocated, not sparse
+        real = os.posix_fallocate
+
+        def full_for_the_catalog(fd: int, offset: int, nbytes: int) -> None:
+            if os.readlink(f"/proc/self/fd/{fd}").endswith("data.mdb"):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            real(fd, offset, nbytes)
+
+        monkeypatch.setattr(os, "posix_fallocate", full_for_the_catalog)
+        with pytest.raises(DiskFullError, match="catalog"):
+            tier.put(key(2), payload(2 * MiB, 2), nbytes=2 * MiB)   # needs a new segment
+        assert sorted(n for n in os.listdir(path) if n.startswith("seg-")) == [segment_name(0)]
+        assert tier.catalog.short
+        tier.delete(key(1))                                         # deletes still commit
+        assert not tier.contains(key(1)) and tier.catalog.get(key(1)) is None
