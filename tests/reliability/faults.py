@@ -24,7 +24,8 @@ kind                   what is injected (``@running``: under the open store; ``@
 ``eio-transient``      reads of 1-3 objects fail with EIO once or twice (no loss)
 ``eio-persistent``     reads of 1-3 objects fail until the range is written again
 ``short-read``         the POSIX engine's ``preadv`` returns short counts or an early
-                       EOF, transiently or until rewritten
+                       EOF, transiently or until rewritten (kvikio: the engine reports
+                       a short read)
 ``write-eio``          writes fail with EIO / ENOSPC, fdatasync with EIO (nothing is
 ``write-enospc``       lost, nothing half stored: the objects stay where they were)
 ``fsync-eio``
@@ -37,8 +38,10 @@ kind                   what is injected (``@running``: under the open store; ``@
 Loop and tmpfs mounts need root and ``/dev/loop-control``; without them those rounds are
 skipped with the reason (``full-quota`` still runs).
 
-Run ``python -m tests.reliability.faults --rounds 400 --seed 0 --json faults.json``; the
-test suite runs a short form (``tests/reliability/test_faults.py``).
+Run ``python -m tests.reliability.faults --rounds 230 --seed 0 --json faults.json`` (ten
+rounds of each kind; ``--engine kvikio`` for kvikio's compat mode, which needs
+``libcuda.so.1``: ``tests/backends/fake_libcuda`` builds a stand-in); the test suite runs a
+short form (``tests/reliability/test_faults.py``).
 """
 
 from __future__ import annotations
