@@ -417,8 +417,9 @@ class HybridIndex:
         self._nchild[parent] += 1
         # The checkpoints whose path runs through the node now need the path above it too;
         # those that only have it as a cover do not (a cover is not on its owner's path).
-        # Relinks happen only after a reopen that lost pages: the scan is rare.
-        carried = int(self._deps[nid]) - sum(ck.covers.count(nid) for ck in self._ckpts.values())
+        # Those hang on the node of the block before it, of the same key: `parent`.
+        carried = int(self._deps[nid]) - sum(ck.covers.count(nid)
+                                             for ck in self._by_base.get(parent, ()))
         if carried:
             self._deps[self._path(parent)] += carried
 
