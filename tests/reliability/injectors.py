@@ -101,14 +101,15 @@ class FaultyEngine:
                 self.faults = [f for f in self.faults if not (
                     f.op == "read" and f.left is None and f.segment == seg
                     and offset <= f.start and f.end <= offset + nbytes)]
-            for f in self.faults:
-                hit = f.segment in (seg, -1) and (op == "fsync" or (offset < f.end
-                                                              and f.start < offset + nbytes))
-                if f.op == op and hit and f.left != 0:
-                    if f.left is not None:
-                        f.left -= 1
-                    f.hits += 1
-                    raise f.error(offset, nbytes)
+            hits = [f for f in self.faults
+                    if f.op == op and f.left != 0 and f.segment in (seg, -1)
+                    and (op == "fsync" or (offset < f.end and f.start < offset + nbytes))]
+            for f in hits:        # one failed I/O counts for every bad range it touched
+                if f.left is not None:
+                    f.left -= 1
+                f.hits += 1
+        if hits:
+            raise hits[0].error(offset, nbytes)
 
     def _count(self, call: Callable[[], Any]) -> Any:
         """Run an engine call, counting the errors it raises by errno (ENOSPC, EIO, ...)."""
@@ -158,23 +159,25 @@ def short_preadv(tier: Any, ranges: list[tuple[int, int, int]], *, eof: bool,
     made: Counter[str] = Counter()
     remaining = [left] * len(ranges)
 
-    def hit(fd: int, offset: int, n: int, whole: bool) -> int | None:
+    def touched(fd: int, offset: int, n: int, whole: bool) -> list[int]:
+        """The ranges an I/O touches (``whole``: covers)."""
+        out = []
         for i, (segment, start, end) in enumerate(ranges):
             handle = tier._files.get(segment)
             if handle is None or getattr(handle, "fd", None) != fd:
                 continue
-            if whole and offset <= start and end <= offset + n:
-                return i
-            if not whole and offset < end and start < offset + n:
-                return i
-        return None
+            if (offset <= start and end <= offset + n) if whole else (
+                    offset < end and start < offset + n):
+                out.append(i)
+        return out
 
     def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
         want = sum(len(b) for b in buffers)
-        i = hit(fd, offset, want, whole=False)
-        if i is not None and remaining[i] != 0 and want > 1:
-            if remaining[i] is not None:
-                remaining[i] -= 1
+        hit = [i for i in touched(fd, offset, want, whole=False) if remaining[i] != 0]
+        if hit and want > 1:
+            for i in hit:          # one short read counts for every range it touched
+                if remaining[i] is not None:
+                    remaining[i] -= 1
             made["eof" if eof else "partial"] += 1
             if eof:
                 return 0
@@ -183,8 +186,7 @@ def short_preadv(tier: Any, ranges: list[tuple[int, int, int]], *, eof: bool,
         return real(fd, buffers, offset)
 
     def pwritev(fd: int, buffers: list[memoryview], offset: int) -> int:
-        i = hit(fd, offset, sum(len(b) for b in buffers), whole=True)
-        if i is not None:
+        for i in touched(fd, offset, sum(len(b) for b in buffers), whole=True):
             remaining[i] = 0                  # rewritten: the range reads back whole again
         return os.pwritev(fd, buffers, offset)
 
