@@ -107,7 +107,13 @@ KINDS = tuple([f"{k}@running" for k in DAMAGE + RUNNING_ONLY]
 
 @dataclass
 class Tally:
-    """What the rounds did and found."""
+    """What the rounds did and found.
+
+    ``checked`` counts objects loaded and compared bit-exact; ``lost`` and ``damaged`` count
+    objects by round kind (they must be equal, object by object); ``typed`` the typed errors
+    loads raised; ``disk_full`` the ENOSPC/EDQUOT a full round met (segments refused, writes
+    refused, and under the quota every refused preallocation, the catalog's slack included).
+    """
 
     rounds: Counter[str] = field(default_factory=Counter)
     faults: Counter[str] = field(default_factory=Counter)
