@@ -95,12 +95,14 @@ class CatalogError(HybridStoreError, OSError):
 
 
 class CorruptObjectError(HybridStoreError):
-    """An object's bytes failed their checksum; it is dropped, never returned.
+    """An object's bytes failed their checksum, or cannot be read back (they lie past the
+    end of a truncated file, or the device keeps failing the read), even when read again:
+    it is dropped, never returned.
 
     Attributes:
         key: the object's key.
         expected: the checksum recorded in the catalog.
-        got: the checksum of the bytes read back.
+        got: the checksum of the bytes read back (``None`` when they could not be read).
     """
 
     def __init__(self, message: str, *, key: bytes | None = None,

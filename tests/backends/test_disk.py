@@ -747,7 +747,7 @@ def test_put_many_writes_neighbours_together_and_each_object_reads_back(
 
 def test_put_many_writes_straight_from_sources_spaced_like_the_slots(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import hybridstore.backends.disk.writer as W   # where put_many takes its bounce buffers
+    import hybridstore.backends.disk.writer as W  # where put_many takes its bounce buffers
 
     n, nbytes = 32, 64 * 1024                       # slot = object: one buffer spaced like the slots
     src = aligned_empty(n * nbytes)
@@ -764,3 +764,171 @@ def test_put_many_writes_straight_from_sources_spaced_like_the_slots(
             assert [f.result() for f in futs] == [nbytes] * n
         for i in range(n):
             assert np.array_equal(tier.get(keys[i]), src[i * nbytes:(i + 1) * nbytes])
+
+
+# ---------------------------------------------------------------------------------
+# faults found by the fault harness (tests/reliability/faults.py)
+# ---------------------------------------------------------------------------------
+def test_a_read_error_is_retried_object_by_object_and_costs_only_what_keeps_failing(
+        tmp_path: Path) -> None:
+    """A coalesced read that hit EIO failed the whole load with BackendIOError, every time,
+    and dropped nothing: a bad range made its neighbours unloadable for good.  Now each
+    object is read again alone: a transient error costs nothing, a lasting one costs its
+    object only (CorruptObjectError), once."""
+    from tests.reliability.injectors import EngineFault, FaultyEngine
+
+    with open_tier(tmp_path / "d", segment_bytes=16 * MiB) as tier:
+        keys = _put_run(tier, 6, 64 * 1024, 3)
+        recs = [tier.catalog.get(k) for k in keys]
+        engine = FaultyEngine(tier)
+        for i, left in ((1, 2), (4, None)):                  # object 1: twice; object 4: always
+            engine.faults.append(EngineFault("read", recs[i].segment, recs[i].offset,
+                                             recs[i].offset + recs[i].length, left=left))
+        base = min(r.offset for r in recs)
+        dst = aligned_empty(max(r.offset + r.length for r in recs) - base)
+        offsets = [r.offset - base for r in recs]
+        with pytest.raises(CorruptObjectError, match="cannot be read") as err:
+            tier.read_many_into(keys, dst, offsets).result()
+        assert err.value.key == keys[4]
+        assert [tier.contains(k) for k in keys] == [True] * 4 + [False, True]
+        for i in (0, 1, 2, 3, 5):
+            assert np.array_equal(dst[offsets[i]:offsets[i] + 64 * 1024],
+                                  payload(64 * 1024, 3000 + i))
+        engine.faults.append(EngineFault("read", recs[2].segment, recs[2].offset,
+                                         recs[2].offset + 1, left=1))
+        assert np.array_equal(tier.get(keys[2]), payload(64 * 1024, 3002))   # get_into too
+        assert tier.stats()["corrupt_dropped"] == 1 and tier._pins == {}
+
+
+def test_a_write_that_finds_the_device_full_is_a_disk_full_error(tmp_path: Path) -> None:
+    """ENOSPC under a write (a file system that could not reserve the segment's blocks)
+    failed the put with BackendIOError; now it is a DiskFullError (a CapacityError), and
+    nothing of the object is visible or held."""
+    import errno
+
+    from hybridstore.errors import DiskFullError
+    from tests.reliability.injectors import EngineFault, FaultyEngine
+
+    with open_tier(tmp_path / "d") as tier:
+        engine = FaultyEngine(tier)
+        for op in ("write", "fsync"):
+            engine.faults.append(EngineFault(op, -1, 0, 1 << 62, errno_=errno.ENOSPC, left=1))
+            with pytest.raises(DiskFullError) as err:
+                tier.put(key(1), payload(10_000, 1), nbytes=10_000).result()
+            assert isinstance(err.value, CapacityError) and not tier.contains(key(1))
+            assert tier.used_bytes == 0 and tier.stats()["pending_writes"] == 0
+        tier.put(key(1), payload(10_000, 1), nbytes=10_000).result()
+        assert np.array_equal(tier.get(key(1)), payload(10_000, 1))
+
+
+def test_segments_are_reserved_whole_where_fallocate_is_unsupported(tmp_path: Path) -> None:
+    """Without fallocate a segment was a sparse file: a full device then failed each write
+    later, one by one.  Now its blocks are written with zeros when it is created, so a full
+    device shows up there (DiskFullError, room-making) and never under a write."""
+    import errno
+
+    from hybridstore.backends.disk import tier as disk_tier
+    from hybridstore.errors import DiskFullError
+    from tests.reliability.injectors import no_fallocate
+
+    with no_fallocate(), open_tier(tmp_path / "d", segment_bytes=MiB) as tier:
+        tier.put(key(1), payload(10_000, 1), nbytes=10_000).result()
+        st = os.stat(tmp_path / "d" / segment_name(0))
+        assert st.st_size == MiB and st.st_blocks * 512 >= MiB       # allocated, not sparse
+        real = os.pwrite
+
+        def full(fd: int, data: Any, offset: int) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        disk_tier.os.pwrite = full                    # the device fills up at segment 2
+        try:
+            with pytest.raises(DiskFullError):
+                tier.put(key(2), payload(3 * MiB, 2), nbytes=3 * MiB)
+        finally:
+            disk_tier.os.pwrite = real
+        assert not tier.contains(key(2))
+        assert sorted(n for n in os.listdir(tmp_path / "d") if n.startswith("seg-")) == [
+            segment_name(0)]                                        # the refused file is gone
+        assert np.array_equal(tier.get(key(1)), payload(10_000, 1))
+
+
+def test_a_segment_cut_inside_its_last_objects_padding_keeps_that_object(
+        tmp_path: Path) -> None:
+    """An O_DIRECT read of the last, partial 4 KiB block of an object failed when the file
+    ended inside that block after the payload (a load error every time); a reopen dropped
+    the object though its bytes were all there."""
+    path = tmp_path / "d"
+    with open_tier(path) as tier:
+        tier.put(key(1), payload(6000, 1), nbytes=6000).result()
+        rec = tier.catalog.get(key(1))
+        os.truncate(path / segment_name(rec.segment), rec.offset + 6000 + 100)
+        assert np.array_equal(tier.get(key(1)), payload(6000, 1))
+    with open_tier(path) as tier:
+        assert np.array_equal(tier.get(key(1)), payload(6000, 1))
+
+
+@pytest.mark.parametrize("order", ["damaged-first", "damaged-last"])
+def test_records_that_claim_one_slot_keep_the_object_whose_bytes_match(
+        tmp_path: Path, order: str) -> None:
+    """A damaged record pointing at another object's slot cost the undamaged object when
+    its key sorted second (its extent could not be reserved), and kept the damaged one
+    (which then failed its checksum): two objects lost for one damaged record."""
+    path = tmp_path / "d"
+    good, bad = (key(2), key(1)) if order == "damaged-first" else (key(1), key(2))
+    with open_tier(path) as tier:
+        tier.put(good, payload(9000, 7), nbytes=9000).result()
+        tier.put(bad, payload(9000, 8), nbytes=9000).result()
+        target, rec = tier.catalog.get(good), tier.catalog.get(bad)
+    cat = Catalog(path / CATALOG_DIR)
+    cat.put(bad, CatalogRecord(target.segment, target.offset, rec.length, target.slot_length,
+                               rec.checksum, rec.meta))
+    cat.close()
+    with open_tier(path) as tier:
+        assert tier.contains(good) and not tier.contains(bad)
+        assert np.array_equal(tier.get(good), payload(9000, 7))
+        assert tier.stats()["recovery_dropped"] == 1
+
+
+def test_a_damaged_geometry_record_opens_with_the_configured_size(tmp_path: Path) -> None:
+    """It raised struct.error (untyped) and the tier could not be opened at all."""
+    path = tmp_path / "d"
+    with open_tier(path) as tier:
+        tier.put(key(1), payload(9000, 1), nbytes=9000).result()
+    cat = Catalog(path / CATALOG_DIR)
+    cat.put_info("disk.geometry", b"\x01\x02")
+    cat.close()
+    with open_tier(path) as tier:
+        assert tier.segment_bytes == 4 * MiB
+        assert np.array_equal(tier.get(key(1)), payload(9000, 1))
+
+
+def test_the_catalog_keeps_room_to_commit_on_a_full_device(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a full ext4 a put raised CatalogError: the segments had taken every block, and
+    lmdb could not commit, not even the deletes that make room.  Now the catalog keeps a
+    slack allocated, reserved before any new segment: a segment that would take it is
+    refused (DiskFullError, room-making) and nothing of it stays."""
+    import errno
+
+    from hybridstore.backends.catalog import SLACK_BYTES
+    from hybridstore.errors import DiskFullError
+
+    path = tmp_path / "d"
+    with open_tier(path, segment_bytes=MiB) as tier:
+        tier.put(key(1), payload(9000, 1), nbytes=9000).result()
+        data = path / CATALOG_DIR / "data.mdb"
+        assert os.stat(data).st_blocks * 512 >= SLACK_BYTES       # allocated, not sparse
+        real = os.posix_fallocate
+
+        def full_for_the_catalog(fd: int, offset: int, nbytes: int) -> None:
+            if os.readlink(f"/proc/self/fd/{fd}").endswith("data.mdb"):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            real(fd, offset, nbytes)
+
+        monkeypatch.setattr(os, "posix_fallocate", full_for_the_catalog)
+        with pytest.raises(DiskFullError, match="catalog"):
+            tier.put(key(2), payload(2 * MiB, 2), nbytes=2 * MiB)   # needs a new segment
+        assert sorted(n for n in os.listdir(path) if n.startswith("seg-")) == [segment_name(0)]
+        assert tier.catalog.short
+        tier.delete(key(1))                                         # deletes still commit
+        assert not tier.contains(key(1)) and tier.catalog.get(key(1)) is None

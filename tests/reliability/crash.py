@@ -61,6 +61,19 @@ def state_bytes(tokens: np.ndarray) -> np.ndarray:
     return _rng(tokens, b"state").integers(0, 256, 640, dtype=np.uint8)
 
 
+def put_prompt(store, tokens: np.ndarray) -> None:
+    """Put every page of a prompt and its state at its end."""
+    store.put_kv(tokens, [page_bytes(tokens, k) for k in range(len(tokens) // B)])
+    store.put_state(tokens, state_bytes(tokens))
+
+
+def loaded_exactly(tokens: np.ndarray, position: int, pages, state) -> bool:
+    """Whether a load of a plan of ``tokens`` resuming at ``position`` returned exactly the
+    bytes its pages and state were put with (``state`` None: a plan of pages only)."""
+    return (all(np.array_equal(got, page_bytes(tokens, k)) for k, got in enumerate(pages))
+            and (state is None or np.array_equal(state, state_bytes(tokens[:position]))))
+
+
 @dataclass(frozen=True)
 class Run:
     """One child run: its seed, tier policy and whether it evicts from the disk tier."""
@@ -89,10 +102,7 @@ def child(path: str, run: Run, journal: str) -> None:
         pending: list[int] = []
         while True:
             j = rng.randrange(UNIVERSE)
-            tokens = prompt(j)
-            n = len(tokens) // B
-            store.put_kv(tokens, [page_bytes(tokens, k) for k in range(n)])
-            store.put_state(tokens, state_bytes(tokens))
+            put_prompt(store, prompt(j))
             pending.append(j)
             r = rng.random()
             if r < 0.1:
@@ -124,9 +134,7 @@ def verify(path: str, run: Run, journal: str) -> dict[str, int]:
                     assert plan.position == len(tokens), (j, plan.position, len(tokens))
                 if plan.position:
                     pages, state = store.load(plan).result()
-                    for k, got in enumerate(pages):
-                        assert np.array_equal(got, page_bytes(tokens, k)), (j, k)
-                    assert np.array_equal(state, state_bytes(tokens[:plan.position])), j
+                    assert loaded_exactly(tokens, plan.position, pages, state), j
                     hits += 1
             finally:
                 store.release(plan)

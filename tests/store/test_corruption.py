@@ -134,11 +134,12 @@ def _key(prompt, k: int) -> bytes:
     return object_key(ObjectKind.PAGE, prompt.block_key(k))
 
 
-@pytest.mark.parametrize("damage", ["record", "meta", "offset"])
+@pytest.mark.parametrize("damage", ["record", "meta", "offset", "overlap"])
 def test_one_damaged_catalog_record_costs_that_object_only(tmp_path, damage, caplog):
     cfg, tokens, pages = _written(tmp_path)
     with HybridStore(cfg) as s:                            # the keys under this store's secret
-        victim = _key(s.prefix(tokens), 4)
+        prompt = s.prefix(tokens)
+        victim = _key(prompt, 4)
     from hybridstore.backends.catalog import CatalogRecord
 
     def edit(cat):
@@ -148,8 +149,12 @@ def test_one_damaged_catalog_record_costs_that_object_only(tmp_path, damage, cap
         elif damage == "meta":
             raw = CatalogRecord(rec.segment, rec.offset, rec.length, rec.slot_length,
                                 rec.checksum, rec.meta[:5]).pack()
-        else:
+        elif damage == "offset":
             raw = CatalogRecord(rec.segment, 1 << 62, rec.length, rec.slot_length,
+                                rec.checksum, rec.meta).pack()
+        else:                         # claims page 1's slot (found by the fault harness)
+            other = cat.get(_key(prompt, 1))
+            raw = CatalogRecord(other.segment, other.offset, rec.length, other.slot_length,
                                 rec.checksum, rec.meta).pack()
 
         def body(txn):
@@ -325,3 +330,74 @@ def test_a_write_through_copy_without_room_below_never_fails_the_put(tmp_path):
         assert plan.position == len(tokens)
         assert all(np.array_equal(x, y) for x, y in zip(got, pages)) and np.array_equal(st, state)
         assert store.index.check_refcounts()
+
+
+# -- found by the fault harness (tests/reliability/faults.py) ----------------------------
+@pytest.mark.parametrize("fault", ["write-eio", "fsync-enospc"])
+def test_a_spill_that_fails_drops_the_object_instead_of_failing_the_put(tmp_path, fault):
+    """Under write-back, DRAM eviction spills to disk and waits for it: a write or
+    fdatasync that failed (EIO, ENOSPC) raised BackendIOError out of put_kv.  Now the victim
+    is dropped as when the tier below has no room, and the put succeeds."""
+    import errno
+
+    from tests.reliability.crash import loaded_exactly, page_bytes, prompt, put_prompt
+    from tests.reliability.injectors import EngineFault, FaultyEngine
+
+    cfg = StoreConfig(block_size=B, host_bytes=24 * 2048, disk_path=str(tmp_path / "hs"),
+                      disk_bytes=16 << 20, tier_policy="write-back")
+    op, code = ("write", errno.EIO) if fault == "write-eio" else ("fsync", errno.ENOSPC)
+    with HybridStore(cfg) as store:
+        engine = FaultyEngine(store.tiers["disk"])
+        engine.faults.append(EngineFault(op, -1, 0, 1 << 62, errno_=code, left=None))
+        for j in [*range(1, 40), 0]:
+            put_prompt(store, prompt(j))                     # never raises
+        assert store.tiers["disk"].stats()["objects"] == 0 and store.stats()["evictions"] > 0
+        engine.remove()
+        hits = 0
+        for j in range(40):                                  # what DRAM kept loads exactly
+            tokens = prompt(j)
+            plan = store.match(tokens)
+            try:
+                if plan.position:
+                    pages, state = store.load(plan).result()
+                    assert loaded_exactly(tokens, plan.position, pages, state)
+                    hits += 1
+            finally:
+                store.release(plan)
+        plan = store.match(prompt(0))
+        store.release(plan)
+        assert plan.position == len(prompt(0))              # the last put is whole in DRAM
+        assert hits > 0 and store.index.check_refcounts()
+        assert page_bytes(prompt(0), 0).nbytes == 2048
+
+
+def test_a_reopen_that_lost_pages_keeps_refcounts_and_a_reput_heals(tmp_path):
+    """After a reopen whose checkpoints outlived their pages (a damaged page layout here;
+    also write-back pages that never reached disk), a put relinked the orphaned nodes and
+    carried their cover counts up the path: refcounts went wrong and re-puts did not make
+    the prompts whole again."""
+    from tests.reliability.crash import loaded_exactly, prompt, put_prompt
+
+    cfg = StoreConfig(block_size=B, host_bytes=32 * 2048, disk_path=str(tmp_path / "hs"),
+                      disk_bytes=16 << 20, tier_policy="write-through")
+    js = list(range(1, 24))
+    with HybridStore(cfg) as store:
+        for j in js:
+            put_prompt(store, prompt(j))
+    _damage(tmp_path, lambda cat: cat.put_info("layout.page", b"{"))
+    with HybridStore(cfg) as store:
+        assert store.stats()["checkpoints"] > 0 and store.tiers["disk"].stats()["objects"] < 50
+        for j in js:
+            put_prompt(store, prompt(j))
+            assert store.index.check_refcounts(), j
+        store.flush()
+        store.evict(1 << 40, "host")
+        for j in js:
+            tokens = prompt(j)
+            plan = store.match(tokens)
+            try:
+                assert plan.position == len(tokens), j
+                pages, state = store.load(plan).result()
+                assert loaded_exactly(tokens, plan.position, pages, state)
+            finally:
+                store.release(plan)

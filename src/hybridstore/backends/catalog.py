@@ -20,6 +20,8 @@ reopen.  Every write transaction is synchronous (lmdb ``sync=True``).
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import struct
 import threading
@@ -29,13 +31,21 @@ from typing import TypeVar
 
 import lmdb
 
+from hybridstore.backends.engines.base import allocate_file
 from hybridstore.errors import CatalogError
+
+log = logging.getLogger("hybridstore.backends.catalog")
 
 FORMAT_VERSION = 1
 """Version of the catalog layout; stored in the ``meta`` database."""
 
 RECORD_VERSION = 1
 """Version byte at the start of every packed record."""
+
+SLACK_BYTES = 1 << 20
+"""Bytes of the lmdb data file kept allocated past its last used page (plus an eighth of
+what it uses): a transaction, above all one that deletes records to make room, never needs
+new blocks from a full file system (see :meth:`Catalog.keep_slack`)."""
 
 T = TypeVar("T")
 
@@ -114,6 +124,9 @@ class Catalog:
             raise CatalogError(f"cannot open the disk tier catalog at {self.path}: {e}; "
                                f"check permissions and free space, or {_FIX_HINT}") from e
         self._check_format()
+        self.short = False
+        """Set when the slack could not be kept (the file system is full)."""
+        self.keep_slack()
 
     def _check_format(self) -> None:
         with self._env.begin(db=self._meta, write=True) as txn:
@@ -205,6 +218,45 @@ class Catalog:
             raw = txn.get(_INFO_PREFIX + name.encode())
         return None if raw is None else bytes(raw)
 
+    # -- room on the device ---------------------------------------------------------------
+    def keep_slack(self, extra: int = 0) -> bool:
+        """Keep :data:`SLACK_BYTES` (plus an eighth of the used size, plus ``extra``) of the
+        data file allocated past its last used page, so that the catalog can commit while
+        the file system is full.  The disk tier calls it before it creates a segment, so
+        that its segments never take the catalog's room.
+
+        Returns:
+            False when the file system has no room for it (``ENOSPC``/``EDQUOT``; also
+            recorded in :attr:`short`).
+        """
+        with self._lock:
+            return self._keep_slack(extra)
+
+    def _keep_slack(self, extra: int = 0) -> bool:
+        info = self._env.info()
+        used = (info["last_pgno"] + 1) * self._env.stat()["psize"]
+        want = used + SLACK_BYTES + used // 8 + extra
+        path = os.path.join(self.path, "data.mdb")
+        try:
+            if os.path.getsize(path) >= want - (SLACK_BYTES // 2 if not extra else 0):
+                self.short = False
+                return True
+            if info["map_size"] < want:
+                self._env.set_mapsize(max(want, 2 * info["map_size"]))
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+            try:
+                allocate_file(fd, want)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                log.warning("could not extend the catalog at %s: %s", self.path, e)
+                return True
+            self.short = True
+            return False
+        self.short = False
+        return True
+
     # -- lifecycle ----------------------------------------------------------------
     def close(self) -> None:
         """Close the lmdb environment (idempotent)."""
@@ -217,7 +269,9 @@ class Catalog:
             while True:
                 try:
                     with self._env.begin(write=True) as txn:
-                        return body(txn)
+                        out = body(txn)
+                    self._keep_slack()
+                    return out
                 except lmdb.MapFullError:
                     size = self._env.info()["map_size"] * 2
                     self._env.set_mapsize(size)
@@ -226,4 +280,4 @@ class Catalog:
                                        f"{e}; check free space and permissions") from e
 
 
-__all__ = ["FORMAT_VERSION", "RECORD_VERSION", "Catalog", "CatalogRecord"]
+__all__ = ["FORMAT_VERSION", "RECORD_VERSION", "SLACK_BYTES", "Catalog", "CatalogRecord"]

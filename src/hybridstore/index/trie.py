@@ -415,7 +415,11 @@ class HybridIndex:
         """Give a node restored without its parent (after a reopen) its parent."""
         self._parent[nid] = parent
         self._nchild[parent] += 1
-        carried = int(self._deps[nid])
+        # The checkpoints whose path runs through the node now need the path above it too;
+        # those that only have it as a cover do not (a cover is not on its owner's path).
+        # Those hang on the node of the block before it, of the same key: `parent`.
+        carried = int(self._deps[nid]) - sum(ck.covers.count(nid)
+                                             for ck in self._by_base.get(parent, ()))
         if carried:
             self._deps[self._path(parent)] += carried
 

@@ -22,7 +22,7 @@ from functools import partial
 import numpy as np
 
 from hybridstore.backends.base import done_future
-from hybridstore.errors import CapacityError
+from hybridstore.errors import BackendIOError, CapacityError, CatalogError
 from hybridstore.index.trie import Checkpoint
 from hybridstore.objects import TIER_BITS, ObjectKey, ObjectKind, object_key
 from hybridstore.store.residency import Residency, RoomMaker
@@ -30,6 +30,10 @@ from hybridstore.store.residency import Residency, RoomMaker
 log = logging.getLogger("hybridstore.store")
 
 _DONE: Future = done_future()
+
+COPY_FAILURES = (CapacityError, BackendIOError, CatalogError)
+"""What a copy to a lower tier may fail with (no room, a full file system, an I/O error):
+the object then stays where it was, and the call that started the copy goes on."""
 
 
 class TierCopies:
@@ -88,8 +92,9 @@ class TierCopies:
 
     def skipped(self, dst: str, n: int, error: CapacityError) -> None:
         """A write-through copy found no room below (everything there pinned or needed by
-        retained checkpoints): the put already succeeded in the fast tier, so the copy is
-        dropped, counted and logged (once), never raised into the put."""
+        retained checkpoints, or the file system full under the write): the put already
+        succeeded in the fast tier, so the copy is dropped, counted and logged (once), never
+        raised into the put."""
         self.skipped_copies += n
         if not self._warned_skip:
             self._warned_skip = True
@@ -176,8 +181,11 @@ class TierCopies:
                 self.inflight[okey] -= 1
                 if not self.inflight[okey]:
                     del self.inflight[okey]
-            if fut.exception() is not None:
-                log.warning("copy of %s to %s failed: %s", okey.hex(), dst, fut.exception())
+            error = fut.exception()
+            if isinstance(error, CapacityError):      # the device filled up under the write
+                self.skipped(dst, 1, error)
+            elif error is not None:
+                log.warning("copy of %s to %s failed: %s", okey.hex(), dst, error)
             elif not self.closed and not self.res.mark(okey, dst):
                 # The object was forgotten while its copy was in flight.
                 self.res.tiers[dst].delete(okey)
@@ -217,10 +225,13 @@ class TierCopies:
             return
         okey = object_key(ObjectKind.STATE, ck.key)
         if not ck.tiers & disk_bit:
-            fut = self.pending.get((okey, "disk")) or self.copy(
-                okey, ObjectKind.STATE, ck.nbytes, res.state_meta(ck), res.holder(ck.tiers), "disk")
             try:
+                fut = self.pending.get((okey, "disk")) or self.copy(
+                    okey, ObjectKind.STATE, ck.nbytes, res.state_meta(ck), res.holder(ck.tiers),
+                    "disk")
                 fut.result()
+            except COPY_FAILURES:
+                return               # it stays in fast memory (drain counts or logs why)
             finally:
                 self.drain()
         if res.index.checkpoint(ck.key) is ck and ck.tiers & disk_bit and not self.inflight[okey]:

@@ -26,7 +26,7 @@ import numpy as np
 from hybridstore.errors import CapacityError, ObjectTooLargeError
 from hybridstore.objects import TIER_BITS, KeyBatch, ObjectKey, ObjectKind, object_key
 from hybridstore.policy.base import EvictionPolicy, Victim
-from hybridstore.store.copies import TierCopies
+from hybridstore.store.copies import COPY_FAILURES, TierCopies
 from hybridstore.store.residency import Residency
 
 T = TypeVar("T")
@@ -347,11 +347,12 @@ class Evictor:
                 try:
                     self.copies.spill(okey, victim.kind, nbytes, tier, below)
                     spilled = True
-                except CapacityError:
-                    # The tier below is full of what it must keep: the object is
-                    # dropped instead (a checkpoint always may be; a page only when
-                    # nothing needs it or the policy ignores dependencies).
-                    pass
+                except COPY_FAILURES:
+                    # The tier below is full of what it must keep, or its device is full
+                    # or failing: the object is dropped instead (a checkpoint always may
+                    # be; a page only when nothing needs it or the policy ignores
+                    # dependencies).
+                    self.copies.drain()
             if not spilled and needed and self.policy.dependency_aware:
                 return 0
         freed = res.tiers[tier].charge(nbytes)

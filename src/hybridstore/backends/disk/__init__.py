@@ -16,15 +16,24 @@ groups the completions that arrive together: one ``fdatasync`` per segment and
 one lmdb transaction per group.
 
 Read path (``get_into``): read the extent into ``out`` (host numpy buffer or a
-torch tensor, device tensors too), verify its xxh3_64 checksum; on mismatch the
-object is dropped from the catalog, a warning is logged, and
+torch tensor, device tensors too), verify its xxh3_64 checksum.  A read that
+fails (an I/O error, a short read, a mismatch) is retried object by object; an
+object that still fails is dropped from the catalog, a warning is logged, and
 :class:`~hybridstore.errors.CorruptObjectError` is raised.  Extents being read
 are pinned: a concurrent delete or replacement frees them after the read.
 
+A full file system: segment files (and the catalog's slack, reserved before
+each new segment) have their blocks allocated when they are created, so
+``ENOSPC``/``EDQUOT`` arrives there as :class:`~hybridstore.errors.DiskFullError`
+(a ``CapacityError``: the store evicts from the tier, as from any full tier);
+one under a write, ``fdatasync`` or commit fails that put with
+``DiskFullError``, with nothing of it visible.
+
 Reopen: the catalog is the truth.  Every entry whose segment file exists and
 is long enough is reserved in a fresh allocator and visible again; others are
-dropped with a logged reason.  Segment files no surviving entry uses are
-removed.
+dropped with a logged reason (of entries that claim overlapping slots, those
+whose bytes pass their checksum win).  Segment files no surviving entry uses
+are removed.
 
 Modules (one path through the tier each):
 

@@ -8,7 +8,9 @@ write path (``writer.py``), the read path (``reader.py``) and reopening
 
 from __future__ import annotations
 
+import errno
 import itertools
+import os
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,7 +21,7 @@ import numpy as np
 
 from hybridstore.backends.alloc import Extent, SlabAllocator
 from hybridstore.backends.catalog import Catalog, CatalogRecord
-from hybridstore.errors import BackendIOError
+from hybridstore.errors import BackendIOError, DiskFullError
 from hybridstore.objects import OBJECT_KEY_BYTES, ObjectKey
 
 if TYPE_CHECKING:
@@ -104,8 +106,6 @@ class _TierState:
 
         def _segment_path(self, segment: int) -> str: ...
 
-        def _drop_corrupt(self, key: bytes, obj: _Object, got: int) -> None: ...
-
 
 def _torch_bytes(tensor: Any, nbytes: int) -> Any:
     import torch
@@ -128,3 +128,33 @@ def _with_key(exc: BaseException, key: bytes) -> BaseException:
     if isinstance(exc, BackendIOError) and exc.key is None:
         exc.key = key
     return exc
+
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FULL_TEXTS = tuple(os.strerror(code) for code in _FULL_ERRNOS)
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) says the file system is full:
+    ``ENOSPC``/``EDQUOT`` as an errno, or in the message of an engine or lmdb error."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _FULL_ERRNOS:
+            return True
+        if any(text in str(e) for text in _FULL_TEXTS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _full_error(exc: BaseException, path: str, what: str) -> BaseException:
+    """``exc`` as a :class:`DiskFullError` when the file system is full, else unchanged."""
+    if isinstance(exc, DiskFullError) or not disk_full(exc):
+        return exc
+    full = DiskFullError(f"the file system under the disk tier at {path} is full: {what} "
+                         f"failed ({exc}); the object is not stored there (lower disk_bytes "
+                         "to what the device can hold)")
+    full.__cause__ = exc
+    return full

@@ -3,15 +3,16 @@
 A read pins its extent (a concurrent delete or replacement frees it after the
 read), reads into the caller's buffer (host array or torch tensor, device
 tensors too), and verifies the xxh3_64 checksum while later pieces are still
-in flight; a corrupt object is dropped from the catalog and raises
-:class:`~hybridstore.errors.CorruptObjectError`.
+in flight.  A read that fails (an I/O error, a short read, a checksum) is retried
+object by object (:data:`READ_RETRIES`); an object that still fails is dropped from
+the catalog and raises :class:`~hybridstore.errors.CorruptObjectError`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, cast
 
@@ -19,6 +20,7 @@ import numpy as np
 import xxhash
 
 from hybridstore.backends.base import FutureSum
+from hybridstore.backends.catalog import CatalogRecord
 from hybridstore.backends.disk.objects import (
     COALESCE_BYTES,
     _check_key,
@@ -29,10 +31,15 @@ from hybridstore.backends.disk.objects import (
     segment_name,
 )
 from hybridstore.backends.engines import Engine
-from hybridstore.errors import BackendIOError, CorruptObjectError
+from hybridstore.errors import BackendIOError, CatalogError, CorruptObjectError
 from hybridstore.objects import ObjectKey, aligned_empty, byte_view
 
 log = logging.getLogger("hybridstore.backends.disk")
+
+READ_RETRIES = 2
+"""Times a failed read of an object (an I/O error, a short read, a failed checksum) is
+retried alone before the object is dropped: a transient error costs nothing, a lasting one
+costs that object only, once."""
 
 
 class _ReadPath(_TierState):
@@ -47,7 +54,8 @@ class _ReadPath(_TierState):
 
         Raises:
             KeyError: the object is not visible here.
-            CorruptObjectError: (from the future) its checksum failed; it is dropped.
+            CorruptObjectError: (from the future) it failed its checksum or cannot be read,
+                even when read again; it is dropped.
         """
         self._check_open()
         key = _check_key(key)
@@ -139,35 +147,42 @@ class _ReadPath(_TierState):
 
     def _read_run(self, items: list[tuple[bytes, _Object]], dst: np.ndarray, offsets: list[int],
                   group: FutureSum) -> None:
-        """One I/O for neighbouring objects (see :meth:`read_many_into`), then each checksum."""
+        """One I/O for neighbouring objects (see :meth:`read_many_into`), then each checksum;
+        an object whose read or checksum failed is read again alone (:meth:`_salvage`)."""
         first, last = items[0][1].record, items[-1][1].record
         span = last.offset + last.length - first.offset
         error: BaseException | None = None
         got_bytes = 0
         try:
-            self.engine.read(self._files[first.segment], dst[offsets[0]:offsets[0] + span],
-                             span, first.offset)
+            file = self._files[first.segment]
+            try:
+                self.engine.read(file, dst[offsets[0]:offsets[0] + span], span, first.offset)
+                failed: BackendIOError | None = None
+            except BackendIOError as e:
+                failed = e
             for (key, obj), off in zip(items, offsets):
                 rec = obj.record
-                if self._verify:
-                    got = xxhash.xxh3_64_intdigest(dst[off:off + rec.length])
-                    if got != rec.checksum:
-                        try:
-                            self._drop_corrupt(key, obj, got)
-                        except CorruptObjectError as e:
-                            error = error or e
+                out = dst[off:off + rec.length]
+                got = None
+                if failed is None:
+                    got = xxhash.xxh3_64_intdigest(out) if self._verify else rec.checksum
+                    if got == rec.checksum:
+                        got_bytes += rec.length
                         continue
-                got_bytes += rec.length
+
+                def again(out: np.ndarray = out, rec: CatalogRecord = rec) -> int:
+                    self.engine.read(file, out, rec.length, rec.offset)
+                    return xxhash.xxh3_64_intdigest(out) if self._verify else rec.checksum
+
+                lost = self._salvage(key, obj, again, failed, got)
+                if lost is None:
+                    got_bytes += rec.length
+                else:
+                    error = error or lost
             with self._lock:
                 self._counters["reads"] += len(items)
                 self._counters["bytes_read"] += got_bytes
-        except BaseException as e:
-            if isinstance(e, BackendIOError):
-                _with_key(e, items[0][0])
-                try:
-                    self._drop_truncated(items, e)
-                except CorruptObjectError as c:
-                    e = c
+        except BaseException as e:  # noqa: BLE001 - reported through the group's future
             error = error or e
         finally:
             for _, obj in items:
@@ -186,21 +201,64 @@ class _ReadPath(_TierState):
     def _read_job(self, key: bytes, obj: _Object, target: _ReadTarget) -> int:
         rec = obj.record
         try:
+            file = self._files[rec.segment]
+
+            def read() -> int:
+                got = target.read(self.engine, file, rec.offset, rec.length, self._verify)
+                return got if self._verify else rec.checksum
+
+            failed: BackendIOError | None = None
+            got: int | None = None
             try:
-                got = target.read(self.engine, self._files[rec.segment], rec.offset, rec.length,
-                                  self._verify)
+                got = read()
             except BackendIOError as e:
-                _with_key(e, key)
-                self._drop_truncated([(key, obj)], e)
-                raise
-            if self._verify and got != rec.checksum:
-                self._drop_corrupt(key, obj, got)
+                failed = e
+            if failed is not None or got != rec.checksum:
+                lost = self._salvage(key, obj, read, failed, got)
+                if lost is not None:
+                    raise lost
             with self._lock:
                 self._counters["reads"] += 1
                 self._counters["bytes_read"] += rec.length
             return rec.length
         finally:
             self._unpin(obj.extent)
+
+    def _salvage(self, key: bytes, obj: _Object, again: Callable[[], int],
+                 failed: BackendIOError | None, got: int | None) -> CorruptObjectError | None:
+        """After a read of an object failed (the I/O error ``failed``, or the checksum
+        ``got``), read it alone again, up to :data:`READ_RETRIES` times (``again()`` reads
+        it and returns its checksum).  Returns ``None`` when a retry brought its bytes back
+        (a transient error costs nothing), else drops the object (it lies past the end of
+        its truncated file, cannot be read, or fails its checksum: it would fail every
+        later load) and returns the error that says why."""
+        rec = obj.record
+        for _ in range(READ_RETRIES):
+            try:
+                got = again()
+            except BackendIOError as e:
+                failed, got = e, None
+                continue
+            failed = None
+            if got == rec.checksum:
+                return None
+        if failed is None:
+            reason = f"failed its checksum (expected {rec.checksum:016x}, got {got or 0:016x})"
+        else:
+            _with_key(failed, key)
+            try:
+                size = os.stat(self._segment_path(rec.segment)).st_size
+            except OSError:
+                size = 0
+            reason = (f"lies past the end of its {size}-byte segment file (truncated)"
+                      if rec.offset + rec.length > size else
+                      f"cannot be read ({failed}; {READ_RETRIES + 1} attempts)")
+        self._drop(key, obj, reason)
+        lost = CorruptObjectError(f"object {key.hex()} on the disk tier at {self.path} {reason}; "
+                                  "it was dropped: recompute it and put it again", key=key,
+                                  expected=rec.checksum, got=got if failed is None else None)
+        lost.__cause__ = failed
+        return lost
 
     def _drop(self, key: bytes, obj: _Object, reason: str) -> None:
         """Forget a damaged object: catalog entry, extent, and a logged reason."""
@@ -209,48 +267,21 @@ class _ReadPath(_TierState):
             with self._lock:
                 current = self._objects.get(key) is obj
             if current:
-                self.catalog.delete(key)
+                try:
+                    self.catalog.delete(key)
+                    forgotten = True
+                except CatalogError as e:    # e.g. a full file system: the record stays,
+                    forgotten = False        # and so must its slot (a reopen checks it again)
+                    log.warning("disk tier %s: could not delete the record of the damaged object "
+                                "%s: %s", self.path, key.hex(), e)
                 with self._lock:
                     del self._objects[key]
-                    self._release(obj.extent)
+                    if forgotten:
+                        self._release(obj.extent)
                     self._counters["corrupt_dropped"] += 1
         log.warning("disk tier %s: object %s (%d bytes at %s offset %d) %s; dropped it from "
                     "the catalog", self.path, key.hex(), rec.length, segment_name(rec.segment),
                     rec.offset, reason)
-
-    def _drop_truncated(self, items: list[tuple[bytes, _Object]], error: BackendIOError) -> None:
-        """After a failed read, drop the objects that lie past their segment file's end (a
-        file truncated under the running tier: the read would fail forever).
-
-        Raises:
-            CorruptObjectError: some objects were dropped (the first one's key).
-        """
-        if error.got is None or error.expected is None or error.got >= error.expected:
-            return
-        lost = []
-        for key, obj in items:
-            rec = obj.record
-            try:
-                size = os.stat(self._segment_path(rec.segment)).st_size
-            except OSError:
-                size = 0
-            if rec.offset + rec.length > size:
-                self._drop(key, obj, f"lies past the end of its {size}-byte segment file "
-                                     "(truncated)")
-                lost.append(key)
-        if lost:
-            raise CorruptObjectError(f"{len(lost)} objects on the disk tier at {self.path} lie "
-                                     "past the end of their truncated segment file; they were "
-                                     "dropped: recompute them and put them again",
-                                     key=lost[0]) from error
-
-    def _drop_corrupt(self, key: bytes, obj: _Object, got: int) -> None:
-        rec = obj.record
-        self._drop(key, obj, f"failed its checksum (expected {rec.checksum:016x}, got {got:016x})")
-        raise CorruptObjectError(f"object {key.hex()} on the disk tier at {self.path} is corrupt "
-                                 f"(checksum {got:016x}, expected {rec.checksum:016x}); it was "
-                                 "dropped: recompute it and put it again",
-                                 key=key, expected=rec.checksum, got=got)
 
 
 class _ReadTarget:

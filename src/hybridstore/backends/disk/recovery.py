@@ -13,10 +13,12 @@ import logging
 import os
 import struct
 
+import xxhash
+
 from hybridstore.backends.alloc import Extent
 from hybridstore.backends.catalog import CatalogRecord
 from hybridstore.backends.disk.objects import LOCK_NAME, _Object, _TierState
-from hybridstore.backends.engines import ALIGN, round_up
+from hybridstore.backends.engines import ALIGN
 from hybridstore.errors import CapacityError, DiskPathError
 from hybridstore.objects import OBJECT_KEY_BYTES
 
@@ -31,10 +33,17 @@ class _Recovery(_TierState):
     # -- open / recovery ----------------------------------------------------------
     def _geometry(self, segment_bytes: int) -> int:
         raw = self.catalog.get_info("disk.geometry")
+        stored = _GEOMETRY.unpack(raw)[0] if raw is not None and len(raw) == _GEOMETRY.size \
+            else 0
+        if raw is not None and (stored < ALIGN or stored % ALIGN or stored > 1 << 50):
+            # damaged: the configured size (objects of segments made otherwise are dropped,
+            # each with a reason, when their extents do not fit it)
+            log.warning("disk tier %s: the geometry record is damaged (%r); using "
+                        "segment_bytes=%d", self.path, raw[:16], segment_bytes)
+            raw = None
         if raw is None:
             self.catalog.put_info("disk.geometry", _GEOMETRY.pack(segment_bytes))
             return segment_bytes
-        stored = _GEOMETRY.unpack(raw)[0]
         if stored != segment_bytes:
             log.warning("disk tier %s was created with segment_bytes=%d; keeping it (asked for "
                         "%d)", self.path, stored, segment_bytes)
@@ -44,8 +53,11 @@ class _Recovery(_TierState):
         """Make every sound catalog entry visible again; drop the rest with a reason."""
         dropped: list[bytes] = []
         damaged: list[tuple[bytes, str]] = []
-        for key, rec in self.catalog.items(damaged):
-            reason = self._check_record(key, rec)
+        checked = [(key, rec, self._check_record(key, rec))
+                   for key, rec in self.catalog.items(damaged)]
+        claims = self._overlapping([(key, rec) for key, rec, reason in checked if reason is None])
+        for key, rec, reason in checked:
+            reason = reason or claims.get(key)
             if reason is None:
                 extent = Extent(rec.segment, rec.offset, rec.slot_length)
                 try:
@@ -67,6 +79,52 @@ class _Recovery(_TierState):
         self._counters["recovery_dropped"] = len(dropped)
         self._remove_orphan_segments()
 
+    def _overlapping(self, records: list[tuple[bytes, CatalogRecord]]) -> dict[bytes, str]:
+        """Records whose slots overlap (a damaged record claims another object's slot): of
+        each overlapping group, the records whose bytes pass their checksum are kept (in
+        offset order, while they do not overlap one kept), the others lose.  Returns the
+        losers' reasons by key.  Reads only the records of an overlap."""
+        by_segment: dict[int, list[tuple[int, int, bytes, CatalogRecord]]] = {}
+        for key, rec in records:
+            by_segment.setdefault(rec.segment, []).append(
+                (rec.offset, rec.offset + max(rec.slot_length, rec.length), key, rec))
+        losers: dict[bytes, str] = {}
+        for items in by_segment.values():
+            items.sort(key=lambda item: (item[0], item[1], item[2]))
+            group: list[tuple[int, int, bytes, CatalogRecord]] = []
+            end = -1
+            for item in items + [(1 << 64, 1 << 64, b"", items[0][3])]:
+                if item[0] >= end:
+                    if len(group) > 1:
+                        losers.update(self._resolve(group))
+                    group, end = [item], item[1]
+                else:
+                    group.append(item)
+                    end = max(end, item[1])
+        return losers
+
+    def _resolve(self, group: list[tuple[int, int, bytes, CatalogRecord]]) -> dict[bytes, str]:
+        kept: list[tuple[int, int]] = []
+        losers = {}
+        for start, end, key, rec in group:
+            if any(s < end and start < e for s, e in kept):
+                losers[key] = "its slot overlaps another object's that passes its checksum"
+            elif not self._genuine(rec):
+                losers[key] = "its slot overlaps another object's and its bytes fail its checksum"
+            else:
+                kept.append((start, end))
+        return losers
+
+    def _genuine(self, rec: CatalogRecord) -> bool:
+        """Whether the bytes a record points at pass its checksum."""
+        try:
+            with open(self._segment_path(rec.segment), "rb") as fh:
+                fh.seek(rec.offset)
+                data = fh.read(rec.length)
+        except OSError:
+            return False
+        return len(data) == rec.length and xxhash.xxh3_64_intdigest(data) == rec.checksum
+
     def _check_record(self, key: bytes, rec: CatalogRecord) -> str | None:
         if len(key) != OBJECT_KEY_BYTES:
             return f"its key has {len(key)} bytes, not {OBJECT_KEY_BYTES}"
@@ -78,7 +136,7 @@ class _Recovery(_TierState):
             size = os.stat(path).st_size
         except FileNotFoundError:
             return f"its segment file {path} is missing"
-        if size < rec.offset + round_up(rec.length):
+        if size < rec.offset + rec.length:
             return (f"its segment file {path} is {size} bytes, too short for "
                     f"{rec.length} bytes at offset {rec.offset} (torn or truncated)")
         return None

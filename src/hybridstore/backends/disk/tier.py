@@ -25,7 +25,7 @@ from hybridstore.backends.disk.objects import _STOP, CATALOG_DIR, _Object, segme
 from hybridstore.backends.disk.reader import _ReadPath
 from hybridstore.backends.disk.recovery import _lock_directory, _Recovery
 from hybridstore.backends.disk.writer import _WritePath
-from hybridstore.backends.engines import ALIGN, Engine, fsync_path, select_engine
+from hybridstore.backends.engines import ALIGN, Engine, allocate_file, fsync_path, select_engine
 from hybridstore.errors import BackendIOError, ConfigError, DiskFullError
 from hybridstore.objects import ObjectKey
 
@@ -259,21 +259,37 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
         return os.path.join(self.path, segment_name(segment))
 
     def _create_segment(self, segment: int, nbytes: int) -> None:
+        """Create (or, cut short, restore) a segment file with its blocks reserved.
+
+        For a new segment the catalog's slack is reserved first
+        (:meth:`Catalog.keep_slack`), with room for the records of its objects: a segment
+        never takes the room the catalog needs to commit and delete records on a full
+        device.
+        """
         path = self._segment_path(segment)
+        fresh = True
+        if not os.path.exists(path) and not self.catalog.keep_slack(nbytes // 32):
+            raise DiskFullError(f"the file system under {self.path} is full: no room for the "
+                                f"catalog of a new {nbytes}-byte segment within the tier's "
+                                f"{self._capacity}-byte budget; lower disk_bytes to what the "
+                                "device can hold")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
             try:
-                if os.fstat(fd).st_size < nbytes:
+                size = os.fstat(fd).st_size
+                fresh = size == 0
+                if size < nbytes:      # new, or cut short (its objects past the cut are gone)
                     _preallocate(fd, nbytes)
             finally:
                 os.close(fd)
             fsync_path(self.path)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                try:
-                    os.unlink(path)        # nothing may stay of a refused segment
-                except OSError:
-                    pass
+                if fresh:
+                    try:
+                        os.unlink(path)        # nothing may stay of a refused segment
+                    except OSError:
+                        pass
                 raise DiskFullError(f"the file system under {self.path} is full: no room for a "
                                     f"{nbytes}-byte segment ({e.strerror}) within the tier's "
                                     f"{self._capacity}-byte budget; lower disk_bytes to what the "
@@ -293,14 +309,8 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
                         self._segment_path(segment), e.strerror)
 
 
-def _preallocate(fd: int, nbytes: int) -> None:
-    """Reserve ``nbytes`` for a segment: posix_fallocate, or ftruncate where unsupported."""
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-        os.ftruncate(fd, nbytes)
+_preallocate = allocate_file
+"""Reserve the blocks of a new segment (a module name: tests make the device fill up here)."""
 
 
 def _validate(capacity_bytes: int, segment_bytes: int, io_threads: int, ssd_gbps: float,

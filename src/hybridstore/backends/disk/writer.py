@@ -24,6 +24,7 @@ from hybridstore.backends.disk.objects import (
     _STOP,
     COALESCE_BYTES,
     _check_key,
+    _full_error,
     _Object,
     _PendingWrite,
     _TierState,
@@ -46,9 +47,17 @@ class _WritePath(_TierState):
         tier's commit thread: its callbacks must not block on locks held by a
         thread that waits for another disk write.
 
+        The future fails with :class:`~hybridstore.errors.DiskFullError` when the
+        file system fills up under the write, its ``fdatasync`` or its catalog commit
+        (``ENOSPC``/``EDQUOT``: a file system that cannot reserve a segment's blocks up
+        front), with another error when the I/O fails otherwise; either way nothing
+        of the object is visible and its slot is free again.
+
         Raises:
             ObjectTooLargeError: it can never fit.
-            CapacityError: the budget is short now; evict and retry.
+            CapacityError: the budget is short now; evict and retry
+                (:class:`~hybridstore.errors.DiskFullError`: no room on the device for
+                a new segment file).
         """
         self._check_open()
         key = _check_key(key)
@@ -135,7 +144,7 @@ class _WritePath(_TierState):
                     written.exception()  # wait for the write whatever happened here
                 written.result()
         except BaseException as e:  # noqa: BLE001 - reported through the future
-            self._abandon([p], _with_key(e, p.key))
+            self._abandon([p], _full_error(_with_key(e, p.key), self.path, "a write"))
             return
         self._commits.put(p)
 
@@ -161,7 +170,7 @@ class _WritePath(_TierState):
                 p.checksum = xxhash.xxh3_64_intdigest(p.view)
             self.engine.write(self._files[first.arena], buf, span, first.offset)
         except BaseException as e:  # noqa: BLE001 - reported through the futures
-            self._abandon(run, _with_key(e, run[0].key))
+            self._abandon(run, _full_error(_with_key(e, run[0].key), self.path, "a write"))
             return
         for p in run:
             self._commits.put(p)
@@ -186,7 +195,7 @@ class _WritePath(_TierState):
             for segment in {p.extent.arena for p in batch}:
                 self.engine.fsync(self._files[segment])
         except BaseException as e:  # noqa: BLE001
-            self._abandon(batch, e)
+            self._abandon(batch, _full_error(e, self.path, "fdatasync"))
             return
         with self._catalog_lock:
             with self._lock:
@@ -203,7 +212,7 @@ class _WritePath(_TierState):
                 self._publish(live, stale, records)
         # Futures complete outside the catalog lock: their callbacks may call delete().
         if failure is not None:
-            self._abandon(batch, failure)
+            self._abandon(batch, _full_error(failure, self.path, "the catalog commit"))
             return
         for p in batch:
             p.view = _EMPTY

@@ -7,6 +7,7 @@ shared pieces of both engines (``posix.py``, ``kvikio.py``) and of the disk tier
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -42,6 +43,32 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_ZEROS = bytes(1 << 20)
+
+
+def allocate_file(fd: int, nbytes: int) -> None:
+    """Give a file at least ``nbytes`` of allocated blocks: ``posix_fallocate``, or where the
+    file system does not support it, zeros written past its end.
+
+    Either way a full file system shows up here (``ENOSPC``/``EDQUOT``), never in a later
+    write into the file: a sparse file would let writes fail one by one with the device
+    full.  Bytes already in the file are kept.
+    """
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        return
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+    done = os.fstat(fd).st_size // ALIGN * ALIGN    # what a former try wrote stays written
+    while done < nbytes:
+        n = os.pwrite(fd, memoryview(_ZEROS)[:min(len(_ZEROS), nbytes - done)], done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"a write of zeros at offset {done} made no progress")
+        done += n
+    os.fsync(fd)
 
 
 def buffer_address(buf: np.ndarray) -> int:

@@ -306,7 +306,7 @@ class PosixEngine(Engine):
             tail = self._tails.take()
             try:
                 with memoryview(tail) as mv:
-                    _pread_full(file, mv, offset + body)
+                    _pread_full(file, mv, offset + body, need=n - body)
                     piece[body:] = np.frombuffer(mv, np.uint8, n - body)
             finally:
                 self._tails.give(tail)
@@ -333,7 +333,7 @@ class PosixEngine(Engine):
         bounce = self._chunks.take()
         try:
             with memoryview(bounce) as mv:
-                _pread_full(file, mv[:round_up(n)], offset)
+                _pread_full(file, mv[:round_up(n)], offset, need=n)
                 piece[:] = np.frombuffer(mv, np.uint8, n)
         finally:
             self._chunks.give(bounce)
@@ -352,9 +352,12 @@ class PosixEngine(Engine):
             self._chunks.give(bounce)
 
 
-def _pread_full(file: PosixFile, mv: memoryview, offset: int) -> None:
-    """Read all of ``mv`` at ``offset``; short reads continue, EOF raises."""
+def _pread_full(file: PosixFile, mv: memoryview, offset: int, need: int | None = None) -> None:
+    """Read all of ``mv`` at ``offset``; short reads continue, EOF raises unless the first
+    ``need`` bytes have landed (an O_DIRECT read of a whole last block whose file ends
+    after the payload but inside the block)."""
     done, want = 0, len(mv)
+    need = want if need is None else need
     while done < want:
         try:
             got = os.preadv(file.fd, [mv[done:]], offset + done)
@@ -362,6 +365,8 @@ def _pread_full(file: PosixFile, mv: memoryview, offset: int) -> None:
             raise BackendIOError(f"read of {want} bytes at offset {offset} of {file.path} failed: "
                                  f"{e.strerror}", offset=offset, expected=want, got=done) from e
         if got == 0:
+            if done >= need:
+                return
             raise BackendIOError(f"read of {want} bytes at offset {offset} of {file.path} hit the "
                                  "end of the file (truncated segment?)",
                                  offset=offset, expected=want, got=done)
