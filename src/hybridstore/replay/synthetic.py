@@ -28,6 +28,7 @@ does not change when ``sessions`` does.
 from __future__ import annotations
 
 import inspect
+import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -316,9 +317,32 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
         typ = type(params[k].default)
         try:
             kwargs[k] = typ(v) if typ is not int else int(float(v)) if "e" in v.lower() else int(v)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise ConfigError(f"synthetic:{name}: {k}={v!r} is not a {typ.__name__}") from None
+        if typ is float and not math.isfinite(kwargs[k]):
+            raise ConfigError(f"synthetic:{name}: {k}={v!r} is not finite")
+    _check_size(name, {**{k: p.default for k, p in params.items()}, **kwargs})
     return name, kwargs
+
+
+MAX_SYNTHETIC_IDS = 1 << 25
+"""The most block ids a synthetic trace may hold in all (256 MiB of them)."""
+
+
+def _check_size(name: str, kw: dict[str, Any]) -> None:
+    """Bound a spec's trace before generating it: every prompt at most
+    ``MAX_TRACE_TOKENS`` tokens, all prompts at most :data:`MAX_SYNTHETIC_IDS` block ids
+    (estimated from above: each turn grows a prompt by the largest size parameter)."""
+    from hybridstore.replay.loaders import MAX_TRACE_TOKENS
+
+    sizes = [v for k, v in kw.items() if isinstance(v, int) and not isinstance(v, bool)
+             and k not in ("sessions", "turns", "seed", "block")]
+    prompt = max(0, kw.get("system", 0)) + max(0, kw["turns"]) * max([0, *sizes])
+    requests = max(0, kw["sessions"]) * max(0, kw["turns"])
+    if prompt > MAX_TRACE_TOKENS or requests * prompt // max(1, kw["block"]) > MAX_SYNTHETIC_IDS:
+        raise ConfigError(f"synthetic:{name}: {requests} requests of up to {prompt} tokens is "
+                          f"too large (at most {MAX_TRACE_TOKENS} tokens a prompt and "
+                          f"{MAX_SYNTHETIC_IDS} block ids in all)")
 
 
 def generate(spec: str) -> Trace:

@@ -364,6 +364,8 @@ class HybridStore:
                 prompt is recorded too.
         """
         prompt = self.prefix(tokens)
+        nbytes = args.whole(nbytes, "nbytes", low=1)
+        first_block = args.whole(first_block, "first_block")
         with self._lock:
             self._check_open()
             self._copies.drain()
@@ -418,6 +420,7 @@ class HybridStore:
     def put_state_sized(self, tokens: Any, *, nbytes: int, position: int | None = None) -> bool:
         """Record a checkpoint by size only (accounting tiers: the trace simulator)."""
         prompt = self.prefix(tokens)
+        nbytes = args.whole(nbytes, "nbytes", low=1)
         p = self._landing.state_position(prompt, args.optional_whole(position, "position"))
         with self._lock:
             self._check_open()
