@@ -144,8 +144,11 @@ def campaign(cases: int, seed_: int = 0, *, progress: bool = True,
                 continue
             bar.set_description(name)
             start = time.perf_counter()
-            runners[name](round(cases * share / (sum(SHARES[k] for k in only) if only else 1)),
-                          seed_ * 100 + i)
+            try:
+                runners[name](round(cases * share / (sum(SHARES[k] for k in only) if only else 1)),
+                              seed_ * 100 + i)
+            except Exception as e:  # noqa: BLE001 - a harness failure ends this target only
+                tally.defect(name, "harness", f"harness {type(e).__name__}", str(e)[:300])
             seconds[name] = round(time.perf_counter() - start, 1)
     finally:
         bar.close()

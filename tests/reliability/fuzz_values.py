@@ -50,15 +50,17 @@ def np_arrays(draw: st.DrawFn, dtypes: list[Any] | None = None,
     dtype = np.dtype(draw(st.sampled_from(dtypes or NP_DTYPES)))
     ndim = draw(st.integers(0, 3))
     shape = tuple(draw(st.lists(st.integers(0, max_side), min_size=ndim, max_size=ndim)))
+    if int(np.prod(shape)) * dtype.itemsize > 1 << 16:     # at most 64 KiB: one long side
+        shape = (draw(st.integers(0, max_side)),)
     n = int(np.prod(shape)) if shape else 1
-    raw = np.frombuffer(draw(st.binary(min_size=n * dtype.itemsize, max_size=n * dtype.itemsize)),
-                        np.uint8) if dtype != np.dtype(object) else None
     if dtype == np.dtype(object):
         arr = np.empty(shape, object)
-        arr.reshape(-1)[:] = draw(st.lists(st.one_of(st.integers(), st.text(max_size=3),
-                                                     st.none()), min_size=n, max_size=n))
+        items = draw(st.lists(st.one_of(st.integers(), st.text(max_size=3), st.none()),
+                              min_size=1, max_size=8))
+        arr.reshape(-1)[:] = (items * n)[:n]
     else:
-        arr = raw.copy().view(dtype).reshape(shape)
+        pattern = np.frombuffer(draw(st.binary(min_size=1, max_size=64)), np.uint8)
+        arr = np.resize(pattern, n * dtype.itemsize).view(dtype).reshape(shape)
     how = draw(st.sampled_from(["plain", "plain", "fortran", "strided", "reversed", "readonly"]))
     if how == "fortran":
         arr = np.asfortranarray(arr)
