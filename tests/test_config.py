@@ -167,6 +167,7 @@ def test_parse_bytes_rejects_what_it_cannot_read(text):
     ({"namespace": 1.5}, "namespace"),
     ({"pin_host_memory": "no"}, "pin_host_memory"),
     ({"verify_checksums": 0}, "verify_checksums"),
+    ({"disk_segment_bytes": 10**30}, "disk_segment_bytes"),      # struct.error at open
 ])
 def test_each_check_raises_config_error(changes, field):
     with pytest.raises(ConfigError, match=field):

@@ -137,8 +137,8 @@ class StoreConfig:
             raise ConfigError(f"disk_engine must be one of {DISK_ENGINES}, got {self.disk_engine!r}")
         if self.tier_policy not in TIER_POLICY_NAMES:
             raise ConfigError(f"tier_policy must be one of {TIER_POLICY_NAMES}, got {self.tier_policy!r}")
-        if self.disk_segment_bytes < (1 << 20) or self.disk_segment_bytes % 4096:
-            raise ConfigError("disk_segment_bytes must be a multiple of 4096 and at least 1 MiB, "
+        if not (1 << 20) <= self.disk_segment_bytes <= (1 << 40) or self.disk_segment_bytes % 4096:
+            raise ConfigError("disk_segment_bytes must be a multiple of 4096 in [1 MiB, 1 TiB], "
                               f"got {self.disk_segment_bytes}")
         if not 1 <= self.io_threads <= 256:
             raise ConfigError(f"io_threads must be in [1, 256], got {self.io_threads}")

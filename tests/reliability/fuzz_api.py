@@ -70,7 +70,8 @@ def snapshot(store: HybridStore, prompts: list[Any]) -> tuple[Any, ...]:
     store.flush()
     stats = store.stats()
     stats.pop("native", None)
-    return (repr(stats), tuple(tuple(store.restorable(p)) for p in prompts),
+    layouts = repr(store._layouts)                     # a rejected first put fixes none
+    return (repr(stats), layouts, tuple(tuple(store.restorable(p)) for p in prompts),
             tuple(store.present_pages(p) for p in prompts))
 
 

@@ -12,6 +12,7 @@ sandbox is killed and restarted).
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import multiprocessing as mp
@@ -255,7 +256,8 @@ def json_mutant(draw: st.DrawFn, seed: Seed) -> bytes:
         paths = _paths(docs[i])
         path = draw(st.sampled_from(paths))
         op = draw(st.sampled_from(["set", "set", "set", "delete", "wrap", "dup"]))
-        docs[i] = _edit(docs[i], path, op, draw(json_values()) if op == "set" else None)
+        value = copy.deepcopy(draw(json_values())) if op == "set" else None   # never edit
+        docs[i] = _edit(docs[i], path, op, value)                              # JSON_EDGE
     if seed.suffix == ".jsonl" and draw(st.booleans()):
         k = draw(st.integers(0, len(docs)))
         docs = docs[:k] + docs[k:][::-1]          # lines out of order

@@ -37,15 +37,15 @@ def _clean(tally: Tally, target: str, at_least: int) -> None:
 
 def test_public_api_calls(world):
     tally = Tally(strict=True)
-    fuzz.run_api(tally, world, 400, seed_=1, strict=True)
-    _clean(tally, "api", 400)
+    fuzz.run_api(tally, world, 600, seed_=1, strict=True)
+    _clean(tally, "api", 600)
     assert tally.accepted["api"] > 20          # valid edge values went through too
 
 
 def test_engine_keyed_api(world):
     tally = Tally(strict=True)
-    fuzz.run_engine(tally, world, 200, seed_=2, strict=True)
-    _clean(tally, "engine", 200)
+    fuzz.run_engine(tally, world, 300, seed_=2, strict=True)
+    _clean(tally, "engine", 300)
 
 
 def test_store_config(tmp_path):
@@ -56,8 +56,8 @@ def test_store_config(tmp_path):
 
 def test_stateful_mixed_valid_and_invalid_calls(world, tmp_path):
     tally = Tally(strict=True)
-    fuzz.run_stateful(tally, world, str(tmp_path), 200, seed_=4, strict=True)
-    _clean(tally, "stateful", 60)
+    fuzz.run_stateful(tally, world, str(tmp_path), 400, seed_=4, strict=True)
+    _clean(tally, "stateful", 150)
     assert tally.accepted["stateful"] > 20     # valid puts, matches and loads were checked
 
 
@@ -65,8 +65,8 @@ def test_trace_loaders(tmp_path):
     tally = Tally(strict=True)
     box = Sandbox()
     try:
-        fuzz.run_traces(tally, str(tmp_path), 300, seed_=5, strict=True, sandbox=box)
+        fuzz.run_traces(tally, str(tmp_path), 400, seed_=5, strict=True, sandbox=box)
     finally:
         box.stop()
-    _clean(tally, "traces", 300)
+    _clean(tally, "traces", 400)
     assert tally.accepted["traces"] > 0 and tally.typed["TraceFormatError"] > 50

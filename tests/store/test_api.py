@@ -276,6 +276,18 @@ class TestBadInputChangesNothing:
             assert store.restore_cost(plan)["host"][0] == 2 * 100 + 50
             store.release(plan)
 
+    def test_a_tensor_without_data_is_refused_before_a_layout_is_fixed(self, tmp_path):
+        """Issue 13 fuzz: a meta-device state raised TypeError while being packed, after the
+        empty store had fixed its state layout from it."""
+        with HybridStore(cfg(tmp_path)) as store:
+            for bad in (torch.empty(4, 16, 16, device="meta"), torch.ones(4, 16).to_sparse()):
+                with pytest.raises(LayoutMismatchError):
+                    store.put_state(TOKENS[:16], {"gdn.0": bad})
+                with pytest.raises(LayoutMismatchError):
+                    store.put_kv(TOKENS[:16], bad)
+            pages, states = put_conversation(store, TOKENS[:32], [32])   # any layout still
+            assert_restored(store, TOKENS[:32], pages, states, 32)
+
     def test_nul_byte_in_disk_path_is_a_config_error(self, tmp_path):
         with pytest.raises(ConfigError, match="NUL"):
             StoreConfig(disk_path=str(tmp_path) + "/a\0b")

@@ -230,7 +230,7 @@ class HybridStore:
     def prefix_from_block_ids(self, block_ids: Sequence[int] | np.ndarray,
                               length: int | None = None) -> PrefixKeys:
         """A prompt given as already-hashed block ids (as traces carry them)."""
-        if not isinstance(block_ids, (Sequence, np.ndarray)) or isinstance(block_ids, (str, bytes)):
+        if not args.is_sequence(block_ids):
             raise InvalidTokensError(f"block_ids must be a sequence of ints, got "
                                      f"{type(block_ids).__name__}")
         return PrefixKeys.from_block_ids(block_ids, block_size=self.config.block_size,
