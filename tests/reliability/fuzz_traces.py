@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import random
 import resource
+import shutil
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -306,7 +307,8 @@ def trace_case(draw: st.DrawFn, seeds: list[Seed]) -> tuple[str, str, bytes, dic
     else:
         raw = draw(byte_mutant(seed.text.encode()))
     name = f"{seed.fmt}{seed.suffix}"
-    if how.startswith("zst"):
+    if seed.fmt == "weka" and draw(st.integers(0, 5)) == 0:
+        name = "dir/" + name        # a directory: this document and a valid one
         raw = zstandard.ZstdCompressor(level=1).compress(raw)
         if how == "zst-bytes":
             raw = draw(byte_mutant(raw))
@@ -343,6 +345,11 @@ def _spec(draw: st.DrawFn) -> str:
     return f"synthetic:{gen}?{query}" if query or draw(st.booleans()) else f"synthetic:{gen}"
 
 
+def _valid_weka() -> Path:
+    weka = sorted((TRACES / "weka").glob("*.json.zst")) or sorted(SAMPLES.glob("*.json.zst"))
+    return weka[0]
+
+
 def trace_load_case(tally: Tally, sandbox: Sandbox, root: str,
                     case: tuple[str, str, bytes, dict[str, Any]]) -> None:
     """Write the fuzzed file, load it in the sandbox, record the outcome."""
@@ -355,9 +362,15 @@ def trace_load_case(tally: Tally, sandbox: Sandbox, root: str,
         fmt, sep, fname = name.rpartition(":")
         os.makedirs(root, exist_ok=True)
         file = os.path.join(root, fname)
+        if fname.startswith("dir/"):
+            shutil.rmtree(os.path.dirname(file), ignore_errors=True)
+            os.makedirs(os.path.dirname(file))
+            shutil.copy(_valid_weka(), os.path.join(os.path.dirname(file), "valid.json.zst"))
         with open(file, "wb") as f:
             f.write(raw)
         path = f"{fmt}:{file}" if sep else file
+        if fname.startswith("dir/"):
+            path = path.rpartition("/")[0]
     example = (loader, name, kwargs, raw[:120])
     out = sandbox.run(loader, path, kwargs)
     call = f"{loader}({name.rpartition('.')[0] or name})" if not name.startswith("synthetic:") \

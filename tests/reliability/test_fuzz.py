@@ -70,3 +70,26 @@ def test_trace_loaders(tmp_path):
         box.stop()
     _clean(tally, "traces", 400)
     assert tally.accepted["traces"] > 0 and tally.typed["TraceFormatError"] > 50
+
+
+def test_the_sandbox_reports_allocations_past_its_limit_and_hangs(tmp_path):
+    """The loader target's own detectors: a load that needs more address space than the
+    sandbox allows is reported (not survived by luck), and so is one that does not answer."""
+    from tests.reliability.fuzz_traces import _valid_weka
+
+    tight = Sandbox(headroom=1 << 16)
+    try:
+        out = tight.run("weka", str(_valid_weka()), {})
+    finally:
+        tight.stop()
+    assert out[0] in ("untyped", "died") and (out[0] == "died" or "MemoryError" in out[1]), out
+    slow = Sandbox(timeout_s=1e-4)
+    try:
+        assert slow.run("load", "synthetic:agent?sessions=4&turns=4", {}) == ("hang",)
+    finally:
+        slow.stop()
+    ok = Sandbox()
+    try:
+        assert ok.run("weka", str(_valid_weka()), {})[0] == "ok"
+    finally:
+        ok.stop()

@@ -440,6 +440,14 @@ def test_fuzzed_field_types_raise_trace_format_errors(tmp_path: Path, fmt: str,
         load(f"{fmt}:{path}")
 
 
+@pytest.mark.parametrize("loader", [load_mooncake, load_tracelab, load_canonical])
+def test_a_missing_or_unreadable_file_is_a_trace_format_error(tmp_path: Path, loader) -> None:
+    """Issue 13 fuzz: a loader given a directory or a missing file raised an OSError."""
+    for path in (tmp_path, tmp_path / "missing.jsonl"):
+        with pytest.raises(TraceFormatError, match="cannot read"):
+            loader(path)
+
+
 def test_request_ids_and_anchors_are_typed() -> None:
     with pytest.raises(TraceFormatError):
         Request(session="s", index=0, arrival_s=0.0, input_tokens=32, output_tokens=0,

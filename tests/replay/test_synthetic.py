@@ -117,7 +117,8 @@ def rw() -> Trace:
 @pytest.mark.parametrize("spec", [
     "synthetic:agent?sessions=inf", "synthetic:agent?new=1e400", "synthetic:agent?gap=inf",
     "synthetic:rewind?keep=nan", "synthetic:agent?sessions=999999999",
-    "synthetic:agent?new=99999999", "synthetic:rewind?long=1e7&turns=1000"])
+    "synthetic:agent?new=99999999", "synthetic:rewind?long=1e7&turns=1000",
+    "synthetic:agent?seed=-1", "synthetic:rewind?seed=-1"])
 def test_a_spec_is_finite_and_bounded_before_generating(spec: str) -> None:
     """Issue 13 fuzz: ``sessions=inf`` raised OverflowError, ``gap=inf`` was taken and a huge
     spec generated without bound; each is a ConfigError before anything is generated."""

@@ -75,6 +75,8 @@ def _open_text(path: Path) -> Iterator[IO[str]]:
         raise TraceFormatError(f"{path}: not a UTF-8 text trace"
                                f"{' compressed with zstd' if path.name.endswith('.zst') else ''}"
                                f" ({type(e).__name__}: {e})") from e
+    except OSError as e:           # missing, a directory, unreadable
+        raise TraceFormatError(f"cannot read the trace file {path}: {e.strerror or e}") from e
 
 
 @contextlib.contextmanager

@@ -145,7 +145,7 @@ def agent(sessions: int = 24, turns: int = 16, new: int = 8192, out: int = 256,
     """
     _check(sessions=sessions >= 1, turns=turns >= 1, new=new >= 1, out=out >= 0,
            mutation=0.0 <= mutation <= 1.0, block=block >= 1, cut=cut >= 1, system=system >= 0,
-           gap=gap >= 0)
+           gap=gap >= 0, seed=seed >= 0)
     built = []
     for s in range(sessions):
         rng = np.random.default_rng([seed, s])
@@ -232,7 +232,7 @@ def rewind(sessions: int = 16, turns: int = 32, system: int = 2048, user: int = 
            tool_frac=0 <= tool_frac <= 1, out=out >= 0,
            rates=min(rewind, truncate, compact) >= 0 and rewind + truncate + compact <= 1,
            summary=summary >= 1, marker=marker >= 1, keep=0 < keep < 0.5, block=block >= 1,
-           gap=gap >= 0)
+           gap=gap >= 0, seed=seed >= 0)
     built = []
     for s in range(sessions):
         rng = np.random.default_rng([seed, s])
