@@ -153,6 +153,22 @@ def test_parse_bytes_rejects_what_it_cannot_read(text):
     ({"h2d_gbps": 0.0}, "h2d_gbps"),
     ({"ssd_gbps": -1.0}, "ssd_gbps"),
     ({"disk_path": 5}, "disk_path"),
+    # issue 13 fuzz: wrong types raised TypeError, NaN and inf were accepted
+    ({"block_size": True}, "block_size"),
+    ({"disk_segment_bytes": None}, "disk_segment_bytes"),
+    ({"disk_segment_bytes": "1MiB"}, "disk_segment_bytes"),
+    ({"io_threads": "8"}, "io_threads"),
+    ({"io_threads": 1.5}, "io_threads"),
+    ({"h2d_gbps": None}, "h2d_gbps"),
+    ({"h2d_gbps": float("inf")}, "h2d_gbps"),
+    ({"ssd_gbps": float("nan")}, "ssd_gbps"),
+    ({"ssd_gbps": [5]}, "ssd_gbps"),
+    ({"policy": ["lru"]}, "policy"),
+    ({"checkpoint_policy": None}, "checkpoint_policy"),
+    ({"namespace": 1.5}, "namespace"),
+    ({"pin_host_memory": "no"}, "pin_host_memory"),
+    ({"verify_checksums": 0}, "verify_checksums"),
+    ({"disk_segment_bytes": 10**30}, "disk_segment_bytes"),      # struct.error at open
 ])
 def test_each_check_raises_config_error(changes, field):
     with pytest.raises(ConfigError, match=field):

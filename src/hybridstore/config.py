@@ -31,6 +31,7 @@ twins of the compiled extensions.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,6 +44,16 @@ DISK_ENGINES = ("auto", "kvikio", "posix")
 KVIKIO_TUNED = frozenset({"auto_direct_io_read", "task_size"})
 """The kvikio settings the kvikio engine tunes (``backends/engines/kvikio.py``)."""
 TIER_POLICY_NAMES = ("write-through", "write-back", "partition", "asymmetric")
+
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "block_size": (int,), "namespace": (str, bytes), "host_bytes": (int,), "disk_bytes": (int,),
+    "device_bytes": (int,), "policy": (str,), "checkpoint_policy": (str,), "tier_policy": (str,),
+    "disk_engine": (str,), "disk_segment_bytes": (int,), "io_threads": (int,),
+    "pin_host_memory": (bool,), "h2d_gbps": (int, float), "ssd_gbps": (int, float),
+    "verify_checksums": (bool,), "remote_bytes": (int,)}
+"""The type of each scalar field (``disk_path``, ``kvikio_keep``, ``hash_secret`` and
+``remote`` are checked apart)."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreConfig:
@@ -118,6 +129,7 @@ class StoreConfig:
     remote_bytes: int = 16 << 30
 
     def __post_init__(self) -> None:
+        self._check_types()
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1 << 16:
             raise ConfigError(f"block_size must be an int in [1, 65536], got {self.block_size!r}")
         for name in ("host_bytes", "disk_bytes", "device_bytes", "remote_bytes"):
@@ -128,13 +140,14 @@ class StoreConfig:
             raise ConfigError(f"disk_engine must be one of {DISK_ENGINES}, got {self.disk_engine!r}")
         if self.tier_policy not in TIER_POLICY_NAMES:
             raise ConfigError(f"tier_policy must be one of {TIER_POLICY_NAMES}, got {self.tier_policy!r}")
-        if self.disk_segment_bytes < (1 << 20) or self.disk_segment_bytes % 4096:
-            raise ConfigError("disk_segment_bytes must be a multiple of 4096 and at least 1 MiB, "
+        if not (1 << 20) <= self.disk_segment_bytes <= (1 << 40) or self.disk_segment_bytes % 4096:
+            raise ConfigError("disk_segment_bytes must be a multiple of 4096 in [1 MiB, 1 TiB], "
                               f"got {self.disk_segment_bytes}")
         if not 1 <= self.io_threads <= 256:
             raise ConfigError(f"io_threads must be in [1, 256], got {self.io_threads}")
-        if self.h2d_gbps <= 0 or self.ssd_gbps <= 0:
-            raise ConfigError("h2d_gbps and ssd_gbps must be positive")
+        if not (0 < self.h2d_gbps < math.inf and 0 < self.ssd_gbps < math.inf):
+            raise ConfigError(f"h2d_gbps and ssd_gbps must be positive and finite, got "
+                              f"{self.h2d_gbps!r} and {self.ssd_gbps!r}")
         if not isinstance(self.kvikio_keep, frozenset) or not self.kvikio_keep <= KVIKIO_TUNED:
             raise ConfigError(f"kvikio_keep must be a frozenset of {sorted(KVIKIO_TUNED)}, "
                               f"got {self.kvikio_keep!r}")
@@ -154,6 +167,14 @@ class StoreConfig:
         if self.disk_path is not None and "\0" in os.fsdecode(self.disk_path):
             raise ConfigError(f"disk_path {self.disk_path!r} contains a NUL byte; no file system "
                               "accepts one: pass a plain directory path")
+
+    def _check_types(self) -> None:
+        """Each field of its declared type (a bool is not an int), before any range check."""
+        for name, types in _FIELD_TYPES.items():
+            value = getattr(self, name)
+            if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+                raise ConfigError(f"{name} must be {' or '.join(t.__name__ for t in types)}, "
+                                  f"got {type(value).__name__} {value!r:.40}")
 
     def replace(self, **changes: Any) -> StoreConfig:
         """A copy with some fields changed (validated again)."""

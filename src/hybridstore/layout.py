@@ -76,6 +76,9 @@ def _dtype_of(text: str) -> np.dtype:
 
 def _spec_of(name: str, value: Any, offset: int) -> TensorSpec:
     if _is_torch(value):
+        if value.device.type == "meta" or value.layout != _torch().strided:
+            raise LayoutMismatchError(f"{name or 'value'} is a {value.layout} tensor on "
+                                      f"{value.device}; pass a dense tensor with data")
         dtype = str(value.dtype).removeprefix("torch.")
         nbytes = value.numel() * value.element_size()
         return TensorSpec(name, "torch", dtype, tuple(value.shape), offset, nbytes)

@@ -405,3 +405,56 @@ def test_damaged_trace_files_raise_trace_format_errors(tmp_path: Path) -> None:
             except Exception as e:  # noqa: BLE001 - anything untyped is the defect
                 untyped.append(f"{name}: {type(e).__name__}: {e}")
     assert tried >= 30 and not untyped, untyped
+
+
+_MOON = {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}
+_CANON_HEAD = {"format": "hybridstore.trace", "version": 1, "block_size": 16}
+_CANON_ROW = {"session": "s", "index": 0, "arrival_s": 0.0, "input_tokens": 32,
+              "output_tokens": 1, "ids": [1, 2], "anchors": [], "tags": []}
+
+
+@pytest.mark.parametrize(("fmt", "lines"), [
+    ("weka", [[1, 2]]),                                                  # not an object
+    ("weka", [None]),
+    ("weka", [{"block_size": 64, "requests": [[1]]}]),                   # requests not objects
+    ("weka", [{"block_size": 64, "requests": [{"type": "subagent", "t": 0, "requests": 5}]}]),
+    ("mooncake", [{**_MOON, "hash_ids": [1.5, 2]}]),
+    ("mooncake", [{**_MOON, "hash_ids": ["1", "2"]}]),
+    ("mooncake", [{**_MOON, "hash_ids": [[1], [2]]}]),
+    ("mooncake", [{**_MOON, "hash_ids": 7}]),
+    ("mooncake", [{**_MOON, "hash_ids": [2**64, 1]}]),
+    ("canonical", [_CANON_HEAD, {**_CANON_ROW, "ids": [2**70, 1]}]),
+    ("canonical", [_CANON_HEAD, {**_CANON_ROW, "ids": [1.0, 2.0]}]),
+    ("canonical", [_CANON_HEAD, {**_CANON_ROW, "anchors": ["x"]}]),
+    ("canonical", [_CANON_HEAD, {**_CANON_ROW, "anchors": 5}]),
+    ("canonical", [_CANON_HEAD, {**_CANON_ROW, "tags": 5}]),
+    ("canonical", [_CANON_HEAD, {**_CANON_ROW, "parent": ["s"]}]),
+])
+def test_fuzzed_field_types_raise_trace_format_errors(tmp_path: Path, fmt: str,
+                                                      lines: list) -> None:
+    """Issue 13 fuzz: these raised AttributeError, ValueError, OverflowError or TypeError
+    (or loaded floats and strings as ids)."""
+    path = tmp_path / ("t.json" if fmt == "weka" else "t.jsonl")
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    with pytest.raises(TraceFormatError):
+        load(f"{fmt}:{path}")
+
+
+@pytest.mark.parametrize("loader", [load_mooncake, load_tracelab, load_canonical])
+def test_a_missing_or_unreadable_file_is_a_trace_format_error(tmp_path: Path, loader) -> None:
+    """Issue 13 fuzz: a loader given a directory or a missing file raised an OSError."""
+    for path in (tmp_path, tmp_path / "missing.jsonl"):
+        with pytest.raises(TraceFormatError, match="cannot read"):
+            loader(path)
+
+
+def test_request_ids_and_anchors_are_typed() -> None:
+    with pytest.raises(TraceFormatError):
+        Request(session="s", index=0, arrival_s=0.0, input_tokens=32, output_tokens=0,
+                block_size=16, block_ids=[1, 2], anchors=("3",))
+    with pytest.raises(TraceFormatError):
+        Request(session="s", index=0, arrival_s=0.0, input_tokens=32, output_tokens=0,
+                block_size=16, block_ids=np.array([1.0, 2.0]))
+    ok = Request(session="s", index=0, arrival_s=0.0, input_tokens=32, output_tokens=0,
+                 block_size=16, block_ids=[2**64 - 1, 1], anchors=(np.int64(3),))
+    assert ok.block_ids.tolist() == [2**64 - 1, 1] and ok.anchors == (3,)

@@ -114,6 +114,20 @@ def rw() -> Trace:
     return rewind(sessions=40, turns=40, rewind=0.08, truncate=0.08, compact=0.03, seed=5)
 
 
+@pytest.mark.parametrize("spec", [
+    "synthetic:agent?sessions=inf", "synthetic:agent?new=1e400", "synthetic:agent?gap=inf",
+    "synthetic:rewind?keep=nan", "synthetic:agent?sessions=999999999",
+    "synthetic:agent?new=99999999", "synthetic:rewind?long=1e7&turns=1000",
+    "synthetic:agent?seed=-1", "synthetic:rewind?seed=-1"])
+def test_a_spec_is_finite_and_bounded_before_generating(spec: str) -> None:
+    """Issue 13 fuzz: ``sessions=inf`` raised OverflowError, ``gap=inf`` was taken and a huge
+    spec generated without bound; each is a ConfigError before anything is generated."""
+    start = time.perf_counter()
+    with pytest.raises(ConfigError):
+        generate(spec)
+    assert time.perf_counter() - start < 1.0
+
+
 def test_rewind_counts_and_rates(rw: Trace) -> None:
     assert rw.n_requests == 40 * 40
     tags = rw.tag_counts()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import torch
 
 from hybridstore import (
     CapacityError,
+    InvalidArgumentError,
     ConfigError,
     DiskPathError,
     HybridStore,
@@ -30,6 +32,10 @@ from hybridstore import (
 B = 16
 RNG = np.random.default_rng(1234)
 TOKENS = RNG.integers(0, 150_000, 400).astype(np.int64)
+
+
+PAGE_BYTES = 2 * 2 * B * 4 * 8 * 2
+"""Bytes of one page of :func:`page_of`."""
 
 
 def page_of(seed: int) -> torch.Tensor:
@@ -213,6 +219,74 @@ class TestBadInputChangesNothing:
             assert store.stats()["pages"] == 0
             float_pages = [page_of(0).float(), page_of(1).float()]
             assert store.put_kv(TOKENS[:32], float_pages) == 2     # no layout was fixed
+
+    def test_a_plan_of_another_store_or_a_copy_is_not_live_here(self, tmp_path):
+        """Issue 13 fuzz: ``release(plan)`` with another store's plan of the same plan id
+        released this store's plan (and ``load`` read its pins as "in no tier")."""
+        with HybridStore(cfg(tmp_path, disk_path=None)) as a, \
+                HybridStore(cfg(tmp_path, disk_path=None, namespace="b")) as b:
+            pages, states = put_conversation(a, TOKENS[:32], [32])
+            put_conversation(b, TOKENS[:48], [48])
+            mine, theirs = a.match(TOKENS[:32]), b.match(TOKENS[:48])
+            assert mine.plan_id == theirs.plan_id
+            forged = dataclasses.replace(mine, position=16)
+            for plan in (theirs, forged):
+                with pytest.raises(PlanReleasedError):
+                    a.release(plan)
+                with pytest.raises(PlanReleasedError):
+                    a.load(plan)
+                with pytest.raises(PlanReleasedError):
+                    a.restore_cost(plan)
+            got, state = a.load(mine).result()               # still pinned, still whole
+            assert all(torch.equal(x, y) for x, y in zip(got, pages))
+            a.release(mine)
+            b.release(theirs)
+            assert a.index.check_refcounts() and b.index.check_refcounts()
+
+    def test_a_sized_put_on_a_byte_store_is_refused_before_anything_changes(self, tmp_path):
+        """Issue 13 fuzz: ``put_kv_sized`` on pages a byte store held changed their recorded
+        size (loads then read the wrong bytes), and took any ``nbytes`` (TypeError)."""
+        with HybridStore(cfg(tmp_path)) as store:
+            pages, states = put_conversation(store, TOKENS[:32], [32])
+            plan = store.match(TOKENS[:32])
+            cost = store.restore_cost(plan)
+            store.release(plan)
+            for call in (lambda: store.put_kv_sized(TOKENS[:32], nbytes=8),
+                         lambda: store.put_state_sized(TOKENS[:32], nbytes=8),
+                         lambda: store.put_kv_sized(TOKENS[:32], nbytes="8"),
+                         lambda: store.put_kv_sized(TOKENS[:32], nbytes=PAGE_BYTES,
+                                                    first_block=None)):
+                with pytest.raises(InvalidArgumentError):
+                    call()
+            plan = store.match(TOKENS[:32])
+            assert store.restore_cost(plan) == cost
+            store.release(plan)
+            assert_restored(store, TOKENS[:32], pages, states, 32)
+
+    def test_touching_held_pages_keeps_their_size(self):
+        """An accounting store: a second sized put of held pages does not resize them."""
+        from hybridstore.backends.accounting import AccountingTier
+
+        tiers = {"host": AccountingTier("host", 1 << 20, read_gbps=64)}
+        with HybridStore(StoreConfig(block_size=B), tiers=tiers) as store:
+            store.put_kv_sized(TOKENS[:32], nbytes=100)
+            store.put_kv_sized(TOKENS[:32], nbytes=300)
+            store.put_state_sized(TOKENS[:32], nbytes=50)
+            plan = store.match(TOKENS[:32])
+            assert store.restore_cost(plan)["host"][0] == 2 * 100 + 50
+            store.release(plan)
+
+    def test_a_tensor_without_data_is_refused_before_a_layout_is_fixed(self, tmp_path):
+        """Issue 13 fuzz: a meta-device state raised TypeError while being packed, after the
+        empty store had fixed its state layout from it."""
+        with HybridStore(cfg(tmp_path)) as store:
+            for bad in (torch.empty(4, 16, 16, device="meta"), torch.ones(4, 16).to_sparse()):
+                with pytest.raises(LayoutMismatchError):
+                    store.put_state(TOKENS[:16], {"gdn.0": bad})
+                with pytest.raises(LayoutMismatchError):
+                    store.put_kv(TOKENS[:16], bad)
+            pages, states = put_conversation(store, TOKENS[:32], [32])   # any layout still
+            assert_restored(store, TOKENS[:32], pages, states, 32)
 
     def test_nul_byte_in_disk_path_is_a_config_error(self, tmp_path):
         with pytest.raises(ConfigError, match="NUL"):

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from hybridstore import HybridStore, HybridStoreError, StoreConfig
 
 B = 16
 TOKENS = np.arange(4 * B)
 BAD = [None, "x", 1.5, -3, 10**30, [1, "a"], {"a": 1}, object(), np.zeros((2, 2)), b"abc",
-       True, float("nan"), [], np.array([-1]), (1, 2)]
+       True, float("nan"), [], np.array([-1]), (1, 2),
+       # found by the fuzz campaign (tests/reliability/fuzz.py): 0-d arrays, tensors without data
+       np.array(7), torch.empty(3, dtype=torch.int64, device="meta"),
+       torch.arange(3).to_sparse()]
 CALLS = {
     "put_kv.tokens": lambda s, p, v: s.put_kv(v, [np.zeros(256, np.uint8)]),
     "put_kv.pages": lambda s, p, v: s.put_kv(TOKENS[:B], v),

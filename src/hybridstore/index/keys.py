@@ -342,6 +342,9 @@ def _torch_to_numpy(t: Any, what: str) -> np.ndarray:
         raise InvalidTokensError(
             f"{what} must be an integer tensor, got dtype {t.dtype}; convert with "
             "tensor.to(torch.int64) if the values are whole ids")
+    if t.device.type == "meta" or t.layout != torch.strided:
+        raise InvalidTokensError(f"{what} must be a dense tensor with data, got a {t.layout} "
+                                 f"tensor on {t.device}")
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()

@@ -207,7 +207,9 @@ class HybridIndex:
         self._ckpts: dict[bytes, Checkpoint] = {}
         self._by_base: dict[int, list[Checkpoint]] = {}
         self._tree_roots: list[Checkpoint] = []
-        self._plans: dict[int, tuple[np.ndarray, bytes | None]] = {}   # plan -> (page ids, ckpt)
+        # plan id -> (page ids, ckpt, the plan itself: a plan of another index, or a copy,
+        # is not live here even when its id is)
+        self._plans: dict[int, tuple[np.ndarray, bytes | None, ResumePlan]] = {}
         self._plan_ids = itertools.count(1)
         self._clock = 0
         lo, hi = _split(root)
@@ -451,9 +453,9 @@ class HybridIndex:
                 f"blocks {first}..{stop - 1} are outside the prompt's {prompt.nblocks} blocks")
         ids = self._extend_path(prompt, stop)
         nids = ids[first:stop].copy()
-        if tier is not None:
+        if tier is not None:            # a touch keeps the size the page was stored with
             self._tiers[nids] |= TIER_BITS[tier]
-        self._nbytes[nids] = nbytes
+            self._nbytes[nids] = nbytes
         self._touch_path(ids[:stop], stop - first)
         bases = np.empty(len(nids), np.int64)
         bases[0] = ids[first - 1] if first > 0 else ROOT
@@ -867,21 +869,22 @@ class HybridIndex:
             ck.pins += 1
             ck.hits += 1
             ck.atime = t
-        self._plans[plan_id] = (pages, ck.key if ck else None)
         # Every page but the last is the prompt's own block; the last may be a cover.
         blob = (prompt.keys[first: first + n - 1].astype("<u8").tobytes()
                 + self.node_key(int(pages[-1]))) if n else b""
         pages.flags.writeable = False
-        return ResumePlan(position=position, length=prompt.length, page_blob=blob,
+        plan = ResumePlan(position=position, length=prompt.length, page_blob=blob,
                           state_key=ck.key if ck else None, plan_id=plan_id, block_size=B,
                           pages=pages, kv_tokens=min(walked * B, prompt.length), first_page=first)
+        self._plans[plan_id] = (pages, ck.key if ck else None, plan)
+        return plan
 
     def release(self, plan: ResumePlan) -> None:
         """Drop the pins of ``plan``; raises PlanReleasedError when done twice."""
-        entry = self._plans.pop(plan.plan_id, None)
-        if entry is None:
-            raise PlanReleasedError(f"plan {plan.plan_id} was already released; release each plan once")
-        arr, ckey = entry
+        if not self.is_live(plan):
+            raise PlanReleasedError(f"plan {plan.plan_id} was already released (or is not this "
+                                    "store's); release each plan once, to the store that made it")
+        arr, ckey, _ = self._plans.pop(plan.plan_id)
         if ckey is not None and ckey in self._ckpts:
             self._ckpts[ckey].pins -= 1
         if len(arr):
@@ -892,7 +895,9 @@ class HybridIndex:
                 self._collect_many(gone)
 
     def is_live(self, plan: ResumePlan) -> bool:
-        return plan.plan_id in self._plans
+        """Whether ``plan`` is a plan of this index not released yet (not a copy of one)."""
+        entry = self._plans.get(plan.plan_id)
+        return entry is not None and entry[2] is plan
 
     # -- inspection (policies read these; they never mutate) ------------------------
     def node_ids(self) -> np.ndarray:
@@ -968,7 +973,7 @@ class HybridIndex:
         for ck in self._ckpts.values():
             for nid in self._deps_of(ck):
                 deps[nid] += 1
-        for page_ids, _ in self._plans.values():
+        for page_ids, _, _ in self._plans.values():
             for nid in page_ids:
                 pins[nid] += 1
         return deps, pins

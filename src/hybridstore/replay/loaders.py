@@ -31,6 +31,7 @@ from hybridstore.replay.trace import (
     SessionBuilder,
     Trace,
     TraceFormatError,
+    _as_ids,
     salt_of,
     salted_ids,
 )
@@ -74,6 +75,8 @@ def _open_text(path: Path) -> Iterator[IO[str]]:
         raise TraceFormatError(f"{path}: not a UTF-8 text trace"
                                f"{' compressed with zstd' if path.name.endswith('.zst') else ''}"
                                f" ({type(e).__name__}: {e})") from e
+    except OSError as e:           # missing, a directory, unreadable
+        raise TraceFormatError(f"cannot read the trace file {path}: {e.strerror or e}") from e
 
 
 @contextlib.contextmanager
@@ -116,6 +119,13 @@ def _progress(items: list[Any], desc: str, progress: bool | None) -> Iterable[An
     return tqdm(items, desc=desc, unit="file", disable=not show, leave=False, file=sys.stderr)
 
 
+def _objects(value: Any, where: str, what: str) -> list[dict[str, Any]]:
+    """A JSON list of objects, else :class:`TraceFormatError`."""
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise TraceFormatError(f"{where}: {what} must be a list of JSON objects")
+    return value
+
+
 def _field(obj: dict[str, Any], key: str, where: str) -> Any:
     try:
         return obj[key]
@@ -145,6 +155,16 @@ def _count(value: Any, where: str, what: str, limit: int = MAX_TRACE_TOKENS) -> 
     if not 0 <= n <= limit:
         raise TraceFormatError(f"{where}: {what}={n} is outside 0..{limit}")
     return n
+
+
+def _ids(value: Any, where: str) -> np.ndarray:
+    """A trace's block ids (a JSON list of integers in [0, 2**64)) as a uint64 array."""
+    if not isinstance(value, list):
+        raise TraceFormatError(f"{where}: block ids must be a list of integers")
+    try:
+        return _as_ids(value)
+    except TraceFormatError as e:
+        raise TraceFormatError(f"{where}: {e}") from None
 
 
 def _seconds(value: Any, where: str, what: str) -> float:
@@ -228,8 +248,10 @@ def _prompt_anchors(entry: dict[str, Any]) -> tuple[int, ...]:
     return tuple(a for a in (tools, tools + system) if a > 0)
 
 
-def _weka_sessions(doc: dict[str, Any], path: Path) -> tuple[int, list[Session]]:
+def _weka_sessions(doc: Any, path: Path) -> tuple[int, list[Session]]:
     where = str(path)
+    if not isinstance(doc, dict):
+        raise TraceFormatError(f"{where}: a WEKA document is a JSON object")
     tid = str(doc.get("id") or _stem(path))
     bs = _block_size(_field(doc, "block_size", where), where)
     scope = doc.get("hash_id_scope", "local")
@@ -242,7 +264,7 @@ def _weka_sessions(doc: dict[str, Any], path: Path) -> tuple[int, list[Session]]
     def model_of(r: dict[str, Any]) -> str:
         return str(_field(r, "model", where))
 
-    requests = _field(doc, "requests", where)
+    requests = _objects(_field(doc, "requests", where), where, "requests")
     main = [r for r in requests if r.get("type") != "subagent"]
     sessions: list[Session] = []
     for sid, model, rows in _split_models(tid, main, model_of):
@@ -252,7 +274,8 @@ def _weka_sessions(doc: dict[str, Any], path: Path) -> tuple[int, list[Session]]
         if entry.get("type") != "subagent":
             continue
         agent = f"{tid}/{entry.get('agent_id') or len(sessions)}"
-        for sid, model, rows in _split_models(agent, _field(entry, "requests", where), model_of):
+        rows_of = _objects(_field(entry, "requests", where), where, "a sub-agent's requests")
+        for sid, model, rows in _split_models(agent, rows_of, model_of):
             b = SessionBuilder(sid, model, bs, parent=tid)
             sessions.append(_weka_stream(b, rows, _seconds(_field(entry, "t", where), where, "t"),
                                          salt_for,
@@ -352,7 +375,7 @@ def load_mooncake(path: PathLike, *, model: str = "kimi", block_size: int = 512,
     rows: list[tuple[float, int, int, list[int]]] = []
     for n, obj in _iter_jsonl(path):
         where = f"{path}:{n}"
-        ids = _field(obj, "hash_ids", where)
+        ids = _ids(_field(obj, "hash_ids", where), where).tolist()
         n_in = _count(_field(obj, "input_length", where), where, "input_length")
         if len(ids) != -(-n_in // block_size):
             raise TraceFormatError(f"{where}: {len(ids)} hash_ids for input_length {n_in}; "
@@ -520,6 +543,25 @@ def save_canonical(trace: Trace, path: PathLike) -> None:
                 prev_ids, prev_anchors = ids, r.anchors
 
 
+def _positions(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+            isinstance(a, int) and not isinstance(a, bool) for a in value):
+        raise TraceFormatError(f"{where}: anchors must be a list of whole numbers")
+    return tuple(value)
+
+
+def _strings(value: Any, where: str, what: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+        raise TraceFormatError(f"{where}: {what} must be a list of strings")
+    return value
+
+
+def _parent(value: Any, where: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TraceFormatError(f"{where}: parent must be a session id (a string) or null")
+    return value
+
+
 def _shared(a: Any, b: Any) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -561,10 +603,10 @@ def load_canonical(path: PathLike) -> Trace:
         if prev is None and (k or ak) or prev is not None and (
                 k > len(prev.block_ids) or ak > len(prev.anchors)):
             raise TraceFormatError(f"{where}: ids_keep/anchors_keep exceed the previous request")
-        ids = np.array(_field(obj, "ids", where), dtype=np.uint64)
+        ids = _ids(_field(obj, "ids", where), where)
         if k:
             ids = np.concatenate([prev.block_ids[:k], ids])
-        anchors = (prev.anchors[:ak] if ak else ()) + tuple(obj.get("anchors") or ())
+        anchors = (prev.anchors[:ak] if ak else ()) + _positions(obj.get("anchors") or [], where)
         if _count(_field(obj, "index", where), where, "index") != len(reqs):
             raise TraceFormatError(f"{where}: session {sid!r} expects request {len(reqs)} here")
         reqs.append(Request(session=sid, index=len(reqs), arrival_s=_seconds(_field(obj, "arrival_s", where),
@@ -576,8 +618,8 @@ def load_canonical(path: PathLike) -> Trace:
                             block_size=bs, block_ids=ids,
                             think_s=_seconds(obj.get("think_s"), where, "think_s"),
                             anchors=anchors,
-                            model=str(obj.get("model", "")), parent=obj.get("parent"),
-                            tags=tuple(obj.get("tags") or ())))
+                            model=str(obj.get("model", "")), parent=_parent(obj.get("parent"), where),
+                            tags=tuple(_strings(obj.get("tags") or [], where, "tags"))))
     return Trace(name=str(header.get("name") or _stem(path)), block_size=bs,
                  sessions=tuple(Session(id=sid, requests=tuple(rs), model=rs[0].model)
                                 for sid, rs in sessions.items()))

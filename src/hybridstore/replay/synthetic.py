@@ -28,6 +28,7 @@ does not change when ``sessions`` does.
 from __future__ import annotations
 
 import inspect
+import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -144,7 +145,7 @@ def agent(sessions: int = 24, turns: int = 16, new: int = 8192, out: int = 256,
     """
     _check(sessions=sessions >= 1, turns=turns >= 1, new=new >= 1, out=out >= 0,
            mutation=0.0 <= mutation <= 1.0, block=block >= 1, cut=cut >= 1, system=system >= 0,
-           gap=gap >= 0)
+           gap=gap >= 0, seed=seed >= 0)
     built = []
     for s in range(sessions):
         rng = np.random.default_rng([seed, s])
@@ -231,7 +232,7 @@ def rewind(sessions: int = 16, turns: int = 32, system: int = 2048, user: int = 
            tool_frac=0 <= tool_frac <= 1, out=out >= 0,
            rates=min(rewind, truncate, compact) >= 0 and rewind + truncate + compact <= 1,
            summary=summary >= 1, marker=marker >= 1, keep=0 < keep < 0.5, block=block >= 1,
-           gap=gap >= 0)
+           gap=gap >= 0, seed=seed >= 0)
     built = []
     for s in range(sessions):
         rng = np.random.default_rng([seed, s])
@@ -316,9 +317,32 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
         typ = type(params[k].default)
         try:
             kwargs[k] = typ(v) if typ is not int else int(float(v)) if "e" in v.lower() else int(v)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise ConfigError(f"synthetic:{name}: {k}={v!r} is not a {typ.__name__}") from None
+        if typ is float and not math.isfinite(kwargs[k]):
+            raise ConfigError(f"synthetic:{name}: {k}={v!r} is not finite")
+    _check_size(name, {**{k: p.default for k, p in params.items()}, **kwargs})
     return name, kwargs
+
+
+MAX_SYNTHETIC_IDS = 1 << 25
+"""The most block ids a synthetic trace may hold in all (256 MiB of them)."""
+
+
+def _check_size(name: str, kw: dict[str, Any]) -> None:
+    """Bound a spec's trace before generating it: every prompt at most
+    ``MAX_TRACE_TOKENS`` tokens, all prompts at most :data:`MAX_SYNTHETIC_IDS` block ids
+    (estimated from above: each turn grows a prompt by the largest size parameter)."""
+    from hybridstore.replay.loaders import MAX_TRACE_TOKENS
+
+    sizes = [v for k, v in kw.items() if isinstance(v, int) and not isinstance(v, bool)
+             and k not in ("sessions", "turns", "seed", "block")]
+    prompt = max(0, kw.get("system", 0)) + max(0, kw["turns"]) * max([0, *sizes])
+    requests = max(0, kw["sessions"]) * max(0, kw["turns"])
+    if prompt > MAX_TRACE_TOKENS or requests * prompt // max(1, kw["block"]) > MAX_SYNTHETIC_IDS:
+        raise ConfigError(f"synthetic:{name}: {requests} requests of up to {prompt} tokens is "
+                          f"too large (at most {MAX_TRACE_TOKENS} tokens a prompt and "
+                          f"{MAX_SYNTHETIC_IDS} block ids in all)")
 
 
 def generate(spec: str) -> Trace:

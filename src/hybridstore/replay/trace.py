@@ -97,13 +97,34 @@ def _as_ids(block_ids: Any) -> np.ndarray:
             and block_ids.ndim == 1 and not block_ids.flags.writeable):
         return block_ids
     try:
-        arr = np.array(block_ids, dtype=np.uint64)
+        if isinstance(block_ids, (list, tuple)):
+            # no floats, bools or strings (numpy would truncate or parse them)
+            if not all(type(x) is int or isinstance(x, np.integer) for x in block_ids):
+                raise TypeError("got values that are not integers")
+            arr = np.array(block_ids, dtype=np.uint64)   # raises for < 0 or >= 2**64
+        else:
+            raw = np.asarray(block_ids)
+            if raw.size and raw.dtype.kind not in "iu":
+                raise TypeError(f"got {raw.dtype} values")
+            if raw.dtype.kind == "i" and raw.size and raw.min() < 0:
+                raise ValueError("negative ids")
+            arr = raw.astype(np.uint64) if raw.size else np.zeros(raw.shape, np.uint64)
     except (TypeError, ValueError, OverflowError) as exc:
         raise TraceFormatError(f"block ids must be integers in [0, 2**64): {exc}") from exc
     if arr.ndim != 1:
         raise TraceFormatError(f"block ids must be 1-D, got shape {arr.shape}")
     arr.setflags(write=False)
     return arr
+
+
+def _positions(values: Any, what: str) -> tuple[int, ...]:
+    """Token positions as ints (a JSON list of integers), else :class:`TraceFormatError`."""
+    if isinstance(values, (str, bytes, dict)) or not isinstance(values, Iterable):
+        raise TraceFormatError(f"{what} must be a list of token positions, got {values!r:.40}")
+    out = tuple(values)
+    if not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in out):
+        raise TraceFormatError(f"{what} must be whole numbers, got {list(out)!r:.60}")
+    return tuple(int(a) for a in out)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -158,7 +179,7 @@ class Request:
     def __post_init__(self) -> None:
         ids = _as_ids(self.block_ids)
         object.__setattr__(self, "block_ids", ids)
-        object.__setattr__(self, "anchors", tuple(int(a) for a in self.anchors))
+        object.__setattr__(self, "anchors", _positions(self.anchors, "anchors"))
         object.__setattr__(self, "tags", tuple(str(t) for t in self.tags))
         where = f"request {self.session!r}#{self.index}"
         if self.block_size <= 0:

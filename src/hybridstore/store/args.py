@@ -56,9 +56,16 @@ def tier_names(value: Any, what: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def is_sequence(value: Any) -> bool:
+    """A list-like: a sequence or a numpy array of at least one dimension, not a str/bytes."""
+    if isinstance(value, np.ndarray):
+        return value.ndim > 0
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+
+
 def positions(value: Any, what: str) -> list[int]:
     """A sequence of token positions (ints >= 0)."""
-    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+    if not is_sequence(value):
         raise InvalidArgumentError(f"{what} must be a sequence of token positions, got "
                                    f"{type(value).__name__}")
     return [whole(v, f"{what}[{i}]") for i, v in enumerate(value)]
@@ -66,7 +73,7 @@ def positions(value: Any, what: str) -> list[int]:
 
 def key_list(value: Any, what: str) -> list[Any]:
     """A sequence of engine page hashes (each checked where it is hashed)."""
-    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+    if not is_sequence(value):
         raise InvalidArgumentError(f"{what} must be a sequence of page hashes (str or bytes), "
                                    f"got {type(value).__name__}")
     return list(value)

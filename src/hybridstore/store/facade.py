@@ -293,7 +293,7 @@ class HybridStore:
     def prefix_from_block_ids(self, block_ids: Sequence[int] | np.ndarray,
                               length: int | None = None) -> PrefixKeys:
         """A prompt given as already-hashed block ids (as traces carry them)."""
-        if not isinstance(block_ids, (Sequence, np.ndarray)) or isinstance(block_ids, (str, bytes)):
+        if not args.is_sequence(block_ids):
             raise InvalidTokensError(f"block_ids must be a sequence of ints, got "
                                      f"{type(block_ids).__name__}")
         return PrefixKeys.from_block_ids(block_ids, block_size=self.config.block_size,
@@ -427,6 +427,8 @@ class HybridStore:
                 prompt is recorded too.
         """
         prompt = self.prefix(tokens)
+        nbytes = args.whole(nbytes, "nbytes", low=1)
+        first_block = args.whole(first_block, "first_block")
         with self._lock:
             self._check_open()
             self._copies.drain()
@@ -482,6 +484,7 @@ class HybridStore:
     def put_state_sized(self, tokens: Any, *, nbytes: int, position: int | None = None) -> bool:
         """Record a checkpoint by size only (accounting tiers: the trace simulator)."""
         prompt = self.prefix(tokens)
+        nbytes = args.whole(nbytes, "nbytes", low=1)
         p = self._landing.state_position(prompt, args.optional_whole(position, "position"))
         with self._lock:
             self._check_open()

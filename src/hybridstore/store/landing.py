@@ -22,6 +22,7 @@ from hybridstore.backends.transfer import to_host_rows
 from hybridstore.errors import (
     CapacityError,
     HybridStoreError,
+    InvalidArgumentError,
     InvalidTokensError,
     MisalignedPageError,
     ObjectTooLargeError,
@@ -84,6 +85,8 @@ class Landing:
         ``pack(i, slot)`` writes page ``i`` (block ``first + i``) into one slot;
         ``scatter(i0, i1, slots)``, when given, writes pages ``i0..i1-1`` into the
         slots ``slots`` (the tier's ``stage_many``) at once."""
+        if pack is None:
+            self._sized_only()
         index = self.res.index
         stop = prompt.nblocks
         pos, stored = first, 0
@@ -204,6 +207,8 @@ class Landing:
     def put_state(self, prompt: PrefixKeys, p: int, nbytes: int,
                   pack: Callable[[np.ndarray], None] | None) -> bool:
         """Store the checkpoint at ``p``; False when the admission policy declines it."""
+        if pack is None:
+            self._sized_only()
         res = self.res
         key16 = prompt.key_at(p)
         assert key16 is not None
@@ -223,6 +228,13 @@ class Landing:
         return True
 
     # -- both -------------------------------------------------------------------------
+    def _sized_only(self) -> None:
+        """Refuse a put by size only (no bytes) unless the fastest tier keeps sizes only,
+        before anything is touched (objects already held would take the size given)."""
+        if self.res.tiers[self.res.chain[0]].stores_bytes:
+            raise InvalidArgumentError("sized puts (no bytes) need accounting tiers; pass the "
+                                       "tensors to put_kv / put_state")
+
     def layout(self, kind: ObjectKind, value: Any, what: str, more: Sequence[Any] = ()) -> Layout:
         """The store's layout of ``kind``, fixed by the first object put (and recorded in a
         durable tier); later objects must match it.
