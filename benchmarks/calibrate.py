@@ -29,26 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from hybridstore.adapters.cpu_shims import import_sglang
+from hybridstore.adapters.cpu_shims import SGLANG_CACHE_MODULES, import_sglang
 from hybridstore.replay.model_presets import model_preset
 from hybridstore.replay.sim import ReplayConfig, kv_footprint, merged_requests, replay
 from hybridstore.replay.tokens import session_tokens
 from hybridstore.replay.trace import Trace
 
-_MODULES = (
-    "sglang.srt.mem_cache.unified_radix_cache",
-    "sglang.srt.mem_cache.unified_cache.components.base",
-    "sglang.srt.mem_cache.allocator",
-    "sglang.srt.mem_cache.memory_pool",
-    "sglang.srt.mem_cache.cache_init_params",
-    "sglang.srt.mem_cache.events",
-    "sglang.srt.mem_cache.base_prefix_cache",
-    "sglang.srt.mem_cache.radix_cache",
-    "sglang.srt.server_args",
-    "sglang.srt.runtime_context",
-    "sglang.srt.configs.mamba_utils",
-    "sglang.srt.environ",
-)
 DEFAULT_PRESETS = ("sglang-hicache", "vllm-marconi", "histate")
 
 
@@ -63,7 +49,7 @@ class SGLangRadixCache:
     def __init__(self, kv_tokens: int, mamba_slots: int) -> None:
         import torch
 
-        m = import_sglang(_MODULES)
+        m = import_sglang(SGLANG_CACHE_MODULES)
         sa_mod = m["sglang.srt.server_args"]
         self._bpc = m["sglang.srt.mem_cache.base_prefix_cache"]
         self._radix = m["sglang.srt.mem_cache.radix_cache"]

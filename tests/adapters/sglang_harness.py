@@ -34,30 +34,11 @@ from typing import Any
 
 import torch
 
-from hybridstore.adapters.cpu_shims import import_sglang
+from hybridstore.adapters.cpu_shims import SGLANG_CACHE_MODULES, import_sglang
 
 os.environ.setdefault("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
 
-MODULES = (
-    "sglang.srt.mem_cache.unified_radix_cache",
-    "sglang.srt.mem_cache.unified_cache.components.base",
-    "sglang.srt.mem_cache.allocator",
-    "sglang.srt.mem_cache.memory_pool",
-    "sglang.srt.mem_cache.cache_init_params",
-    "sglang.srt.mem_cache.events",
-    "sglang.srt.mem_cache.base_prefix_cache",
-    "sglang.srt.mem_cache.radix_cache",
-    "sglang.srt.mem_cache.utils",
-    "sglang.srt.mem_cache.hicache_storage",
-    "sglang.srt.mem_cache.pool_host.common",
-    "sglang.srt.server_args",
-    "sglang.srt.runtime_context",
-    "sglang.srt.configs.mamba_utils",
-    "sglang.srt.environ",
-    "sglang.srt.mem_cache.storage.backend_factory",
-    # imported lazily by the assembler and the controller (they need the stubs too)
-    "sglang.srt.mem_cache.deepseek_v4_memory_pool",
-)
+MODULES = SGLANG_CACHE_MODULES
 
 
 class _Sgl:

@@ -8,24 +8,13 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-import torch
 
 from hybridstore import HybridStore, StoreConfig
+from tests.store.test_api import page_of, state_of  # the same deterministic bytes
 
 B = 16
 TOKENS = np.random.default_rng(77).integers(0, 150_000, 200).astype(np.int64)
 POSITIONS = (64, 100)          # a block end and a position inside block 6
-
-
-def page_of(seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(2, 2, B, 4, 8, generator=g).to(torch.bfloat16)
-
-
-def state_of(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"gdn.0": torch.randn(4, 16, 16, generator=g),
-            "conv.0": torch.randint(-5, 5, (4, 3), generator=g, dtype=torch.int32)}
 
 
 def config(url: str, secret: bytes, **kw: object) -> StoreConfig:

@@ -39,7 +39,31 @@ from typing import Any
 
 from hybridstore.errors import MissingExtraError
 
-__all__ = ["STUBBED_MODULES", "import_sglang", "stubbed_modules"]
+__all__ = ["SGLANG_CACHE_MODULES", "STUBBED_MODULES", "import_sglang", "stubbed_modules"]
+
+SGLANG_CACHE_MODULES = (
+    "sglang.srt.mem_cache.unified_radix_cache",
+    "sglang.srt.mem_cache.unified_cache.components.base",
+    "sglang.srt.mem_cache.allocator",
+    "sglang.srt.mem_cache.memory_pool",
+    "sglang.srt.mem_cache.cache_init_params",
+    "sglang.srt.mem_cache.events",
+    "sglang.srt.mem_cache.base_prefix_cache",
+    "sglang.srt.mem_cache.radix_cache",
+    "sglang.srt.mem_cache.utils",
+    "sglang.srt.mem_cache.hicache_storage",
+    "sglang.srt.mem_cache.pool_host.common",
+    "sglang.srt.server_args",
+    "sglang.srt.runtime_context",
+    "sglang.srt.configs.mamba_utils",
+    "sglang.srt.environ",
+    "sglang.srt.mem_cache.storage.backend_factory",
+    # imported lazily by the assembler and the controller (they need the stubs too)
+    "sglang.srt.mem_cache.deepseek_v4_memory_pool",
+)
+"""SGLang 0.5.23's radix cache, pools, HiCache controller and their configuration: what
+the tests' engine harness and ``python -m benchmarks calibrate`` build a real
+``UnifiedRadixCache`` from, on CPU."""
 
 STUBBED_MODULES = ("triton", "torchvision")
 """Top-level modules served by SGLang's stub while :func:`import_sglang` imports, if absent."""

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from hybridstore.backends.remote.staging import Staging
-from hybridstore.remote_url import RemoteSpec
 from hybridstore.errors import BackendIOError, ConfigError, MissingExtraError
+from hybridstore.remote_url import RemoteSpec
 
 log = logging.getLogger("hybridstore.remote")
 

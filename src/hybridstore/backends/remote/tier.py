@@ -36,7 +36,6 @@ from hybridstore.backends.remote.client import (
     MooncakeClient,
     RemoteDown,
 )
-from hybridstore.remote_url import RemoteSpec, parse_remote
 from hybridstore.errors import (
     BackendIOError,
     CapacityError,
@@ -44,6 +43,7 @@ from hybridstore.errors import (
     ObjectTooLargeError,
 )
 from hybridstore.objects import ObjectKey, byte_view
+from hybridstore.remote_url import RemoteSpec, parse_remote
 
 _SLOT = 4096
 
@@ -219,12 +219,7 @@ class MooncakeTier(ObjectTable):
     def get(self, key: ObjectKey) -> np.ndarray:
         self._check_open()
         with self._keylock(key):           # its size and bytes from one version of it
-            n = self.nbytes(key)
-            if n is None:
-                raise KeyError(key)
-            out = np.empty(n, dtype=np.uint8)
-            self.get_into(key, out).result()
-        return out
+            return super().get(key)
 
     def get_into(self, key: ObjectKey, out: Any) -> Future:
         self._check_open()
