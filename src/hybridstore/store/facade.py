@@ -199,8 +199,7 @@ class HybridStore:
         given = self.config.hash_secret
         positions = self.config.block_size
         if disk is None:
-            return hashing.HashKey(given, positions) if given is not None else \
-                hashing.HashKey.generate(positions)
+            return self._new_hash_key()
         recorded = disk.get_info(SECRET_INFO)
         damaged = recorded is not None and not 16 <= len(recorded) <= 64
         if damaged or (recorded is None and disk.get_info(NAMESPACE_INFO)):
@@ -213,8 +212,7 @@ class HybridStore:
             disk.put_info(NAMESPACE_INFO, b"")
             recorded = None
         if recorded is None:
-            key = hashing.HashKey(given, positions) if given is not None else \
-                hashing.HashKey.generate(positions)
+            key = self._new_hash_key()
             disk.put_info(SECRET_INFO, key.secret)
             return key
         if given is not None and given != recorded:
@@ -223,6 +221,12 @@ class HybridStore:
                 "secret; open it without hash_secret (it keeps its own) or give this store "
                 "its own disk_path")
         return hashing.HashKey(recorded, positions)
+
+    def _new_hash_key(self) -> hashing.HashKey:
+        """A key under ``config.hash_secret``, or under a fresh secret when none is given."""
+        given, positions = self.config.hash_secret, self.config.block_size
+        return hashing.HashKey(given, positions) if given is not None else \
+            hashing.HashKey.generate(positions)
 
     def _claim(self, disk: Tier) -> None:
         """Record this store's namespace in a new disk directory; refuse another's."""
