@@ -14,6 +14,7 @@ variable                           field                      example
 ``HYBRIDSTORE_POLICY``             ``policy``                 ``lru``
 ``HYBRIDSTORE_TIER_POLICY``        ``tier_policy``            ``write-through``
 ``HYBRIDSTORE_DISK_ENGINE``        ``disk_engine``            ``auto``
+``HYBRIDSTORE_DISK_SHARED``        ``disk_shared``            ``1``
 ``HYBRIDSTORE_IO_THREADS``         ``io_threads``             ``8``
 ``HYBRIDSTORE_HASH_SECRET``        ``hash_secret``            (64 hex digits)
 ``KVIKIO_AUTO_DIRECT_IO_READ``,    ``kvikio_keep``            (set: kvikio's own)
@@ -50,7 +51,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "device_bytes": (int,), "policy": (str,), "checkpoint_policy": (str,), "tier_policy": (str,),
     "disk_engine": (str,), "disk_segment_bytes": (int,), "io_threads": (int,),
     "pin_host_memory": (bool,), "h2d_gbps": (int, float), "ssd_gbps": (int, float),
-    "verify_checksums": (bool,), "remote_bytes": (int,)}
+    "verify_checksums": (bool,), "remote_bytes": (int,), "disk_shared": (bool,)}
 """The type of each scalar field (``disk_path``, ``kvikio_keep``, ``hash_secret`` and
 ``remote`` are checked apart)."""
 
@@ -82,6 +83,13 @@ class StoreConfig:
             mode), ``"posix"`` (O_DIRECT + a thread pool), or ``"auto"``
             (kvikio when a CUDA driver is present, POSIX otherwise).
         disk_segment_bytes: size of one segment file of the disk tier.
+        disk_shared: share ``disk_path`` with the other processes that open it with
+            ``disk_shared=True`` (engine processes on one host: vLLM's scheduler
+            and workers, SGLang's ranks, several replicas): each sees what the
+            others made durable, ``disk_bytes`` bounds them together, and one at a
+            time evicts (docs/design.md, "Several processes").  ``False``, the
+            default: the directory is this store's alone (a second store gets
+            ``DiskPathError``).
         io_threads: threads of the disk tier's I/O pool.
         pin_host_memory: page-lock the host pool through torch when a GPU is
             present.
@@ -118,6 +126,7 @@ class StoreConfig:
     tier_policy: str = "write-through"
     disk_engine: str = "auto"
     disk_segment_bytes: int = 256 << 20
+    disk_shared: bool = False
     io_threads: int = 8
     pin_host_memory: bool = True
     h2d_gbps: float = 64.0

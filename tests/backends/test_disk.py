@@ -434,7 +434,7 @@ def test_killed_before_commit_leaves_no_object(tmp_path: Path) -> None:
         from hybridstore.backends.disk import DiskTier
         tier = DiskTier({str(path)!r}, 64 << 20, engine={ENGINE!r}, segment_bytes=4 << 20)
         tier.put(b"A" * 17, np.full(10_000, 1, np.uint8), nbytes=10_000).result()
-        def die(self, items):
+        def die(self, items, **kw):
             os.kill(os.getpid(), signal.SIGKILL)
         catalog.Catalog.put_many = die
         # 5 MiB > segment_bytes: written into a dedicated segment file of its own

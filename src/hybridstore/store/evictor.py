@@ -19,6 +19,7 @@ constructing an :class:`Evictor` binds it to them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import TypeVar
 
 import numpy as np
@@ -78,6 +79,9 @@ class Evictor:
         self.evictions = 0
         """Objects evicted so far (a page or a checkpoint leaving one tier)."""
         self._rankings: dict[tuple[str, ObjectKind | None], tuple[_Victims, int]] = {}
+        self.leases: dict[str, Callable[[], AbstractContextManager[None]]] = {}
+        """Per tier, what must be held to evict from it: a disk tier shared by several
+        processes is evicted from by one at a time (``store/shared.py``)."""
         copies.room = self
 
     # -- room -------------------------------------------------------------------------
@@ -88,6 +92,13 @@ class Evictor:
             ObjectTooLargeError: ``need`` exceeds the whole tier.
             CapacityError: what is left is pinned or needed.
         """
+        lease = self.leases.get(tier)
+        if lease is None:
+            return self._make_room(tier, need, kind)
+        with lease():
+            return self._make_room(tier, need, kind)
+
+    def _make_room(self, tier: str, need: int, kind: ObjectKind | None) -> None:
         res = self.res
         t = res.tiers[tier]
         if need > t.capacity_bytes:
@@ -131,14 +142,23 @@ class Evictor:
         free bytes in total may still refuse a slot: free more and try again.
         """
         t = self.res.tiers[tier]
-        for round_ in range(1, 6):
+        lease = self.leases.get(tier)
+        rounds = 5 if lease is None else 3
+        for round_ in range(1, rounds + 1):
             try:
                 return attempt()
             except ObjectTooLargeError:
                 raise
             except CapacityError:
-                if round_ == 5:
+                if round_ == rounds:
                     raise
+                if lease is not None:
+                    # a shared tier: the room others' deletions made comes back once their
+                    # owners take it back; evict no more than a policy step
+                    with lease():
+                        self.copies.drain()
+                        self.evict(tier, t.charge(nbytes) + t.capacity_bytes // 16)
+                    continue
                 self.copies.drain()
                 # the last round frees whatever the policy and pins allow: a put refused
                 # for fragmentation costs more than an over-eager eviction

@@ -28,6 +28,7 @@ The facade holds the lock and the counters and delegates to the layers of
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -52,11 +53,10 @@ from hybridstore.errors import (
     UnknownTierError,
 )
 from hybridstore.index import keys as hashing
-from hybridstore.index import meta
 from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import HybridIndex, ResumePlan
 from hybridstore.layout import Layout, batch_row, batch_rows
-from hybridstore.objects import TIER_BITS, ObjectKind, key_kind
+from hybridstore.objects import TIER_BITS, ObjectKey, ObjectKind
 from hybridstore.policy import admission_policy, eviction_policy
 from hybridstore.policy.base import AdmissionPolicy, EvictionPolicy, PlacementPolicy
 from hybridstore.policy.placement import RequestEnd
@@ -68,6 +68,7 @@ from hybridstore.store.landing import LAYOUT_INFO, Landing
 from hybridstore.store.loader import Loader
 from hybridstore.store.remote import RemoteSync, open_remote
 from hybridstore.store.residency import Residency
+from hybridstore.store.shared import DiskFollower, adopt_entries
 
 log = logging.getLogger("hybridstore.store")
 
@@ -119,8 +120,13 @@ class HybridStore:
             if name not in TIER_BITS:
                 raise UnknownTierError(f"unknown tier {name!r}; tiers are {list(TIER_BITS)}")
         disk = self.tiers["disk"] if "disk" in self.tiers and self.tiers["disk"].durable else None
+        shared = getattr(disk, "shared", None)
+        opening = shared.evict_lease() if shared is not None else contextlib.nullcontext()
         try:
-            self._hash_key = self._keying(disk)
+            with opening:          # processes opening one shared directory agree on its key
+                self._hash_key = self._keying(disk)
+                if disk is not None:
+                    self._claim(disk, self._hash_key.root(cfg.namespace))
         except BaseException:
             for tier in self.tiers.values():
                 tier.close()
@@ -137,6 +143,10 @@ class HybridStore:
         self._loader = Loader(res, self._layouts, self._lock)
         self._remote = RemoteSync(res, self._layouts, self._copies.pending) \
             if "remote" in self.tiers and self.tiers["remote"].stores_bytes else None
+        self._follower = DiskFollower(res, self._layouts, str(cfg.disk_path)) \
+            if shared is not None else None
+        if self._follower is not None:
+            self._evictor.leases["disk"] = self._follower.lease
         if self._remote is not None:
             self._copies.remote_gate = self._remote.worth_sending
         self._admission.bind(free_bytes=lambda: res.room(res.chain[0], ObjectKind.STATE),
@@ -144,12 +154,6 @@ class HybridStore:
         self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hybridstore-load")
         self._counters = {"matches": 0, "hit_tokens": 0, "query_tokens": 0, "loads": 0}
         if disk is not None:
-            try:
-                self._claim(disk)
-            except BaseException:
-                for tier in self.tiers.values():
-                    tier.close()
-                raise
             self._reopen()
 
     # -- construction ---------------------------------------------------------------
@@ -173,7 +177,8 @@ class HybridStore:
                                          segment_bytes=cfg.disk_segment_bytes,
                                          io_threads=cfg.io_threads, ssd_gbps=cfg.ssd_gbps,
                                          h2d_gbps=cfg.h2d_gbps,
-                                         verify_checksums=cfg.verify_checksums)
+                                         verify_checksums=cfg.verify_checksums,
+                                         shared=cfg.disk_shared)
             except BaseException:
                 tiers["host"].close()
                 raise
@@ -228,12 +233,12 @@ class HybridStore:
         return hashing.HashKey(given, positions) if given is not None else \
             hashing.HashKey.generate(positions)
 
-    def _claim(self, disk: Tier) -> None:
+    def _claim(self, disk: Tier, root: bytes) -> None:
         """Record this store's namespace in a new disk directory; refuse another's."""
         recorded = disk.get_info(NAMESPACE_INFO)
         if not recorded:
-            disk.put_info(NAMESPACE_INFO, self._root)
-        elif recorded != self._root:
+            disk.put_info(NAMESPACE_INFO, root)
+        elif recorded != root:
             raise NamespaceError(
                 f"the disk tier at {self.config.disk_path!r} belongs to another namespace; "
                 "open it with the namespace that created it, or give this one its own disk_path")
@@ -257,31 +262,19 @@ class HybridStore:
                                 "every %s object", self.config.disk_path, kind.name.lower(), e,
                                 kind.name.lower())
                     lost.add(kind)
-        states = []
-        damaged = []
-        for key, nbytes, blob in disk.entries():
-            try:
-                info = meta.decode(blob)
-            except CatalogError as e:
-                log.warning("disk tier %s: dropping object %s: %s", self.config.disk_path,
-                            key.hex(), e)
-                damaged.append(key)
-                continue
-            kind = ObjectKind.PAGE if isinstance(info, meta.PageMeta) else ObjectKind.STATE
-            if kind in lost or key_kind(key) != kind:
-                damaged.append(key)
-                continue
-            if isinstance(info, meta.PageMeta):
-                self.index.restore_page(key[1:], info.block, info.ntok, info.parent_key, "disk", nbytes)
-                self._res.added("disk", ObjectKind.PAGE, 1, disk.charge(nbytes))
-            else:
-                states.append((key, nbytes, info))
-        for key, nbytes, state in states:
-            self.index.restore_checkpoint(key[1:], state.position, state.base_key, state.covers,
-                                          "disk", nbytes)
-            self._res.added("disk", ObjectKind.STATE, 1, disk.charge(nbytes))
+        damaged = adopt_entries(self._res, disk.entries(), lost, str(self.config.disk_path))
         if damaged:
-            disk.delete_many(damaged)
+            disk.delete_many([ObjectKey(k) for k in damaged])
+
+    def _refresh(self, prompt: PrefixKeys | None = None) -> None:
+        """Before a call reads or lands objects (under the store lock): settle finished
+        copies, take in what the processes sharing the disk directory changed, and ask the
+        remote tier about ``prompt``."""
+        self._copies.drain()
+        if self._follower is not None:
+            self._follower.pull()
+        if prompt is not None and self._remote is not None:
+            self._remote.sync(prompt)
 
     # -- keys -------------------------------------------------------------------------
     def prefix(self, tokens: Any) -> PrefixKeys:
@@ -373,7 +366,7 @@ class HybridStore:
         first = self._landing.first_block(prompt, len(batch))
         with self._lock:
             self._check_open()
-            self._copies.drain()
+            self._refresh()
             layout = self._landing.layout(ObjectKind.PAGE, batch[0], "page", batch[1:])
             return self._landing.put_pages(prompt, first, layout.nbytes,
                                            lambda i, slot: layout.pack_into(batch[i], slot))
@@ -414,7 +407,7 @@ class HybridStore:
         first = self._landing.first_block(prompt, n)
         with self._lock:
             self._check_open()
-            self._copies.drain()
+            self._refresh()
             layout = self._landing.layout(ObjectKind.PAGE, batch_row(batch, 0), "page")
             scatter = self._landing.batch_scatter(layout.batch_targets(batch, n))
             return self._landing.put_pages(
@@ -435,7 +428,7 @@ class HybridStore:
         first_block = args.whole(first_block, "first_block")
         with self._lock:
             self._check_open()
-            self._copies.drain()
+            self._refresh()
             return self._landing.put_pages(prompt, first_block, nbytes, None)
 
     def put_kv_page(self, tokens: Any, page: Any, *, end: int) -> int:
@@ -480,7 +473,7 @@ class HybridStore:
         p = self._landing.state_position(prompt, args.optional_whole(position, "position"))
         with self._lock:
             self._check_open()
-            self._copies.drain()
+            self._refresh()
             layout = self._landing.layout(ObjectKind.STATE, state, "state")
             return self._landing.put_state(prompt, p, layout.nbytes,
                                            lambda slot: layout.pack_into(state, slot))
@@ -492,7 +485,7 @@ class HybridStore:
         p = self._landing.state_position(prompt, args.optional_whole(position, "position"))
         with self._lock:
             self._check_open()
-            self._copies.drain()
+            self._refresh()
             return self._landing.put_state(prompt, p, nbytes, None)
 
     # -- match / load / release ---------------------------------------------------------
@@ -508,9 +501,7 @@ class HybridStore:
         max_position = args.optional_whole(max_position, "max_position")
         with self._lock:
             self._check_open()
-            self._copies.drain()
-            if self._remote is not None:
-                self._remote.sync(prompt)
+            self._refresh(prompt)
             plan = self.index.match(prompt, max_position)
             if plan.state_key is not None:
                 ck = self.index.checkpoint(plan.state_key)
@@ -543,9 +534,7 @@ class HybridStore:
         end = prompt.nblocks if stop is None else min(stop, prompt.nblocks)
         with self._lock:
             self._check_open()
-            self._copies.drain()
-            if self._remote is not None:
-                self._remote.sync(prompt)
+            self._refresh(prompt)
             plan = self.index.pin_pages(prompt, first, max(end, first))
             self._counters["matches"] += 1
             return plan
@@ -555,9 +544,7 @@ class HybridStore:
         prompt = self.prefix(tokens)
         with self._lock:
             self._check_open()
-            self._copies.drain()
-            if self._remote is not None:
-                self._remote.sync(prompt)
+            self._refresh(prompt)
             return self.index.held_run(prompt)
 
     def restorable(self, tokens: Any, *, max_position: int | None = None) -> list[int]:
@@ -571,9 +558,7 @@ class HybridStore:
         max_position = args.optional_whole(max_position, "max_position")
         with self._lock:
             self._check_open()
-            self._copies.drain()
-            if self._remote is not None:
-                self._remote.sync(prompt)
+            self._refresh(prompt)
             return self.index.restorable(prompt, max_position)
 
     def release(self, plan: ResumePlan) -> None:
@@ -669,7 +654,7 @@ class HybridStore:
         tier = args.tier_name(tier, list(self.tiers))
         with self._lock:
             self._check_open()
-            self._copies.drain()
+            self._refresh()
             return self._evictor.evict(tier, nbytes)
 
     # -- engine helpers -------------------------------------------------------------
@@ -689,7 +674,7 @@ class HybridStore:
     def stats(self) -> dict[str, Any]:
         """Counters of the index, each tier and the store's calls."""
         with self._lock:
-            self._copies.drain()
+            self._refresh()
             out: dict[str, Any] = dict(self._counters)
             out["evictions"] = self._evictor.evictions
             out["corrupt"] = self._loader.corrupt

@@ -241,8 +241,16 @@ class Loader:
                     bufs.append(None)
                 self.loaded_bytes[src] += layout.nbytes
             for name, idx in reads.items():
-                waits.append((name, idx, tiers[name].read_many_into(
-                    [jobs[i][0] for i in idx], arena, [offsets[i] for i in idx])))
+                okeys = [jobs[i][0] for i in idx]
+                try:
+                    waits.append((name, idx, tiers[name].read_many_into(
+                        okeys, arena, [offsets[i] for i in idx])))
+                except KeyError as e:         # another process sharing the tier evicted it
+                    self._forget_dropped(name, okeys)
+                    raise CorruptObjectError(f"object {bytes(e.args[0]).hex()} of the plan left "
+                                             f"the {name} tier before it was read (evicted by "
+                                             "another process that shares it); match again",
+                                             key=e.args[0]) from e
             for name, idx, fut in waits:
                 try:
                     fut.result()

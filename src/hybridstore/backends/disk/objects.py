@@ -25,6 +25,7 @@ from hybridstore.errors import BackendIOError, DiskFullError
 from hybridstore.objects import OBJECT_KEY_BYTES, ObjectKey
 
 if TYPE_CHECKING:
+    from hybridstore.backends.disk.shared import SharedDirectory
     from hybridstore.backends.engines import Engine
 
 LOCK_NAME = "LOCK"
@@ -43,10 +44,16 @@ def segment_name(segment: int) -> str:
 
 @dataclass(slots=True)
 class _Object:
-    """A visible (committed) object: where it lives and its catalog record."""
+    """A visible (committed) object: where it lives and its catalog record.
+
+    ``extent.arena`` is the segment id (a shared directory's global id); ``seq`` is
+    the change-log sequence number that made it visible (0: from the snapshot at open,
+    or a tier that does not share its directory).
+    """
 
     extent: Extent
     record: CatalogRecord
+    seq: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -82,6 +89,10 @@ class _TierState:
     _counters: dict[str, int]
     _alloc: SlabAllocator
     _jobs: ThreadPoolExecutor
+    _shared: SharedDirectory | None
+    _base: int
+    _view: int
+    _foreign_used: int
     _commits: queue.SimpleQueue[Any]
 
     if TYPE_CHECKING:
@@ -100,7 +111,23 @@ class _TierState:
 
         def _check_open(self) -> None: ...
 
-        def _release(self, extent: Extent) -> None: ...
+        def _release(self, extent: Extent, seq: int | None = None) -> None: ...
+
+        def _own(self, extent: Extent) -> Extent: ...
+
+        def _local(self, extent: Extent) -> Extent: ...
+
+        def _file(self, segment: int) -> Any: ...
+
+        def _log(self) -> int | None: ...
+
+        def sync(self) -> None: ...
+
+        def _reclaim(self) -> None: ...
+
+        def _enter_read(self) -> int: ...
+
+        def _leave_read(self, view: int) -> None: ...
 
         def _unpin(self, extent: Extent) -> None: ...
 

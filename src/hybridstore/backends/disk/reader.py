@@ -57,19 +57,31 @@ class _ReadPath(_TierState):
             CorruptObjectError: (from the future) it failed its checksum or cannot be read,
                 even when read again; it is dropped.
         """
+        return self._get_into(key, lambda n: out)[0]
+
+    def _get_into(self, key: ObjectKey, make_out: Callable[[int], Any]) -> tuple[Future, Any]:
+        """:meth:`get_into` of the object visible now into ``make_out(its nbytes)``."""
         self._check_open()
         key = _check_key(key)
-        with self._lock:
-            obj = self._objects.get(key)
-            if obj is None:
-                raise KeyError(key)
-            target = _ReadTarget.of(out, obj.record.length)
-            self._pins[obj.extent] = self._pins.get(obj.extent, 0) + 1
+        view = self._enter_read()
         try:
-            return self._jobs.submit(self._read_job, key, obj, target)
+            with self._lock:
+                obj = self._objects.get(key)
+                if obj is None:
+                    raise KeyError(key)
+                out = make_out(obj.record.length)
+                target = _ReadTarget.of(out, obj.record.length)
+                self._pins[obj.extent] = self._pins.get(obj.extent, 0) + 1
+            try:
+                fut = self._jobs.submit(self._read_job, key, obj, target)
+            except BaseException:
+                self._unpin(obj.extent)
+                raise
         except BaseException:
-            self._unpin(obj.extent)
+            self._leave_read(view)
             raise
+        fut.add_done_callback(lambda _: self._leave_read(view))
+        return fut, out
 
     def slot_bytes(self, nbytes: int) -> int:
         """Bytes the slot of an ``nbytes`` object spans in its segment file (the spacing at
@@ -107,6 +119,17 @@ class _ReadPath(_TierState):
         self._check_open()
         if len(keys) != len(offsets):
             raise ValueError("keys and offsets must have one length")
+        view = self._enter_read()
+        try:
+            fut = self._read_many(keys, dst, offsets)
+        except BaseException:
+            self._leave_read(view)
+            raise
+        fut.add_done_callback(lambda _: self._leave_read(view))
+        return fut
+
+    def _read_many(self, keys: Sequence[ObjectKey], dst: np.ndarray,
+                   offsets: Sequence[int]) -> Future:
         with self._lock:
             found = [self._objects.get(_check_key(key)) for key in keys]
             for key, obj in zip(keys, found):
@@ -154,7 +177,7 @@ class _ReadPath(_TierState):
         error: BaseException | None = None
         got_bytes = 0
         try:
-            file = self._files[first.segment]
+            file = self._file(first.segment)
             try:
                 self.engine.read(file, dst[offsets[0]:offsets[0] + span], span, first.offset)
                 failed: BackendIOError | None = None
@@ -190,18 +213,17 @@ class _ReadPath(_TierState):
             group.done(got_bytes, error)
 
     def get(self, key: ObjectKey) -> np.ndarray:
-        n = self.nbytes(key)
-        if n is None:
-            raise KeyError(key)
-        out = aligned_empty(n)  # aligned: O_DIRECT reads land in place, no bounce
-        self.get_into(key, out).result()
-        return out
+        # aligned: O_DIRECT reads land in place, no bounce; sized by the object read (one
+        # replaced meanwhile by another size is read whole, never cut or padded)
+        fut, out = self._get_into(key, aligned_empty)
+        fut.result()
+        return cast("np.ndarray", out)
 
     # -- read path ----------------------------------------------------------------
     def _read_job(self, key: bytes, obj: _Object, target: _ReadTarget) -> int:
         rec = obj.record
         try:
-            file = self._files[rec.segment]
+            file = self._file(rec.segment)
 
             def read() -> int:
                 got = target.read(self.engine, file, rec.offset, rec.length, self._verify)
@@ -266,18 +288,21 @@ class _ReadPath(_TierState):
         with self._catalog_lock:
             with self._lock:
                 current = self._objects.get(key) is obj
+            seq = 0
             if current:
                 try:
-                    self.catalog.delete(key)
+                    seq = self.catalog.delete_record(key, rec, log=self._log())
                     forgotten = True
                 except CatalogError as e:    # e.g. a full file system: the record stays,
                     forgotten = False        # and so must its slot (a reopen checks it again)
                     log.warning("disk tier %s: could not delete the record of the damaged object "
                                 "%s: %s", self.path, key.hex(), e)
+                if seq < 0:     # another process replaced or deleted it: sync() follows that
+                    return
                 with self._lock:
                     del self._objects[key]
                     if forgotten:
-                        self._release(obj.extent)
+                        self._release(obj.extent, seq)
                     self._counters["corrupt_dropped"] += 1
         log.warning("disk tier %s: object %s (%d bytes at %s offset %d) %s; dropped it from "
                     "the catalog", self.path, key.hex(), rec.length, segment_name(rec.segment),

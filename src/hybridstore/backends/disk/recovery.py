@@ -1,8 +1,11 @@
 """Opening a disk tier: the directory lock, the segment geometry, recovery from the catalog.
 
 The catalog is the truth.  Every entry whose segment file exists and is long
-enough is reserved in a fresh allocator and visible again; others are dropped
-with a logged reason.  Segment files no surviving entry uses are removed.
+enough is visible again, and reserved in a fresh allocator when its segment is
+this process's (in a shared directory, the segments of its slot; the others'
+objects are visible, their space is their owners'); others are dropped with a
+logged reason.  This process's segment files that no surviving entry uses are
+removed, and the catalog's record of segments is brought in line with the files.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import xxhash
 from hybridstore.backends.alloc import Extent
 from hybridstore.backends.catalog import CatalogRecord
 from hybridstore.backends.disk.objects import LOCK_NAME, _Object, _TierState
+from hybridstore.backends.disk.shared import SLOT_BITS, slot_of
 from hybridstore.backends.engines import ALIGN
 from hybridstore.errors import CapacityError, DiskPathError
 from hybridstore.objects import OBJECT_KEY_BYTES
@@ -53,19 +57,25 @@ class _Recovery(_TierState):
         """Make every sound catalog entry visible again; drop the rest with a reason."""
         dropped: list[bytes] = []
         damaged: list[tuple[bytes, str]] = []
-        checked = [(key, rec, self._check_record(key, rec))
-                   for key, rec in self.catalog.items(damaged)]
+        self._view, items = self.catalog.snapshot(damaged)
+        if self._shared is not None:
+            self._shared.applied(self._view)
+        me = self._base >> SLOT_BITS
+        checked = [(key, rec, self._check_record(key, rec)) for key, rec in items]
         claims = self._overlapping([(key, rec) for key, rec, reason in checked if reason is None])
         for key, rec, reason in checked:
             reason = reason or claims.get(key)
             if reason is None:
                 extent = Extent(rec.segment, rec.offset, rec.slot_length)
                 try:
-                    self._alloc.reserve(extent)
+                    if slot_of(rec.segment) == me:
+                        self._alloc.reserve(self._local(extent))
                 except (ValueError, CapacityError) as e:
                     reason = f"its extent cannot be reserved ({e})"
                 else:
                     self._objects[key] = _Object(extent, rec)
+                    if slot_of(rec.segment) != me:
+                        self._foreign_used += rec.slot_length
             if reason is not None:
                 log.warning("disk tier %s: dropping object %s from the catalog: %s",
                             self.path, key.hex(), reason)
@@ -74,10 +84,11 @@ class _Recovery(_TierState):
             log.warning("disk tier %s: dropping object %s from the catalog: its record is "
                         "damaged (%s)", self.path, key.hex(), reason)
             dropped.append(key)
-        self.catalog.delete_many(dropped)
+        self.catalog.remove(dropped, log=self._log())
         self._counters["recovered_objects"] = len(self._objects)
         self._counters["recovery_dropped"] = len(dropped)
         self._remove_orphan_segments()
+        self._reconcile_segments()
 
     def _overlapping(self, records: list[tuple[bytes, CatalogRecord]]) -> dict[bytes, str]:
         """Records whose slots overlap (a damaged record claims another object's slot): of
@@ -142,8 +153,10 @@ class _Recovery(_TierState):
         return None
 
     def _remove_orphan_segments(self) -> None:
-        """Delete segment files that no surviving object uses (torn writes' leftovers)."""
-        live = set(self._alloc.arena_sizes())
+        """Delete segment files that no surviving object uses (torn writes' leftovers): this
+        process's, and in an exclusive directory the dead slots' too."""
+        live = {self._base | arena for arena in self._alloc.arena_sizes()}
+        live |= {obj.record.segment for obj in self._objects.values()}
         for name in os.listdir(self.path):
             if not (name.startswith("seg-") and name.endswith(".dat")):
                 continue
@@ -151,7 +164,8 @@ class _Recovery(_TierState):
                 segment = int(name[4:-4])
             except ValueError:
                 continue
-            if segment not in live:
+            mine = slot_of(segment) == self._base >> SLOT_BITS
+            if segment not in live and (mine or self._shared is None):
                 log.info("disk tier %s: removing unused segment %s", self.path, name)
                 try:
                     os.unlink(os.path.join(self.path, name))
@@ -159,8 +173,23 @@ class _Recovery(_TierState):
                     log.warning("could not remove %s: %s", name, e.strerror)
 
 
-def _lock_directory(path: str) -> int:
-    """Create ``path`` and hold an exclusive flock on its LOCK file; returns the fd."""
+    def _reconcile_segments(self) -> None:
+        """Make the catalog's record of segments (the directory's committed bytes) match
+        this process's segment files, and forget the files that are gone."""
+        recorded = self.catalog.segments()
+        own = {self._base | arena: size for arena, size in self._alloc.arena_sizes().items()}
+        stale = [seg for seg in recorded
+                 if seg not in own and (slot_of(seg) == self._base >> SLOT_BITS
+                                        or not os.path.exists(self._segment_path(seg)))]
+        self.catalog.remove_segments(stale)
+        for seg, size in own.items():
+            if recorded.get(seg) != size:
+                self.catalog.add_segment(seg, size, None)
+
+
+def _lock_directory(path: str, shared: bool = False) -> int:
+    """Create ``path`` and hold a flock on its LOCK file (shared: by every process of a
+    shared directory; else exclusive); returns the fd."""
     hint = "set disk_path to a writable directory (ideally on an NVMe SSD)"
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)     # owner-only: tenants' prefixes
@@ -170,15 +199,19 @@ def _lock_directory(path: str) -> int:
         raise DiskPathError(f"cannot use {path!r} as the disk tier directory: "
                             f"{e.strerror or e}; {hint}") from e
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except OSError as e:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise DiskPathError(f"the disk tier directory {path!r} is in use by another store "
-                                f"(process {holder}); close that store, or give each process "
-                                "its own disk_path") from e
+            how = ("by a store that does not share it" if shared else "by another store")
+            raise DiskPathError(f"the disk tier directory {path!r} is in use {how} "
+                                f"(process {holder}); close that store, open every process "
+                                "with disk_shared=True, or give each process its own "
+                                "disk_path") from e
         raise DiskPathError(f"cannot lock {path!r}: {e.strerror}; {hint}") from e
+    if shared:
+        return fd
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

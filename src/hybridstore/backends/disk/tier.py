@@ -20,13 +20,26 @@ from typing import Any
 
 from hybridstore.backends.alloc import Extent, SlabAllocator, SlabBudget
 from hybridstore.backends.base import Tier
-from hybridstore.backends.catalog import Catalog
+from hybridstore.backends.catalog import PUT, Catalog, Change
 from hybridstore.backends.disk.objects import _STOP, CATALOG_DIR, _Object, segment_name
 from hybridstore.backends.disk.reader import _ReadPath
 from hybridstore.backends.disk.recovery import _lock_directory, _Recovery
+from hybridstore.backends.disk.shared import SLOT_BITS, SharedDirectory, slot_of
 from hybridstore.backends.disk.writer import _WritePath
-from hybridstore.backends.engines import ALIGN, Engine, allocate_file, fsync_path, select_engine
-from hybridstore.errors import BackendIOError, ConfigError, DiskFullError
+from hybridstore.backends.engines import (
+    ALIGN,
+    Engine,
+    allocate_file,
+    fsync_path,
+    select_engine,
+)
+from hybridstore.errors import (
+    BackendIOError,
+    CapacityError,
+    CatalogError,
+    ConfigError,
+    DiskFullError,
+)
 from hybridstore.objects import ObjectKey
 
 log = logging.getLogger("hybridstore.backends.disk")
@@ -45,11 +58,17 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
         io_threads: threads of the I/O pool (and of the engine).
         ssd_gbps, h2d_gbps: bandwidths of the restore-time model.
         verify_checksums: check every object read back.
+        shared: share the directory with other processes (each opens it with
+            ``shared=True``; see ``backends/disk/shared.py``): each sees what the
+            others made durable, and ``capacity_bytes`` bounds them together.
+        sync_interval_s: in a shared directory, how often a background thread
+            applies the others' changes (and so takes back the room their deletions
+            of this process's objects freed) when no call does.
 
     Raises:
         ConfigError: a size or bandwidth is out of range.
         DiskPathError: ``path`` cannot be created or written, or another
-            process has it open.
+            process has it open in the other mode (shared or not).
         CatalogError: the catalog is unreadable or of another format.
     """
 
@@ -60,7 +79,8 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *,
                  engine: str | Engine = "auto", segment_bytes: int = 256 << 20,
                  io_threads: int = 8, ssd_gbps: float = 5.0, h2d_gbps: float = 64.0,
-                 verify_checksums: bool = True) -> None:
+                 verify_checksums: bool = True, shared: bool = False,
+                 sync_interval_s: float = 0.5) -> None:
         super().__init__()
         _validate(capacity_bytes, segment_bytes, io_threads, ssd_gbps, h2d_gbps)
         self.path = os.fspath(path)
@@ -68,7 +88,15 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
         self._ssd_bps = ssd_gbps * 1e9
         self._h2d_bps = h2d_gbps * 1e9
         self._verify = verify_checksums
-        self._lock_fd = _lock_directory(self.path)
+        self._lock_fd = _lock_directory(self.path, shared)
+        self._shared: SharedDirectory | None = None
+        self._base = 0                      # segment ids of this process: _base | n
+        self._view = 0                      # change-log entries applied (shared)
+        self._quarantine: list[tuple[int, Extent]] = []  # (freed by change, own extent)
+        self._changes: list[tuple[int, bytes, int, bytes]] = []  # for take_changes()
+        self._truncated = 0
+        self._open_lock = threading.Lock()
+        self._foreign_used = 0              # slot bytes of visible objects in others' segments
         self._catalog_lock = threading.Lock()  # orders catalog mutations (commit, delete, drop)
         self._files: dict[int, Any] = {}  # segment id -> engine handle; under the allocator lock
         self._objects: dict[bytes, _Object] = {}
@@ -82,13 +110,17 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
         self._engine: Engine | None = None
         self._catalog: Catalog | None = None
         try:
+            if shared:
+                self._shared = SharedDirectory(self.path)
+                self._base = self._shared.slot << SLOT_BITS
             self._catalog = Catalog(os.path.join(self.path, CATALOG_DIR))
             self.segment_bytes = self._geometry(segment_bytes)
             self._engine = (engine if isinstance(engine, Engine)
                             else select_engine(engine, io_threads))
-            self._alloc = SlabAllocator(budget_bytes=capacity_bytes, arena_bytes=self.segment_bytes,
-                                        alignment=ALIGN, on_new_arena=self._create_segment,
-                                        on_release_arena=self._remove_segment)
+            self._alloc = SlabAllocator(
+                budget_bytes=capacity_bytes, arena_bytes=self.segment_bytes, alignment=ALIGN,
+                on_new_arena=lambda arena, n: self._create_segment(self._base | arena, n),
+                on_release_arena=lambda arena: self._remove_segment(self._base | arena))
             self._recover()
         except BaseException:
             self._teardown()
@@ -98,11 +130,22 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
         self._committer = threading.Thread(target=self._commit_loop, name="hs-disk-commit",
                                            daemon=True)
         self._committer.start()
+        self._stop_sync = threading.Event()
+        if self._shared is not None:
+            self._syncer = threading.Thread(target=self._sync_loop, args=(sync_interval_s,),
+                                            name="hs-disk-sync", daemon=True)
+            self._syncer.start()
 
     # -- capacity -----------------------------------------------------------------
     @property
     def capacity_bytes(self) -> int:
         return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        """Slot bytes in use: this process's, and in a shared directory the slots of the
+        objects it sees in the others' segments (what the directory's budget holds)."""
+        return self._alloc.used_bytes + self._foreign_used
 
     @property
     def engine(self) -> Engine:
@@ -127,19 +170,27 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
         return self.catalog.get_info(name)
 
     # -- objects ------------------------------------------------------------------
+    @property
+    def shared(self) -> SharedDirectory | None:
+        """This process's slot when the directory is shared, else ``None``."""
+        return self._shared
+
     def contains(self, key: ObjectKey) -> bool:
         self._check_open()
+        self.sync()
         with self._lock:
             return bytes(key) in self._objects
 
     def nbytes(self, key: ObjectKey) -> int | None:
         self._check_open()
+        self.sync()
         with self._lock:
             obj = self._objects.get(bytes(key))
         return None if obj is None else obj.record.length
 
     def meta(self, key: ObjectKey) -> bytes | None:
         self._check_open()
+        self.sync()
         with self._lock:
             obj = self._objects.get(bytes(key))
         return None if obj is None else obj.record.meta
@@ -150,6 +201,7 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
         An uncommitted ``put`` of the key is cancelled too.
         """
         self._check_open()
+        self.sync()
         key = ObjectKey(bytes(key))
         with self._catalog_lock:
             with self._lock:
@@ -157,10 +209,11 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
                 obj = self._objects.get(key)
             if obj is None:
                 return 0
-            self.catalog.delete(key)
+            _, seq = self.catalog.remove([key], log=self._log())
             with self._lock:
                 del self._objects[key]
-                self._release(obj.extent)
+                self._release(obj.extent, seq)
+        self._reclaim()
         return obj.extent.length
 
     def delete_many(self, keys: Iterable[ObjectKey]) -> int:
@@ -170,6 +223,7 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
         (evictions) costs one ``fsync`` instead of one per object.
         """
         self._check_open()
+        self.sync()
         wanted = list(dict.fromkeys(bytes(k) for k in keys))
         with self._catalog_lock:
             with self._lock:
@@ -181,15 +235,117 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
                         found.append((key, obj))
             if not found:
                 return 0
-            self.catalog.delete_many(key for key, _ in found)
+            _, seq = self.catalog.remove((key for key, _ in found), log=self._log())
             with self._lock:
                 for key, obj in found:
                     del self._objects[key]
-                    self._release(obj.extent)
+                    self._release(obj.extent, seq)
+        self._reclaim()
         return sum(obj.extent.length for _, obj in found)
+
+    # -- a shared directory --------------------------------------------------------
+    def sync(self) -> None:
+        """Apply the other processes' puts and deletes to this view, then reuse the extents
+        of this process's segments that nobody can be reading any more.  Nothing to do
+        when the directory is not shared.  Thread-safe; cheap when nothing changed (one
+        read of the log head)."""
+        if self._shared is None or self._closed:
+            return
+        with self._catalog_lock:
+            if self.catalog.log_head() != self._view:
+                try:
+                    changes = self.catalog.changes(self._view)
+                except CatalogError as e:      # truncated past this view: cannot happen to a
+                    log.error("disk tier %s: %s", self.path, e)   # live slot; start again
+                    changes = []
+                with self._lock:
+                    for change in changes:
+                        self._apply(change)
+                    if changes:
+                        self._view = changes[-1].seq
+                self._shared.applied(self._view)
+                if self._view - self._truncated >= 4096:
+                    self._truncated = self._shared.truncatable(self._view)
+                    self.catalog.truncate_log(self._truncated)
+            self._reclaim()
+
+    def _apply(self, change: Change) -> None:
+        """One change of another process (under both locks)."""
+        me = self._base >> SLOT_BITS
+        if change.slot == me:
+            return                          # applied when it was made
+        key = change.key
+        old = self._objects.get(key)
+        if old is not None and old.seq > change.seq:
+            return                          # this view holds a newer version already
+        rec = change.record
+        if change.op == PUT and rec is not None and slot_of(rec.segment) == change.slot:
+            self._objects[key] = _Object(Extent(rec.segment, rec.offset, rec.slot_length), rec,
+                                         change.seq)
+            self._foreign_used += rec.slot_length
+            self._changes.append((PUT, key, rec.length, rec.meta))
+        elif old is not None:
+            del self._objects[key]
+            self._changes.append((change.op, key, old.record.length, b""))
+        if old is not None:
+            self._release(old.extent, change.seq)
+
+    def _reclaim(self) -> None:
+        """Free the quarantined extents whose deletion no live reader can predate: a read
+        in flight planned at view ``v`` may still read what changes after ``v`` freed."""
+        if self._shared is None:
+            return
+        with self._lock:
+            if not self._quarantine:
+                return
+            oldest = self._shared.oldest_reading()
+            keep = []
+            for seq, extent in self._quarantine:
+                if oldest is not None and oldest < seq:
+                    keep.append((seq, extent))
+                else:
+                    self._release(extent)
+            self._quarantine = keep
+
+    def take_changes(self) -> list[tuple[int, bytes, int, bytes]]:
+        """The other processes' changes applied since the last call, oldest first:
+        ``(op, key, nbytes, meta)`` with ``op`` :data:`~hybridstore.backends.catalog.PUT`
+        (visible now) or ``DELETE`` (gone); a store applies them to its index."""
+        self.sync()
+        with self._lock:
+            out, self._changes = self._changes, []
+        return out
+
+    def _sync_loop(self, interval_s: float) -> None:
+        while not self._stop_sync.wait(interval_s):
+            try:
+                self.sync()
+            except Exception as e:  # noqa: BLE001 - the next round tries again
+                log.warning("disk tier %s: applying the other processes' changes failed: %s",
+                            self.path, e)
+
+    def _enter_read(self) -> int:
+        """A read starts: publish the view it is planned at, then apply the log (so an
+        object deleted before now is no longer found); returns the token for
+        :meth:`_leave_read`."""
+        if self._shared is None:
+            return 0
+        view = self._view
+        self._shared.begin_read(view)
+        try:
+            self.sync()
+        except BaseException:
+            self._shared.end_read(view)
+            raise
+        return view
+
+    def _leave_read(self, view: int) -> None:
+        if self._shared is not None:
+            self._shared.end_read(view)
 
     def entries(self) -> Iterator[tuple[ObjectKey, int, bytes]]:
         self._check_open()
+        self.sync()
         with self._lock:
             snapshot = [(ObjectKey(k), o.record.length, o.record.meta)
                         for k, o in self._objects.items()]
@@ -204,6 +360,9 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
             out: dict[str, Any] = dict(self._counters)
             out["objects"] = len(self._objects)
             out["pending_writes"] = len(self._latest)
+            if self._shared is not None:
+                out.update(slot=self._shared.slot, log_applied=self._view,
+                           quarantined=len(self._quarantine))
         out.update(engine=self.engine.name, engine_compat=float(self.engine.compat_mode),
                    used_bytes=self.used_bytes, capacity_bytes=self._capacity,
                    committed_bytes=self._alloc.committed_bytes,
@@ -217,6 +376,7 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
             if self._closed:
                 return
             self._closed = True
+        self._stop_sync.set()
         self._jobs.shutdown(wait=True)
         self._commits.put(_STOP)
         self._committer.join()
@@ -234,14 +394,45 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
             self._engine.close()
         if self._catalog is not None:
             self._catalog.close()
+        if self._shared is not None:
+            self._shared.close()
         os.close(self._lock_fd)  # releases the flock
 
     # -- extents and pins (call with self._lock held) ------------------------------
-    def _release(self, extent: Extent) -> None:
-        if self._pins.get(extent):
+    def _release(self, extent: Extent, seq: int | None = None) -> None:
+        """An object left this extent (``seq``: the change-log number of its deletion or
+        replacement, in a shared directory): reuse it once nobody can be reading it."""
+        if slot_of(extent.arena) != self._base >> SLOT_BITS:
+            self._foreign_used -= extent.length
+            return                      # another process's segment: its owner reuses it
+        if self._shared is not None and seq:
+            self._quarantine.append((seq, extent))
+        elif self._pins.get(extent):
             self._deferred.add(extent)
         else:
-            self._alloc.free(extent)
+            self._alloc.free(self._local(extent))
+
+    def _own(self, extent: Extent) -> Extent:
+        """An extent of this process's allocator with its segment's global id."""
+        return Extent(self._base | extent.arena, extent.offset, extent.length)
+
+    def _local(self, extent: Extent) -> Extent:
+        """:meth:`_own` undone."""
+        return Extent(extent.arena & ((1 << SLOT_BITS) - 1), extent.offset, extent.length)
+
+    def _log(self) -> int | None:
+        """The slot to log changes under (a shared directory), else ``None``."""
+        return None if self._shared is None else self._shared.slot
+
+    def _file(self, segment: int) -> Any:
+        """The engine handle of a segment (another process's is opened on first use)."""
+        handle = self._files.get(segment)
+        if handle is None:
+            with self._open_lock:
+                handle = self._files.get(segment)
+                if handle is None:
+                    handle = self._files[segment] = self.engine.open(self._segment_path(segment))
+        return handle
 
     def _unpin(self, extent: Extent) -> None:
         with self._lock:
@@ -252,7 +443,7 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
             del self._pins[extent]
             if extent in self._deferred:
                 self._deferred.discard(extent)
-                self._alloc.free(extent)
+                self._alloc.free(self._local(extent))
 
     # -- segments (allocator callbacks, under the allocator's lock) -----------------
     def _segment_path(self, segment: int) -> str:
@@ -267,12 +458,26 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
         device.
         """
         path = self._segment_path(segment)
-        fresh = True
-        if not os.path.exists(path) and not self.catalog.keep_slack(nbytes // 32):
+        new = not os.path.exists(path)
+        if new and not self.catalog.keep_slack(nbytes // 32):
             raise DiskFullError(f"the file system under {self.path} is full: no room for the "
                                 f"catalog of a new {nbytes}-byte segment within the tier's "
                                 f"{self._capacity}-byte budget; lower disk_bytes to what the "
                                 "device can hold")
+        if not self.catalog.add_segment(segment, nbytes, self._capacity if new else None):
+            raise CapacityError(f"the disk tier at {self.path} has no room for a new "
+                                f"{nbytes}-byte segment: the processes that share it have "
+                                f"committed its {self._capacity}-byte budget; evict objects "
+                                "and retry")
+        try:
+            self._open_segment(segment, path, nbytes, new)
+        except BaseException:
+            if new:
+                self.catalog.remove_segments([segment])
+            raise
+
+    def _open_segment(self, segment: int, path: str, nbytes: int, new: bool) -> None:
+        fresh = True
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
             try:
@@ -307,6 +512,8 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
         except OSError as e:
             log.warning("could not remove the unused segment %s: %s",
                         self._segment_path(segment), e.strerror)
+            return
+        self.catalog.remove_segments([segment])
 
 
 _preallocate = allocate_file

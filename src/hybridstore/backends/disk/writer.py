@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from hybridstore.backends.alloc import Extent
 from hybridstore.backends.catalog import CatalogRecord
 from hybridstore.backends.disk.objects import (
     _COMMIT_BATCH,
@@ -62,14 +63,15 @@ class _WritePath(_TierState):
         self._check_open()
         key = _check_key(key)
         view = byte_view(data, nbytes, what="data")
-        extent = self._alloc.alloc(nbytes)
-        if extent is None:
+        extents = self._alloc_run(nbytes, 1)
+        if extents is None:
             raise CapacityError(f"the disk tier at {self.path} has no room for {nbytes} bytes "
                                 f"(a {self.charge(nbytes)}-byte slot; {self.free_bytes} of "
                                 f"{self._capacity} bytes free); evict objects and retry")
+        extent = extents[0]
         with self._lock:
             if self._closed:
-                self._alloc.free(extent)
+                self._alloc.free(self._local(extent))
                 self._check_open()
             pending = _PendingWrite(key, next(self._seq), extent, view, nbytes, bytes(meta))
             self._latest[key] = pending.seq
@@ -97,7 +99,7 @@ class _WritePath(_TierState):
             raise ValueError("put_many needs distinct keys and one data buffer per key")
         metas = [b""] * len(keys) if metas is None else [bytes(m) for m in metas]
         views = [byte_view(data, nbytes, what="data") for data in datas]
-        extents = self._alloc.alloc_many(nbytes, len(keys))
+        extents = self._alloc_run(nbytes, len(keys))
         if extents is None:
             raise CapacityError(f"the disk tier at {self.path} has no room for {len(keys)} x "
                                 f"{nbytes} bytes ({self.free_bytes} of {self._capacity} bytes "
@@ -105,7 +107,7 @@ class _WritePath(_TierState):
         with self._lock:
             if self._closed:
                 for extent in extents:
-                    self._alloc.free(extent)
+                    self._alloc.free(self._local(extent))
                 self._check_open()
             pending = [_PendingWrite(key, next(self._seq), extent, view, nbytes, meta)
                        for key, extent, view, meta in zip(keys, extents, views, metas)]
@@ -127,6 +129,17 @@ class _WritePath(_TierState):
             else:
                 self._jobs.submit(self._write_run, run)
         return [p.future for p in pending]
+
+    def _alloc_run(self, nbytes: int, n: int) -> list[Extent] | None:
+        """``n`` slots of this process's segments (global ids), or ``None``; in a shared
+        directory a refusal first takes back what the others' changes freed
+        (:meth:`DiskTier.sync`) and tries again."""
+        extents = self._alloc.alloc_many(nbytes, n)
+        if extents is None and self._shared is not None:
+            self.sync()
+            self._reclaim()
+            extents = self._alloc.alloc_many(nbytes, n)
+        return None if extents is None else [self._own(e) for e in extents]
 
     # -- write path ---------------------------------------------------------------
     def _write_job(self, p: _PendingWrite) -> None:
@@ -204,31 +217,37 @@ class _WritePath(_TierState):
             records = {id(p): CatalogRecord(p.extent.arena, p.extent.offset, p.nbytes,
                                             p.extent.length, p.checksum, p.meta) for p in live}
             try:
-                self.catalog.put_many((p.key, records[id(p)]) for p in live)
+                last = self.catalog.put_many(((p.key, records[id(p)]) for p in live),
+                                             log=self._log())
             except BaseException as e:  # noqa: BLE001
                 failure: BaseException | None = e
             else:
                 failure = None
-                self._publish(live, stale, records)
+                self._publish(live, stale, records, last - len(live) + 1 if last else 0)
         # Futures complete outside the catalog lock: their callbacks may call delete().
         if failure is not None:
             self._abandon(batch, _full_error(failure, self.path, "the catalog commit"))
             return
+        self._reclaim()           # what these writes replaced, where nobody reads it
         for p in batch:
             p.view = _EMPTY
             p.future.set_result(p.nbytes)
 
     def _publish(self, live: list[_PendingWrite], stale: list[_PendingWrite],
-                 records: dict[int, CatalogRecord]) -> None:
-        """Make committed writes visible; free what they replaced and stale writes."""
+                 records: dict[int, CatalogRecord], first_seq: int) -> None:
+        """Make committed writes visible; free what they replaced and stale writes.
+
+        ``first_seq``: the change-log number of ``live[0]`` (the others follow it), 0
+        when the directory is not shared."""
         with self._lock:
-            for p in live:
+            for i, p in enumerate(live):
+                seq = first_seq + i if first_seq else 0
                 old = self._objects.get(p.key)
-                self._objects[p.key] = _Object(p.extent, records[id(p)])
+                self._objects[p.key] = _Object(p.extent, records[id(p)], seq)
                 if self._latest.get(p.key) == p.seq:
                     del self._latest[p.key]
                 if old is not None:
-                    self._release(old.extent)
+                    self._release(old.extent, seq)
                 self._counters["writes"] += 1
                 self._counters["bytes_written"] += p.nbytes
             for p in stale:  # replaced or deleted while in flight

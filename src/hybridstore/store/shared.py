@@ -1,0 +1,153 @@
+"""What a store does with a disk tier it shares with other processes.
+
+A shared disk tier (``StoreConfig(disk_shared=True)``, ``backends/disk/shared.py``)
+applies the other processes' puts and deletes to its own view; this module carries
+them on into the store's index, so that a prefix another engine process stored is
+matched here, and one it evicted is no longer promised:
+
+* :func:`adopt_entries` makes disk objects matchable (pages, then states).  Reopening
+  a store uses it for every object the catalog lists; :class:`DiskFollower` for the
+  objects other processes put since.
+* :meth:`DiskFollower.pull` runs before every call that reads the index (match and
+  its kin) or lands objects (puts), under the store lock.
+* :meth:`DiskFollower.lease` is the evictor's hold on the directory's eviction lease
+  (one process at a time decides what leaves the shared tier); it pulls first, so
+  the room the others' evictions made is seen before more is evicted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from hybridstore.backends.catalog import PUT
+from hybridstore.errors import CatalogError
+from hybridstore.index import meta
+from hybridstore.layout import Layout
+from hybridstore.objects import TIER_BITS, ObjectKey, ObjectKind, key_kind
+from hybridstore.store.landing import LAYOUT_INFO
+from hybridstore.store.residency import Residency
+
+log = logging.getLogger("hybridstore.store")
+
+DISK = "disk"
+
+
+def adopt_entries(res: Residency, entries: Iterable[tuple[bytes, int, bytes]],
+                  lost: set[ObjectKind] = frozenset(),  # type: ignore[assignment]
+                  where: str = "") -> list[bytes]:
+    """Make disk objects ``(key, nbytes, meta)`` matchable in the index (pages first, so
+    that a state finds the pages it needs); objects the index already holds on disk are
+    skipped.
+
+    Args:
+        res: the store's residency (its index and counters).
+        entries: the objects.
+        lost: kinds whose layout record is damaged (their objects cannot be used).
+        where: the directory, for log lines.
+
+    Returns:
+        The keys whose metadata does not decode (or of a ``lost`` kind): the caller
+        deletes them.
+    """
+    disk = res.tiers[DISK]
+    index = res.index
+    bit = TIER_BITS[DISK]
+    states = []
+    damaged = []
+    for key, nbytes, blob in entries:
+        try:
+            info = meta.decode(blob)
+        except CatalogError as e:
+            log.warning("disk tier %s: dropping object %s: %s", where, key.hex(), e)
+            damaged.append(key)
+            continue
+        kind = ObjectKind.PAGE if isinstance(info, meta.PageMeta) else ObjectKind.STATE
+        if kind in lost or key_kind(ObjectKey(key)) != kind:
+            damaged.append(key)
+            continue
+        if isinstance(info, meta.PageMeta):
+            nid = index.find_node(key[1:])
+            if nid >= 0 and index.page_tiers(nid) & bit:
+                continue
+            index.restore_page(key[1:], info.block, info.ntok, info.parent_key, DISK, nbytes)
+            res.added(DISK, ObjectKind.PAGE, 1, disk.charge(nbytes))
+        else:
+            states.append((key, nbytes, info))
+    for key, nbytes, state in states:
+        ck = index.checkpoint(key[1:])
+        if ck is not None and ck.tiers & bit:
+            continue
+        index.restore_checkpoint(key[1:], state.position, state.base_key, state.covers, DISK,
+                                 nbytes)
+        res.added(DISK, ObjectKind.STATE, 1, disk.charge(nbytes))
+    return damaged
+
+
+class DiskFollower:
+    """Carries a shared disk tier's view of the other processes' changes into the index.
+
+    Args:
+        residency: the store's record of who holds what.
+        layouts: the store's layouts (a store that has put nothing takes the directory's).
+        where: the directory, for log lines.
+    """
+
+    def __init__(self, residency: Residency, layouts: dict[ObjectKind, Layout],
+                 where: str) -> None:
+        self.res = residency
+        self.tier: Any = residency.tiers[DISK]
+        self.layouts = layouts
+        self.where = where
+        self.adopted = 0
+        self.forgotten = 0
+
+    def pull(self) -> None:
+        """Apply the other processes' puts and deletes since the last pull."""
+        changes = self.tier.take_changes()
+        if not changes:
+            return
+        last: dict[bytes, tuple[int, int, bytes]] = {}
+        for op, key, nbytes, blob in changes:      # the last change of each key wins
+            last.pop(key, None)
+            last[key] = (op, nbytes, blob)
+        puts = [(key, n, blob) for key, (op, n, blob) in last.items() if op == PUT]
+        for key, (op, n, _) in last.items():
+            if op != PUT:
+                before = self.res.objects[DISK]
+                self.res.forget(ObjectKey(key), DISK, n)
+                self.forgotten += before - self.res.objects[DISK]
+        if puts:
+            self._take_layouts({key_kind(ObjectKey(k)) for k, _, _ in puts})
+            fitting = [(k, n, b) for k, n, b in puts
+                       if (layout := self.layouts.get(key_kind(ObjectKey(k)))) is not None
+                       and layout.nbytes == n]
+            before = self.res.objects[DISK]
+            adopt_entries(self.res, fitting, where=self.where)   # undecodable: not adopted
+            self.adopted += self.res.objects[DISK] - before
+
+    def _take_layouts(self, kinds: set[ObjectKind]) -> None:
+        for kind in kinds:
+            if kind in self.layouts:
+                continue
+            raw = self.tier.get_info(LAYOUT_INFO[kind])
+            if raw is None:
+                continue
+            try:
+                self.layouts[kind] = Layout.from_json(raw)
+            except CatalogError as e:
+                log.warning("disk tier %s: the %s layout record is damaged: %s", self.where,
+                            kind.name.lower(), e)
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[None]:
+        """Hold the directory's eviction lease, with the others' changes pulled."""
+        with self.tier.shared.evict_lease():
+            self.tier.sync()
+            self.pull()
+            yield
+
+
+__all__ = ["DiskFollower", "adopt_entries"]
