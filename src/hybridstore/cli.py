@@ -139,6 +139,24 @@ def _bench_remote(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_shared(args: argparse.Namespace) -> int:
+    from hybridstore.bench.shared import run_shared_bench
+    from hybridstore.units import parse_bytes
+
+    procs = [int(p) for p in args.procs.split(",") if p.strip()]
+    routings = [r.strip() for r in args.routing.split(",") if r.strip()]
+    for r in routings:
+        if r not in ("round-robin", "affinity"):
+            raise SystemExit(f"--routing takes round-robin and/or affinity, got {r!r}")
+    budget = args.budget.strip()
+    fraction = float(budget[:-1]) / 100 if budget.endswith("%") else float(budget)
+    run_shared_bench(json_path=args.json, plot_path=args.plot, procs=procs, routings=routings,
+                     budget_fraction=fraction, trace_spec=args.trace,
+                     max_requests=args.max_requests, page_bytes=parse_bytes(args.page_bytes),
+                     disk_dir=args.dir)
+    return 0
+
+
 def _bench_engines(args: argparse.Namespace) -> int:
     from hybridstore.bench.engines import run_engines_bench
 
@@ -239,6 +257,19 @@ def build_parser() -> argparse.ArgumentParser:
     rem.add_argument("--master", default=None, help="a running master, mooncake://HOST:PORT "
                                                     "(default: one started on loopback)")
     rem.set_defaults(func=_bench_remote)
+    shr = bsub.add_parser("shared", help="engine processes sharing one disk directory vs one "
+                                         "directory each: token hit on a replayed trace")
+    shr.add_argument("--procs", default="1,2,4", help="process counts (default 1,2,4)")
+    shr.add_argument("--routing", default="round-robin,affinity",
+                     help="round-robin (per request) and/or affinity (per session)")
+    shr.add_argument("--budget", default="10%", help="disk budget, share of the footprint")
+    shr.add_argument("--trace", default=None, help="trace spec (default: the bundled WEKA sample)")
+    shr.add_argument("--max-requests", type=int, default=None)
+    shr.add_argument("--page-bytes", default="16KiB", help="bytes of one (scaled-down) page")
+    shr.add_argument("--json", default=None, help="write the results here as JSON")
+    shr.add_argument("--plot", default=None, help="write a PNG here")
+    shr.add_argument("--dir", default=None, help="directory for the disk tiers (default: a temp dir)")
+    shr.set_defaults(func=_bench_shared)
     eng = bsub.add_parser("engines", help="hybridstore vs SGLang's HiCacheFile and vLLM's fs tier "
                                           "through the engines' own storage interfaces; cold "
                                           "reads, the SSD limit, hit rate under a budget")

@@ -57,6 +57,7 @@ def worker(path: str, seed: int, capacity: int, out: str, stop_after: float) -> 
     rng = random.Random(seed)
     tier = DiskTier(path, capacity, engine="posix", segment_bytes=MiB, io_threads=2,
                     shared=True, sync_interval_s=0.05)
+    print("ready", flush=True)
     stats = dict(puts=0, reads=0, misses=0, deletes=0, full=0)
 
     def violation(what: str) -> None:
@@ -72,7 +73,13 @@ def worker(path: str, seed: int, capacity: int, out: str, stop_after: float) -> 
 
     signal.signal(signal.SIGTERM, on_term)
     deadline = time.monotonic() + stop_after
+    known: list[int] = []
+    steps = 0
     while not stopping and time.monotonic() < deadline:
+        steps += 1
+        if steps % 25 == 1:
+            known = [int.from_bytes(k[1:], "little") for k, _, _ in tier.entries()]
+            Path(f"{out}.{os.getpid()}").write_text(json.dumps(stats))
         op = rng.random()
         i = rng.randrange(KEYS)
         if op < 0.45:
@@ -88,6 +95,8 @@ def worker(path: str, seed: int, capacity: int, out: str, stop_after: float) -> 
                     rng.shuffle(victims)
                     tier.delete_many(victims[:max(1, len(victims) // 4)])
         elif op < 0.9:
+            if known and rng.random() < 0.8:      # mostly objects that exist: reads race
+                i = rng.choice(known)              # the others' deletes and reuse
             k = key_of(i)
             try:
                 got = tier.get(k)
@@ -105,6 +114,7 @@ def worker(path: str, seed: int, capacity: int, out: str, stop_after: float) -> 
             stats["deletes"] += 1
             tier.delete(key_of(i))
     tier.close()
+    Path(f"{out}.{os.getpid()}").write_text(json.dumps(stats))
     print(json.dumps(stats))
 
 
@@ -149,8 +159,11 @@ def campaign(procs: int, kills: int, seed: int, capacity: int = 24 * MiB,
     def start(n: int) -> subprocess.Popen[str]:
         code = (f"from tests.reliability.shared import worker; "
                 f"worker({path!r}, {seed * 1000 + n}, {capacity}, {out!r}, 600)")
-        return subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+        proc = subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout is not None
+        proc.stdout.readline()          # "ready": its slot is taken; the kill timer starts
+        return proc
 
     started = 0
     live = []
@@ -184,16 +197,18 @@ def campaign(procs: int, kills: int, seed: int, capacity: int = 24 * MiB,
         proc.send_signal(signal.SIGTERM)
     for proc in live:
         stdout, stderr = proc.communicate(timeout=120)
-        if proc.returncode == -signal.SIGTERM:     # stopped before it had set up: no ops
-            continue
         if proc.returncode != 0:
             died.append((proc.returncode, stderr[-2000:]))
             continue
         for k, v in json.loads(stdout.strip().splitlines()[-1]).items():
             totals[k] = totals.get(k, 0) + v
     violations = Path(out).read_text().splitlines() if os.path.exists(out) else []
+    every: dict[str, int] = {}           # every worker's last counts, killed ones' too
+    for f in root.glob("violations.jsonl.*"):
+        for k, v in json.loads(f.read_text() or "{}").items():
+            every[k] = every.get(k, 0) + v
     summary = {"procs": procs, "kills": kills, "started": started, "seconds": round(time.monotonic() - t0, 1),
-               "survivor_ops": totals, "violations": len(violations),
+               "survivor_ops": totals, "all_ops": every, "violations": len(violations),
                "violation_samples": violations[:5], "crashed": [c for c, _ in died],
                "crash_samples": [e for _, e in died[:2]], **check(path, capacity)}
     summary["ok"] = (not violations and not died and summary["wrong_bytes"] == 0

@@ -60,6 +60,12 @@ class _Recovery(_TierState):
         self._view, items = self.catalog.snapshot(damaged)
         if self._shared is not None:
             self._shared.applied(self._view)
+            # this slot's free space may hold objects that others still read (deleted
+            # after the slot's last owner died, read at views from before): wait for them
+            if not self._shared.await_readers(self._view):
+                log.warning("disk tier %s: another process has held a read for 10 s; "
+                            "taking slot %d over anyway (its checksums guard it)", self.path,
+                            self._shared.slot)
         me = self._base >> SLOT_BITS
         checked = [(key, rec, self._check_record(key, rec)) for key, rec in items]
         claims = self._overlapping([(key, rec) for key, rec, reason in checked if reason is None])

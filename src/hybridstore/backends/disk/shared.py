@@ -21,10 +21,12 @@ is free and whatever it published is void.
 * **Reuse.**  The owner of an extent whose object another process may still be
   reading waits: the readers' table (``slots/table``, one row of 64-bit words per
   slot, ``mmap``-ed by all) holds each live slot's *oldest view in use*, the log
-  sequence number its reads in flight were planned at (0: no read in flight).  A
-  read publishes its view, then applies the log (so an object deleted before that
-  point is no longer found), and clears it when done.  An extent freed by the
-  change numbered ``d`` is reused once no live slot publishes a view below ``d``.
+  sequence number its reads in flight were planned at (stored plus one: 0 means no
+  read in flight).  A read publishes its view, then applies the log (so an object
+  deleted before that point is no longer found), and clears it when done.  An
+  extent freed by the change numbered ``d`` is reused once no live slot publishes a
+  view below ``d``.  A process that takes over a dead slot waits the same way for
+  the views below its snapshot of the catalog before it reuses the slot's free space.
   Each row also holds the slot's *applied* sequence number: the log is truncated
   below the smallest one of the live slots.
 * **Eviction.**  Deciding what leaves a shared tier is done by one process at a
@@ -153,16 +155,12 @@ class SharedDirectory:
         return False
 
     def _live_rows(self) -> Iterator[int]:
-        """Slots other than this one whose row says something, and that are live (a dead
-        slot's row is cleared on the way)."""
+        """Slots other than this one whose row says something, and that are live.  A dead
+        slot's row is skipped, never cleared: a process may take the slot over between
+        the probe and the write, and its row is its own (it resets it when it takes it)."""
         for slot in np.flatnonzero(self._table[:, _PID]).tolist():
-            if slot == self.slot:
-                continue
-            if self.live(slot):
+            if slot != self.slot and self.live(slot):
                 yield slot
-            else:
-                self._table[slot, _APPLIED] = 0
-                self._table[slot, _READING] = 0
 
     # -- views --------------------------------------------------------------------------
     def applied(self, seq: int) -> None:
@@ -180,7 +178,7 @@ class SharedDirectory:
         """A read planned at ``view`` starts: publish it (the oldest in flight wins)."""
         with self._mutex:
             self._reads[view] = self._reads.get(view, 0) + 1
-            self._table[self.slot, _READING] = max(1, min(self._reads))
+            self._table[self.slot, _READING] = min(self._reads) + 1
         # a lock round trip: a full barrier on x86-64, so the view is visible to every
         # process before this one reads the log (see the module docstring)
         with self._mutex:
@@ -194,22 +192,34 @@ class SharedDirectory:
                 self._reads[view] = left
             else:
                 del self._reads[view]
-            self._table[self.slot, _READING] = max(1, min(self._reads)) if self._reads else 0
+            self._table[self.slot, _READING] = min(self._reads) + 1 if self._reads else 0
 
     def oldest_reading(self) -> int | None:
         """The oldest view a live slot other than this one has reads in flight at
-        (``None``: none has): an extent freed by a change numbered up to it may be
-        reused.  Slots with no read in flight cost nothing to check."""
+        (``None``: none has): an extent freed by a change numbered above it may still be
+        read.  Slots with no read in flight cost nothing to check."""
         oldest = None
         for slot in np.flatnonzero(self._table[:, _READING]).tolist():
             if slot == self.slot:
                 continue
-            reading = int(self._table[slot, _READING])
-            if not self.live(slot):
-                self._table[slot, _READING] = 0
+            reading = int(self._table[slot, _READING]) - 1     # 0 in the table: none
+            if reading < 0 or not self.live(slot):
                 continue
             oldest = reading if oldest is None else min(oldest, reading)
         return oldest
+
+    def await_readers(self, seq: int, timeout_s: float = 10.0) -> bool:
+        """Wait until no live slot has a read in flight planned before change ``seq``
+        (what a process taking over a slot waits for before it reuses the slot's free
+        space, which changes up to ``seq`` freed).  ``False`` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            oldest = self.oldest_reading()
+            if oldest is None or oldest >= seq:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
 
     # -- the eviction lease -------------------------------------------------------------
     @contextlib.contextmanager

@@ -96,6 +96,7 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
         self._changes: list[tuple[int, bytes, int, bytes]] = []  # for take_changes()
         self._truncated = 0
         self._open_lock = threading.Lock()
+        self._inodes: dict[int, int] = {}     # another process's segment -> inode opened
         self._foreign_used = 0              # slot bytes of visible objects in others' segments
         self._catalog_lock = threading.Lock()  # orders catalog mutations (commit, delete, drop)
         self._files: dict[int, Any] = {}  # segment id -> engine handle; under the allocator lock
@@ -425,13 +426,25 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
         return None if self._shared is None else self._shared.slot
 
     def _file(self, segment: int) -> Any:
-        """The engine handle of a segment (another process's is opened on first use)."""
-        handle = self._files.get(segment)
-        if handle is None:
-            with self._open_lock:
-                handle = self._files.get(segment)
-                if handle is None:
-                    handle = self._files[segment] = self.engine.open(self._segment_path(segment))
+        """The engine handle of a segment.  Another process's segment is opened on first
+        use, and again when its owner removed the file and made a new one of that id (a
+        handle of the old file would read what it held); the object being read keeps the
+        file it is in from being removed meanwhile (its extent is not reused)."""
+        if slot_of(segment) == self._base >> SLOT_BITS:
+            return self._files[segment]
+        path = self._segment_path(segment)
+        try:
+            inode = os.stat(path).st_ino
+        except OSError as e:
+            raise BackendIOError(f"segment {path} of another process is gone ({e.strerror}); "
+                                 "the object was deleted meanwhile") from e
+        with self._open_lock:
+            handle = self._files.get(segment)
+            if handle is None or self._inodes.get(segment) != inode:
+                if handle is not None:
+                    self.engine.close_file(handle)
+                handle = self._files[segment] = self.engine.open(path)
+                self._inodes[segment] = inode
         return handle
 
     def _unpin(self, extent: Extent) -> None:
