@@ -331,3 +331,23 @@ def test_processes_killed_at_random_leave_the_others_serving(tmp_path: Path) -> 
     assert summary["objects"] > 0 and summary["wrong_bytes"] == 0
     assert summary["overlaps"] == 0 and summary["within_budget"]
     assert summary["dropped_on_reopen"] == 0
+
+
+def test_a_segment_file_made_again_is_read_anew(tmp_path: Path) -> None:
+    """The owner removes an emptied segment file and later makes one of the same id: a
+    reader holding a handle of the old file must read the new one (the kill campaign
+    found reads failing their checksum there)."""
+    with shared_tier(tmp_path, 2 * MiB) as a, shared_tier(tmp_path, 2 * MiB) as b:
+        first = payload(900_000, 1)
+        a.put(key(1), first, nbytes=first.size).result()
+        segment = a._objects[key(1)].extent.arena
+        assert np.array_equal(b.get(key(1)), first)    # b opens a's segment file
+        a.delete(key(1))
+        big = payload(3 * MiB // 2, 2)                   # its own file: the budget takes
+        a.put(key(2), big, nbytes=big.size).result()     # the emptied segment's back
+        assert not (tmp_path / f"seg-{segment:06d}.dat").exists()
+        a.delete(key(2))
+        second = payload(900_000, 3)
+        a.put(key(3), second, nbytes=second.size).result()
+        assert a._objects[key(3)].extent.arena == segment        # the same id, a new file
+        assert np.array_equal(b.get(key(3)), second)
