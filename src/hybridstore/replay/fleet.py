@@ -162,6 +162,7 @@ class _NodePlane(SizedObjects):
 
 @dataclass(slots=True)
 class _Node:
+    index: int
     store: HybridStore
     objects: _NodePlane
     free: float = 0.0
@@ -170,12 +171,14 @@ class _Node:
 
 @dataclass(slots=True)
 class FleetRun:
-    """One (preset, nodes, routing, mode) point: the fleet's requests as one run."""
+    """One (preset, nodes, routing, mode) point: the fleet's requests as one run
+    (``run.results`` in the order served; ``node_of[i]``: the node that served the i-th)."""
 
     run: PolicyRun
     nodes: int
     routing: str
     mode: str
+    node_of: list[int] = field(default_factory=list)
     served: list[int] = field(default_factory=list)
     pool: dict[str, Any] | None = None
     skipped_states: int = 0
@@ -254,24 +257,26 @@ def fleet_policy(trace: Trace, name: str, cfg: ReplayConfig, *, nodes: int, rout
     secret = secrets.token_bytes(32)          # one key for every node: objects are shared
     with contextlib.ExitStack() as stack:
         fleet_nodes = []
-        for _ in range(nodes):
+        for k in range(nodes):
             plane = _NodePlane(pool.view(node_bytes) if pool is not None else None)
             store = build_store(p, cfg, model, trace.block_size, plane, scale, footprint,
                                 hash_secret=secret)
             stack.enter_context(store)
-            fleet_nodes.append(_Node(store, plane))
+            fleet_nodes.append(_Node(k, store, plane))
         loop = _sequential if cfg.discipline == "sequential" else _server
-        run = loop(trace, p, cfg, model, scale, fleet_nodes, router,
+        node_of: list[int] = []
+        run = loop(trace, p, cfg, model, scale, fleet_nodes, router, node_of,
                    progress=progress, label=f"{name} x{nodes} {routing} {mode}")
         run.evictions = sum(n.store.stats()["evictions"] for n in fleet_nodes)
         skipped = sum(n.store._remote.skipped_states for n in fleet_nodes
                       if n.store._remote is not None)
-    return FleetRun(run, nodes, routing, mode, [n.served for n in fleet_nodes],
+    return FleetRun(run, nodes, routing, mode, node_of, [n.served for n in fleet_nodes],
                     pool.stats() if pool is not None else None, skipped)
 
 
 def _server(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: float,
-            nodes: list[_Node], router: Router, *, progress: bool, label: str) -> PolicyRun:
+            nodes: list[_Node], router: Router, node_of: list[int], *, progress: bool,
+            label: str) -> PolicyRun:
     """``sim._run`` with a server per node: the same events, the same admission, each
     request served by the node its routing names and queued behind that node only."""
     run = PolicyRun(p.name, scale=scale)
@@ -305,6 +310,7 @@ def _server(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scal
         done = begin + served.restore_s + served.recompute_s
         node.free = done
         node.served += 1
+        node_of.append(node.index)
         run.results.append(_result(session.id, req, served, arrival, begin - arrival))
         bar.update()
         if i + 1 < len(session.requests):
@@ -323,7 +329,8 @@ def _server(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scal
 
 
 def _sequential(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: float,
-                nodes: list[_Node], router: Router, *, progress: bool, label: str) -> PolicyRun:
+                nodes: list[_Node], router: Router, node_of: list[int], *, progress: bool,
+                label: str) -> PolicyRun:
     """``sim._run_sequential`` over the fleet: every request by trace time, on its node."""
     run = PolicyRun(p.name, scale=scale)
     order = merged_requests(trace)
@@ -341,6 +348,7 @@ def _sequential(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, 
         prompt = _prompt(node.store, req, tokens[req.session], cfg.token_level)
         served = _serve(node.store, node.objects, p, model, scale, prompt, req, run)
         node.served += 1
+        node_of.append(node.index)
         run.results.append(_result(req.session, req, served, req.arrival_s, 0.0))
         if last:
             tokens.pop(req.session, None)
