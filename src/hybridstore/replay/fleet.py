@@ -419,6 +419,14 @@ def fleet(trace: Trace, names: Sequence[str], cfg: ReplayConfig, nodes: Sequence
             "nodes": list(nodes), "rows": rows}
 
 
+def _budget(doc: dict[str, Any]) -> str:
+    """The per-node budgets of a document, in words."""
+    c = doc["config"]
+    if c["budget"] is not None:
+        return f"{c['budget']:.0%} of the KV footprint per node"
+    return f"{c['gpu_gib']:g} / {c['host_gib']:g} / {c['disk_gib']:g} GiB per node"
+
+
 def print_fleet(doc: dict[str, Any]) -> None:
     """One rich table: a row per (preset, routing, mode), hit rate and TTFT per node count."""
     from rich.console import Console
@@ -426,7 +434,8 @@ def print_fleet(doc: dict[str, Any]) -> None:
 
     t = doc["trace"]
     table = Table(title=f"fleet model: {t['name']} ({t['sessions']} sessions, {t['requests']} "
-                        f"requests; {doc['config']['discipline']} discipline; remote pool "
+                        f"requests; {doc['config']['discipline']} discipline, {_budget(doc)}; "
+                        f"remote pool "
                         f"{doc['remote']['gib']:g} GiB, {doc['remote']['gbps']:g} GB/s, "
                         f"{doc['remote']['latency_ms']:g} ms)")
     for col in ("preset", "routing", "remote"):
@@ -478,7 +487,8 @@ def plot_fleet(doc: dict[str, Any], path: str) -> None:
     axes[0].legend(fontsize=7)
     rem = doc["remote"]
     fig.suptitle(f"{doc['trace']['name']}: fleet model ({doc['config']['discipline']} "
-                 f"discipline, {doc['config']['model']}; shared pool {rem['gib']:g} GiB, "
+                 f"discipline, {doc['config']['model']}, {_budget(doc)}; shared pool "
+                 f"{rem['gib']:g} GiB, "
                  f"{rem['gbps']:g} GB/s, {rem['latency_ms']:g} ms)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
