@@ -12,8 +12,13 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from hybridstore.errors import HybridStoreError, MissingExtraError
+
+if TYPE_CHECKING:
+    from hybridstore.replay.sim import ReplayConfig
+    from hybridstore.replay.trace import Trace
 
 
 def _number(kind: type, *, low: float, strict: bool) -> Callable[[str], float]:
@@ -104,6 +109,8 @@ def _replay(args: argparse.Namespace) -> int:
             plot_divergence(docs, args.plot)
         return 0
     trace = traces[0] if len(traces) == 1 else merge(traces)
+    if args.nodes:
+        return _fleet(args, trace, names, cfg)
     # the objects: real bytes (unlimited presets: sizes, as the reference) or sizes only
     plane_for = data_planes(cfg.data_dir) if cfg.data else None
     if budgets is not None:
@@ -122,6 +129,40 @@ def _replay(args: argparse.Namespace) -> int:
         write_json(doc, args.json)
     if args.plot:
         plot(runs, args.plot, title=f"{trace.name} ({cfg.model})")
+    return 0
+
+
+def _fleet(args: argparse.Namespace, trace: Trace, names: list[str], cfg: ReplayConfig) -> int:
+    """``replay --nodes``: the fleet model (``replay/fleet.py``), one document and plot."""
+    from hybridstore.errors import ConfigError
+    from hybridstore.replay.fleet import (
+        MODES,
+        ROUTINGS,
+        RemoteModel,
+        fleet,
+        parse_nodes,
+        plot_fleet,
+        print_fleet,
+        replicate,
+    )
+    from hybridstore.replay.report import write_json
+
+    if args.sweep or args.data:
+        raise ConfigError("--nodes runs the fleet model in accounting mode; it takes neither "
+                          "--sweep nor --data")
+    routings = [r.strip() for r in args.routing.split(",") if r.strip()] if args.routing \
+        else list(ROUTINGS)
+    modes = [m for m, on in (("isolated", args.isolated), ("shared", args.shared)) if on] \
+        or list(MODES)
+    remote = RemoteModel(gib=args.remote_gib, gbps=args.remote_gbps,
+                         latency_ms=args.remote_latency_ms)
+    doc = fleet(replicate(trace, args.replicate), names, cfg, parse_nodes(args.nodes),
+                routings=routings, modes=modes, remote=remote, progress=not args.no_progress)
+    print_fleet(doc)
+    if args.json:
+        write_json(doc, args.json)
+    if args.plot:
+        plot_fleet(doc, args.plot)
     return 0
 
 
@@ -240,6 +281,26 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--divergence", action="store_true",
                      help="instead of a replay: where each request leaves its predecessor's "
                           "prefix, a histogram per trace (--json/--plot get it)")
+    fl = rep.add_argument_group("fleet model (docs/replay.md, The fleet model)")
+    fl.add_argument("--nodes", default=None,
+                    help="instead of one replay: N engine nodes per point, e.g. 1,4,16,64, "
+                         "each with the tier budgets above (--json/--plot get the fleet's)")
+    fl.add_argument("--routing", default=None,
+                    help="round-robin (request by request), affinity (session by session) or "
+                         "both, comma-separated (default: both)")
+    fl.add_argument("--shared", action="store_true",
+                    help="only nodes sharing one remote pool (default: shared and isolated)")
+    fl.add_argument("--isolated", action="store_true",
+                    help="only nodes without a remote tier (default: shared and isolated)")
+    fl.add_argument("--remote-gib", type=_POSITIVE, default=1024.0,
+                    help="the shared pool's capacity, all nodes together (GiB)")
+    fl.add_argument("--remote-gbps", type=_POSITIVE, default=12.5,
+                    help="pool-to-host bandwidth of a restore (GB/s; 12.5 = 100 Gb/s)")
+    fl.add_argument("--remote-latency-ms", type=_NON_NEGATIVE, default=1.0,
+                    help="one round trip per restore that reads from the pool (ms)")
+    fl.add_argument("--replicate", type=_COUNT, default=1,
+                    help="copies of the trace's sessions, each with its own content "
+                         "(replay/fleet.py: replicate)")
     rep.add_argument("--no-progress", action="store_true")
     rep.set_defaults(func=_replay)
     bench = sub.add_parser("bench", help="benchmarks (print JSON and a table)")

@@ -306,7 +306,7 @@ def tiering_of(p: Preset, cfg: ReplayConfig) -> TierPolicy:
 
 def build_store(p: Preset, cfg: ReplayConfig, model: ModelPreset, block_size: int,
                 objects: ObjectPlane | None = None, scale: float = 1.0,
-                footprint: int | None = None) -> HybridStore:
+                footprint: int | None = None, hash_secret: bytes | None = None) -> HybridStore:
     """A store with the preset's policies over tiers of the configured (scaled) sizes.
 
     Args:
@@ -317,11 +317,14 @@ def build_store(p: Preset, cfg: ReplayConfig, model: ModelPreset, block_size: in
         objects: builds the tiers (accounting tiers by default).
         scale: budgets are divided by it.
         footprint: the trace's KV footprint at full size, for ``cfg.budget``.
+        hash_secret: the store's ``StoreConfig.hash_secret`` (stores that share objects,
+            the nodes of ``replay/fleet.py``, need one); None: a fresh one.
     """
     objects = objects or SizedObjects()
     tiers = objects.open_tiers(tier_budgets(p, cfg, scale, footprint))
     store_cfg = StoreConfig(block_size=block_size, policy=p.eviction, checkpoint_policy=p.admission,
-                            tier_policy=p.tier_policy, h2d_gbps=cfg.h2d_gbps, ssd_gbps=cfg.ssd_gbps)
+                            tier_policy=p.tier_policy, h2d_gbps=cfg.h2d_gbps, ssd_gbps=cfg.ssd_gbps,
+                            hash_secret=hash_secret)
     eviction, admission = p.policies(model)
     return HybridStore(store_cfg, tiers=tiers, placement=p.placement(model, block_size),
                        eviction=eviction, admission=admission, tiering=tiering_of(p, cfg))

@@ -235,6 +235,6 @@ class TierCopies:
             finally:
                 self.drain()
         if res.index.checkpoint(ck.key) is ck and ck.tiers & disk_bit and not self.inflight[okey]:
-            for name in res.chain[:-1]:
+            for name in res.chain[:res.chain.index("disk")]:   # the tiers above the SSD
                 if ck.tiers & TIER_BITS[name]:
                     res.drop(okey, name)
