@@ -28,6 +28,7 @@ ENV_CASES: dict[str, tuple[str, str, object]] = {
     "HYBRIDSTORE_POLICY": ("histate", "policy", "histate"),
     "HYBRIDSTORE_TIER_POLICY": ("write-back", "tier_policy", "write-back"),
     "HYBRIDSTORE_DISK_ENGINE": ("posix", "disk_engine", "posix"),
+    "HYBRIDSTORE_DISK_SHARED": ("1", "disk_shared", True),
     "HYBRIDSTORE_IO_THREADS": ("8", "io_threads", 8),
     "HYBRIDSTORE_HASH_SECRET": ("00" * 16 + "ff" * 16, "hash_secret", bytes(16) + b"\xff" * 16),
 }
