@@ -44,9 +44,11 @@ class SGLangRadixCache:
     Args:
         kv_tokens: the KV pool, in tokens.
         mamba_slots: the Mamba pool, in states.
+        tree_core: SGLang's tree core backend, ``"rust"`` (its default) or ``"python"``
+            (the reference implementation; the same decisions, slower, inspectable).
     """
 
-    def __init__(self, kv_tokens: int, mamba_slots: int) -> None:
+    def __init__(self, kv_tokens: int, mamba_slots: int, tree_core: str | None = None) -> None:
         import torch
 
         m = import_sglang(SGLANG_CACHE_MODULES)
@@ -84,7 +86,7 @@ class SGLangRadixCache:
             disable=False, tree_components=(comp.FULL, comp.MAMBA),
             enable_mamba_extra_buffer=False,
             kv_event_lora_names=m["sglang.srt.mem_cache.events"].KvEventLoraNames(),
-            eviction_policy="lru")
+            eviction_policy="lru", tree_core_backend=tree_core)
         self.cache = m["sglang.srt.mem_cache.unified_radix_cache"].UnifiedRadixCache(params=params)
         self.kv_tokens = kv_tokens
         self.skipped = 0
@@ -113,11 +115,14 @@ class SGLangRadixCache:
                     self.kv.free(idx)
                 self.skipped += 1
                 return hit
-            # the matched prefix is in the tree already: insert only reads the new part
-            value = torch.cat([torch.zeros(hit, dtype=idx.dtype), idx])
-            got = self.cache.insert(self._bpc.InsertParams(key=key, value=value, mamba_value=slot))
-            if got.prefix_len > hit:           # KV the tree had beyond the state hit
-                self.kv.free(value[hit:got.prefix_len])
+            # What checkpoint_into_tree does after the prefill: the request's KV row is the
+            # matched prefix's indices then the new ones; the insert frees, itself, the new
+            # indices of [hit, prefix_len) that the tree already held (prev_prefix_len = the
+            # protected prefix), so nothing is freed here but an unused Mamba slot.
+            prefix = self.cache.path_device_indices(match.last_device_node)[:hit]
+            value = torch.cat([prefix.to(idx.dtype), idx])
+            got = self.cache.insert(self._bpc.InsertParams(key=key, value=value, mamba_value=slot,
+                                                           prev_prefix_len=hit))
             if got.mamba_exist:
                 self.mamba.free(slot)
             return hit

@@ -231,5 +231,10 @@ def test_victims_of_one_kind_keep_the_full_order(policy):
     for tier in ("host", "disk"):
         every = list(store._eviction.victims(store.index, tier))
         for kind in ObjectKind:
-            assert list(store._eviction.victims(store.index, tier, kind=kind)) == \
-                [v for v in every if v.kind == kind]
+            got = list(store._eviction.victims(store.index, tier, kind=kind))
+            if kind == ObjectKind.PAGE and store._eviction.states_free_pages:
+                # the checkpoints whose eviction frees pages are named among them
+                assert {v.ref for v in got if v.kind != kind} <= \
+                    {v.ref for v in every if v.kind != kind}
+                got = [v for v in got if v.kind == kind]
+            assert got == [v for v in every if v.kind == kind]
