@@ -207,7 +207,7 @@ def print_calibration(doc: dict[str, Any]) -> None:
         cells = [f"{row[c]:.3f}" + (f" ({row['diverging'][c]})" if c in row.get("diverging", {})
                                     else "") for c in cols]
         table.add_row(f"{row['budget']:.0%}", *cells)
-    Console().print(table)
+    Console(width=max(100, 24 * (len(cols) + 1))).print(table)
 
 
 def plot_calibration(doc: dict[str, Any], path: str) -> None:
