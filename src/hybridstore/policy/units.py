@@ -184,7 +184,9 @@ class UnitEviction(EvictionPolicy):
             done.add(key)
             ck = unit.ck
             neighbours = ([ck.parent] if ck.parent is not None else []) + list(ck.children)
-            if unit.held:
+            if unit.held and (kind != ObjectKind.PAGE or unit.pages.size):
+                # for page room only a unit that frees pages: a checkpoint whose KV other
+                # checkpoints still need frees none
                 yield Victim(ObjectKind.STATE, key)
             for nid in unit.pages.tolist():
                 if nid not in offered:
