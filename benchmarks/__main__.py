@@ -29,7 +29,8 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     run_calibration(trace_spec=args.trace, budgets=parse_budgets(args.budgets),
                     presets=[p.strip() for p in args.policy.split(",") if p.strip()],
-                    max_requests=args.max_requests, json_path=args.json)
+                    max_requests=args.max_requests, json_path=args.json, plot_path=args.plot,
+                    pools=args.pools)
     return 0
 
 
@@ -64,7 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--policy", default="sglang-hicache,vllm-marconi,histate",
                      help="presets to compare")
     cal.add_argument("--max-requests", type=int, default=None)
+    cal.add_argument("--pools", default="preset", choices=("preset", "unified", "split"),
+                     help="how KV and states share the budget (as in hybridstore replay)")
     cal.add_argument("--json", default=None, help="write the document here")
+    cal.add_argument("--plot", default=None, help="write hit rate against budget here (PNG)")
     cal.set_defaults(func=_calibrate)
     return parser
 

@@ -9,14 +9,17 @@ ratio`` 0.9), through
   pools (``HybridReqToTokenPool`` / ``HybridLinearKVPool`` / ``TokenToKVPoolAllocator``),
   page size 1 without the Mamba extra buffer (SGLang requires page size 1 there: its
   ``MambaComponent``), LRU: per request ``match_prefix``, then KV and a Mamba slot for
-  the rest (``evict`` when a pool is short), then ``insert`` of the prompt with its state
-  at the prompt's end, the matched prefix locked meanwhile (what ``cache_unfinished_req``
-  does after a prefill);
+  the rest (``evict`` when a pool is short; a prompt longer than the KV pool is not
+  stored), then ``insert`` of the prompt with its state at the prompt's end, the matched
+  prefix locked meanwhile, as ``checkpoint_into_tree`` does after a prefill: the request's
+  KV row is the matched prefix's indices then fresh ones, and the insert itself frees the
+  fresh indices of what the tree already held (``prev_prefix_len``);
 * hybridstore's replay with a preset, over one accounting tier split the same way.
 
-It prints, per budget, SGLang's token hit rate and each preset's, as JSON and a table.
-What it does not model of SGLang: chunked prefill with the extra buffer (states at chunk
-ends, page size 64), decode-time states, host and storage tiers.
+It prints, per budget, SGLang's token hit rate and each preset's, with the requests whose
+hit differs from SGLang's by a block or more, as JSON, a table and a PNG.  What it does not
+model of SGLang: chunked prefill with the extra buffer (states at chunk ends, page size 64),
+decode-time states, host and storage tiers.
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ class SGLangRadixCache:
     Args:
         kv_tokens: the KV pool, in tokens.
         mamba_slots: the Mamba pool, in states.
+        tree_core: SGLang's tree core backend, ``"rust"`` (its default) or ``"python"``
+            (the reference implementation; the same decisions, slower, inspectable).
     """
 
-    def __init__(self, kv_tokens: int, mamba_slots: int) -> None:
+    def __init__(self, kv_tokens: int, mamba_slots: int, tree_core: str | None = None) -> None:
         import torch
 
         m = import_sglang(SGLANG_CACHE_MODULES)
@@ -84,7 +89,7 @@ class SGLangRadixCache:
             disable=False, tree_components=(comp.FULL, comp.MAMBA),
             enable_mamba_extra_buffer=False,
             kv_event_lora_names=m["sglang.srt.mem_cache.events"].KvEventLoraNames(),
-            eviction_policy="lru")
+            eviction_policy="lru", tree_core_backend=tree_core)
         self.cache = m["sglang.srt.mem_cache.unified_radix_cache"].UnifiedRadixCache(params=params)
         self.kv_tokens = kv_tokens
         self.skipped = 0
@@ -113,11 +118,14 @@ class SGLangRadixCache:
                     self.kv.free(idx)
                 self.skipped += 1
                 return hit
-            # the matched prefix is in the tree already: insert only reads the new part
-            value = torch.cat([torch.zeros(hit, dtype=idx.dtype), idx])
-            got = self.cache.insert(self._bpc.InsertParams(key=key, value=value, mamba_value=slot))
-            if got.prefix_len > hit:           # KV the tree had beyond the state hit
-                self.kv.free(value[hit:got.prefix_len])
+            # What checkpoint_into_tree does after the prefill: the request's KV row is the
+            # matched prefix's indices then the new ones; the insert frees, itself, the new
+            # indices of [hit, prefix_len) that the tree already held (prev_prefix_len = the
+            # protected prefix), so nothing is freed here but an unused Mamba slot.
+            prefix = self.cache.path_device_indices(match.last_device_node)[:hit]
+            value = torch.cat([prefix.to(idx.dtype), idx])
+            got = self.cache.insert(self._bpc.InsertParams(key=key, value=value, mamba_value=slot,
+                                                           prev_prefix_len=hit))
             if got.mamba_exist:
                 self.mamba.free(slot)
             return hit
@@ -125,8 +133,9 @@ class SGLangRadixCache:
             self.cache.unlock(lock)
 
 
-def sglang_hits(trace: Trace, cfg: ReplayConfig) -> list[int]:
-    """Per-request hits of SGLang's own cache, in the sequential discipline's order."""
+def sglang_run(trace: Trace, cfg: ReplayConfig) -> tuple[list[int], int]:
+    """Per-request hits of SGLang's own cache, in the sequential discipline's order, and the
+    number of requests it could not hold (a prompt longer than its KV pool)."""
     assert cfg.budget is not None
     model = model_preset(cfg.model)
     footprint = kv_footprint(trace, cfg, model)
@@ -137,54 +146,111 @@ def sglang_hits(trace: Trace, cfg: ReplayConfig) -> list[int]:
     if cfg.max_requests is not None:
         order = order[:cfg.max_requests]
     tokens = {s.id: session_tokens(s) for s in trace.sessions}
-    return [cache.serve(next(tokens[r.session])) for r in order]
+    return [cache.serve(next(tokens[r.session])) for r in order], cache.skipped
+
+
+def sglang_hits(trace: Trace, cfg: ReplayConfig) -> list[int]:
+    """Per-request hits of SGLang's own cache (:func:`sglang_run`)."""
+    return sglang_run(trace, cfg)[0]
 
 
 def calibrate(trace: Trace, budgets: Sequence[float], presets: Sequence[str] = DEFAULT_PRESETS,
-              *, max_requests: int | None = None, mamba_ratio: float = 0.9) -> dict[str, Any]:
-    """Token hit rates of SGLang's cache and of each preset at each budget (sequential)."""
+              *, max_requests: int | None = None, mamba_ratio: float = 0.9,
+              pools: str = "preset") -> dict[str, Any]:
+    """Token hit rates of SGLang's cache and of each preset at each budget (sequential).
+
+    Each row has the hit rates (``sglang_radix_cache`` and one per preset), and per preset
+    ``diverging``: the requests whose hit differs from SGLang's by a block or more, and
+    ``refused``: requests longer than the KV pool, which neither stores.
+    """
     rows = []
     for budget in budgets:
         cfg = ReplayConfig(discipline="sequential", budget=budget, max_requests=max_requests,
-                           mamba_ratio=mamba_ratio)
+                           mamba_ratio=mamba_ratio, pools=pools)
         t0 = time.perf_counter()
-        hits = sglang_hits(trace, cfg)
+        hits, skipped = sglang_run(trace, cfg)
         runs = replay(trace, list(presets), cfg, progress=False)
         inp = sum(r.input_tokens for r in next(iter(runs.values())).results)
         row: dict[str, Any] = {"budget": budget, "sglang_radix_cache": sum(hits) / inp}
+        diverging: dict[str, int] = {}
+        refused: dict[str, int] = {"sglang_radix_cache": skipped}
         for name, run in runs.items():
             row[name] = run.summary()["token_hit_rate"]
+            diverging[name] = sum(abs(r.hit_tokens - h) >= trace.block_size
+                                  for r, h in zip(run.results, hits))
+            refused[name] = run.refused
+        row["diverging"], row["refused"] = diverging, refused
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
     return {"trace": trace.name, "requests": max_requests or trace.n_requests,
-            "discipline": "sequential", "mamba_ratio": mamba_ratio, "rows": rows}
+            "discipline": "sequential", "mamba_ratio": mamba_ratio, "pools": pools,
+            "rows": rows}
+
+
+def _rate_columns(doc: dict[str, Any]) -> list[str]:
+    row = doc["rows"][0]
+    return [k for k, v in row.items() if isinstance(v, float) and k not in ("budget", "seconds")]
 
 
 def print_calibration(doc: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    cols = [k for k in doc["rows"][0] if k not in ("budget", "seconds")]
-    table = Table(title=f"token hit rate, {doc['trace']} ({doc['requests']} requests, sequential)")
+    cols = _rate_columns(doc)
+    table = Table(title=f"token hit rate, {doc['trace']} ({doc['requests']} requests, "
+                        f"sequential, pools {doc.get('pools', 'preset')}; in brackets: requests "
+                        "whose hit differs from SGLang's by a block or more)")
     table.add_column("budget")
     for c in cols:
         table.add_column(c, justify="right")
     for row in doc["rows"]:
-        table.add_row(f"{row['budget']:.0%}", *(f"{row[c]:.3f}" for c in cols))
-    Console().print(table)
+        cells = [f"{row[c]:.3f}" + (f" ({row['diverging'][c]})" if c in row.get("diverging", {})
+                                    else "") for c in cols]
+        table.add_row(f"{row['budget']:.0%}", *cells)
+    Console(width=max(100, 24 * (len(cols) + 1))).print(table)
+
+
+def plot_calibration(doc: dict[str, Any], path: str) -> None:
+    """Token hit rate against budget: SGLang's own cache and every preset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = [100 * r["budget"] for r in doc["rows"]]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for c in _rate_columns(doc):
+        sglang = c == "sglang_radix_cache"
+        ax.plot(budgets, [r[c] for r in doc["rows"]], marker="o",
+                label="SGLang UnifiedRadixCache (its own code)" if sglang else c,
+                color="black" if sglang else None, linewidth=2.5 if sglang else 1.5,
+                linestyle="--" if sglang else "-", zorder=3 if sglang else 2)
+    ax.set_xlabel("budget (% of the KV footprint; + Mamba pool x mamba_ratio)")
+    ax.set_ylabel("token hit rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{doc['trace']}: {doc['requests']} requests, sequential, "
+                 f"pools {doc.get('pools', 'preset')}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def run_calibration(*, trace_spec: str | None, budgets: Sequence[float],
                     presets: Sequence[str], max_requests: int | None,
-                    json_path: str | None) -> dict[str, Any]:
+                    json_path: str | None, plot_path: str | None = None,
+                    pools: str = "preset") -> dict[str, Any]:
     from hybridstore.replay.loaders import load
     from hybridstore.replay.samples import weka_sample
 
     doc = calibrate(load(trace_spec or str(weka_sample())), budgets, presets,
-                    max_requests=max_requests)
+                    max_requests=max_requests, pools=pools)
     print_calibration(doc)
     print(json.dumps(doc, indent=2))
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(doc, fh, indent=2)
+    if plot_path:
+        plot_calibration(doc, plot_path)
     return doc

@@ -90,7 +90,8 @@ def test_plain_lru_strands_checkpoints_without_their_kv():
     assert stranded("lru-vllm") > 0
 
 
-@pytest.mark.parametrize("policy", ["lru", "lru-refresh", "histate", "flashstates", "marconi"])
+@pytest.mark.parametrize("policy", ["lru", "lru-refresh", "histate", "flashstates", "marconi",
+                                    "lru-radix"])
 def test_dependency_aware_policies_never_strand_a_checkpoint(policy):
     assert stranded(policy) == 0
 
@@ -231,5 +232,44 @@ def test_victims_of_one_kind_keep_the_full_order(policy):
     for tier in ("host", "disk"):
         every = list(store._eviction.victims(store.index, tier))
         for kind in ObjectKind:
-            assert list(store._eviction.victims(store.index, tier, kind=kind)) == \
-                [v for v in every if v.kind == kind]
+            got = list(store._eviction.victims(store.index, tier, kind=kind))
+            if kind == ObjectKind.PAGE and store._eviction.states_free_pages:
+                # the checkpoints whose eviction frees pages are named among them
+                assert {v.ref for v in got if v.kind != kind} <= \
+                    {v.ref for v in every if v.kind != kind}
+                got = [v for v in got if v.kind == kind]
+            assert got == [v for v in every if v.kind == kind]
+
+
+def test_plain_lru_takes_a_prompts_tail_before_its_head():
+    """vLLM's block pool frees a request's blocks in reverse: among pages used at the same
+    time the deepest goes first (the head is what every later page needs)."""
+    store = store_for("lru-vllm")
+    prompt = store.prefix(np.arange(5_000_000, 5_000_200))
+    store.put_kv_sized(prompt, nbytes=PAGE)
+    order = [int(v.ref) for v in store._eviction.victims(store.index, "host", ObjectKind.PAGE)]
+    assert order == store.index._walk_ids(prompt).tolist()[::-1]
+
+
+def test_radix_lru_evicts_the_least_recently_used_leaf_with_its_state():
+    """SGLang's KV eviction (``UnifiedRadixCache``, split pools): the least recently used
+    leaf goes, its Mamba state with it, and no more than the allocation needs; the older
+    session's inner state, its path and a newer session stay.  Plain LRU drops the leaf's
+    KV and strands its state in the state pool."""
+    from tests.policy.sessions import make_store
+
+    for policy in ("lru-radix", "lru-vllm"):
+        store = make_store(policy, state_slots=4)      # KV pool: 4 x 1024 tokens, 4 states
+        a, b, c = Session(store, "A"), Session(store, "B"), Session(store, "C")
+        a.turn(1, 1000)
+        a.turn(2, 480)                                 # A's leaf: [1000, 1480), state S2
+        b.turn(1, 1000)
+        c.turn(1, 2000)                                # needs ~430 tokens of A's leaf
+        if policy == "lru-vllm":
+            assert a.has(2) and a.resume_if_appended() < a.ends[2]    # stranded
+            continue
+        assert not a.has(2) and a.has(1)
+        assert a.resume_if_appended() == 1000          # S1 and its whole path stay
+        assert b.resume_if_appended() == 1000 and c.resume_if_appended() == 2000
+        # only the leaf's state and as many of its pages as the allocation needed
+        assert store.stats()["evictions"] <= 1 + (480 // 16 + 1)

@@ -6,6 +6,7 @@ eviction            ranking
 ``lru``             dependency-aware LRU, reclaimable pages first (a request's
                     KV awaiting its checkpoint last)
 ``lru-vllm``        plain per-object LRU, not dependency-aware (vLLM)
+``lru-radix``       SGLang's radix LRU: least recently used leaf, its state with it
 ``lru-refresh``     ``lru`` whose hits refresh the whole checkpoint chain
 ``marconi``         recency + alpha * FLOP efficiency (Marconi)
 ``histate``         HiState eq. 7 over checkpoints and terminal bundles
@@ -36,6 +37,7 @@ from hybridstore.policy.flashstates import FlashStatesAdmission, FlashStatesEvic
 from hybridstore.policy.histate import HiStateEviction
 from hybridstore.policy.intervals import AdaptiveInterval, FixedInterval
 from hybridstore.policy.lru import LRUEviction
+from hybridstore.policy.lru_radix import RadixLRUEviction
 from hybridstore.policy.lru_refresh import LRURefreshEviction
 from hybridstore.policy.lru_vllm import PlainLRUEviction
 from hybridstore.policy.marconi import MarconiEviction
@@ -45,6 +47,7 @@ from hybridstore.policy.units import PrefillCost
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUEviction,
     "lru-vllm": PlainLRUEviction,
+    "lru-radix": RadixLRUEviction,
     "lru-refresh": LRURefreshEviction,
     "marconi": MarconiEviction,
     "histate": HiStateEviction,
@@ -102,5 +105,5 @@ __all__ = ["ADMISSION_POLICIES", "AdaptiveInterval", "AdmissionPolicy", "BlockAl
            "BranchPoints", "Compose", "EVICTION_POLICIES", "EvictionPolicy", "FixedInterval",
            "FlashStatesAdmission", "FlashStatesEviction", "HiStateEviction", "KeepAll",
            "LRUEviction", "LRURefreshEviction", "MarconiEviction", "PLACEMENT_POLICIES",
-           "PlacementPolicy", "PlainLRUEviction", "PrefillCost", "RequestEnd", "ResidenceStats",
-           "SemanticAnchors", "Victim", "admission_policy", "eviction_policy", "placement_policy"]
+           "PlacementPolicy", "PlainLRUEviction", "PrefillCost", "RadixLRUEviction", "RequestEnd",
+           "ResidenceStats", "SemanticAnchors", "Victim", "admission_policy", "eviction_policy", "placement_policy"]

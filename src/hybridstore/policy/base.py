@@ -96,10 +96,19 @@ class EvictionPolicy(ABC):
             first, FlashStates' hybrid-state unit); when False pages go in
             plain policy order and checkpoints may be left without their KV
             (the dependency misses vLLM and SGLang show).
+        room_slack, states_free_pages: see below.
     """
 
     name: str = "eviction"
     dependency_aware: bool = True
+    room_slack: float = 1 / 32
+    """Room freed beyond a put's need, as a fraction of the tier (or of its partition):
+    one eviction pass then serves many puts.  An engine's own eviction frees what the
+    allocation needs and no more (``0``)."""
+    states_free_pages: bool = False
+    """Its page ranking (``kind=PAGE``) also names the checkpoints whose eviction frees
+    pages, where the engine frees a state with its KV (SGLang's radix leaves); the store
+    counts only the pages freed towards the room asked for."""
 
     def on_hit(self, index: HybridIndex, checkpoint: Checkpoint) -> None:  # noqa: B027
         """Called after a resume from ``checkpoint`` (e.g. to refresh ancestors)."""
@@ -107,7 +116,8 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def victims(self, index: HybridIndex, tier: str, kind: ObjectKind | None = None, *,
                 keep_needed: bool = False) -> Iterator[Victim]:
-        """Objects held by ``tier`` (only those of ``kind``, when given), first to evict first.
+        """Objects held by ``tier`` (only those of ``kind``, when given, but for the
+        checkpoints a ``states_free_pages`` policy names for pages), first to evict first.
 
         ``keep_needed``: the store will keep the last copy of every page a
         retained checkpoint needs (a dependency-aware policy and no tier below

@@ -67,6 +67,14 @@ class HiStateEviction(UnitEviction):
     """
 
     name = "histate"
+    states_free_pages = True
+    """Eq. 7 ranks checkpoints and terminal bundles against each other whatever the pool:
+    with the KV and the states in separate pools (SGLang's), making KV room evicts the
+    units that free KV in that order, a bundle's checkpoint with its last KV segment
+    (SGLang frees a radix leaf with its state; an intermediate checkpoint frees no KV and
+    is not offered for it).  Without it a KV pool full of pages that retained checkpoints need frees only
+    reclaimable pages, the current request's own KV first, while the checkpoints that pin
+    the rest sit in the other pool under no pressure."""
 
     def __init__(self, *, tau: float | None = None, kv_bytes_per_token: float | None = None,
                  terminal_prob: float = 0.5, ema: float = 0.05) -> None:

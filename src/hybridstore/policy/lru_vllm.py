@@ -10,7 +10,9 @@ dependency-aware order.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator
+from itertools import repeat
 
 import numpy as np
 
@@ -27,21 +29,25 @@ class PlainLRUEviction(EvictionPolicy):
 
     def victims(self, index: HybridIndex, tier: str, kind: ObjectKind | None = None, *,
                 keep_needed: bool = False) -> Iterator[Victim]:
-        """Objects of ``tier`` by last access (only those of ``kind``, when given)."""
+        """Objects of ``tier`` by last access (only those of ``kind``, when given); pages
+        used at the same time go deepest first (the order of :func:`~hybridstore.policy.base.lru_order`:
+        vLLM's block pool frees a request's blocks in reverse, so its tail is evicted
+        before its head, without which the tail is useless)."""
         bit = TIER_BITS[tier]
-        if kind == ObjectKind.STATE:
-            pages = {"ids": np.zeros(0, np.int64), "atime": np.zeros(0, np.int64)}
-        else:
+        page_ids: list[int] = []
+        page_atime: list[int] = []
+        if kind != ObjectKind.STATE:
             pages = index.page_table(tier)
-        cks = ([] if kind == ObjectKind.PAGE
-               else [ck for ck in index.checkpoints() if ck.tiers & bit])
-        ids = pages["ids"].tolist()
-        n = len(ids)
-        atime = np.concatenate([pages["atime"],
-                                np.fromiter((ck.atime for ck in cks), np.int64, len(cks))])
-        page, state = ObjectKind.PAGE, ObjectKind.STATE
-        for i in np.argsort(atime, kind="stable").tolist():
-            yield Victim(page, ids[i]) if i < n else Victim(state, cks[i - n].key)
+            order = np.lexsort((-pages["block"], pages["atime"]))   # lru_order's ranking
+            page_ids = pages["ids"][order].tolist()
+            page_atime = pages["atime"][order].tolist()
+        states: list[tuple[int, ObjectKind, int | bytes]] = [] if kind == ObjectKind.PAGE \
+            else sorted(((ck.atime, ObjectKind.STATE, ck.key) for ck in index.checkpoints()
+                         if ck.tiers & bit), key=lambda t: t[0])
+        ranked: Iterator[tuple[int, ObjectKind, int | bytes]] = zip(
+            page_atime, repeat(ObjectKind.PAGE), page_ids)
+        for _, kind_, ref in heapq.merge(ranked, states, key=lambda t: t[0]):
+            yield Victim(kind_, ref)
 
 
 __all__ = ["PlainLRUEviction"]

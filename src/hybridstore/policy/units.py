@@ -149,9 +149,11 @@ class UnitEviction(EvictionPolicy):
 
     def victims(self, index: HybridIndex, tier: str, kind: ObjectKind | None = None, *,
                 keep_needed: bool = False) -> Iterator[Victim]:
-        """Objects of ``tier`` in eviction order (only those of ``kind``, when given)."""
+        """Objects of ``tier`` in eviction order (only those of ``kind``, when given; for
+        pages also the units' checkpoints when :attr:`states_free_pages`)."""
+        units_for_pages = kind == ObjectKind.PAGE and self.states_free_pages
         for victim in self._ranked(index, tier, kind):
-            if kind is None or victim.kind == kind:
+            if kind is None or victim.kind == kind or units_for_pages:
                 yield victim
 
     def _ranked(self, index: HybridIndex, tier: str, kind: ObjectKind | None) -> Iterator[Victim]:
@@ -182,7 +184,9 @@ class UnitEviction(EvictionPolicy):
             done.add(key)
             ck = unit.ck
             neighbours = ([ck.parent] if ck.parent is not None else []) + list(ck.children)
-            if unit.held:
+            if unit.held and (kind != ObjectKind.PAGE or unit.pages.size):
+                # for page room only a unit that frees pages: a checkpoint whose KV other
+                # checkpoints still need frees none
                 yield Victim(ObjectKind.STATE, key)
             for nid in unit.pages.tolist():
                 if nid not in offered:

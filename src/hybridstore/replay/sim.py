@@ -55,8 +55,9 @@ import numpy as np
 from tqdm import tqdm
 
 from hybridstore.config import StoreConfig
-from hybridstore.errors import ConfigError
+from hybridstore.errors import CapacityError, ConfigError
 from hybridstore.index.prefix import PrefixKeys
+from hybridstore.objects import TIER_ORDER, ObjectKind
 from hybridstore.policy.tiering import TierPolicy, tier_policy
 from hybridstore.replay.model_presets import ModelPreset, model_preset
 from hybridstore.replay.planes import ObjectPlane, SizedObjects, TierBudget
@@ -202,6 +203,7 @@ class PolicyRun:
     lookups: int = 0
     scale: float = 1.0
     data: dict[str, Any] | None = None
+    refused: int = 0
 
     def summary(self) -> dict[str, Any]:
         """The per-policy figures the CLI prints and writes to JSON."""
@@ -225,7 +227,7 @@ class PolicyRun:
             "restored_bytes": restored, "evictions": self.evictions,
             "requests_per_s": len(res) / self.wall_s if self.wall_s else 0.0,
             "block_lookups_per_s": self.lookups / self.wall_s if self.wall_s else 0.0,
-            "scale": self.scale,
+            "scale": self.scale, "refused_requests": self.refused,
         }
 
 
@@ -379,15 +381,40 @@ class _Served:
     measured_restore_s: float | None
 
 
+def kv_pool_pages(store: HybridStore, p: Preset, cfg: ReplayConfig, page_bytes: int) -> int | None:
+    """The engine's KV pool in pages: what pages may take of the store's fastest tier (all
+    of it, or its page partition under split pools); ``None`` for the unlimited reference."""
+    if p.unlimited:
+        return None
+    tier = store.tiers[next(name for name in TIER_ORDER if name in store.tiers)]
+    share = tiering_of(p, cfg).share(ObjectKind.PAGE)
+    return int((1.0 if share is None else share) * tier.capacity_bytes) // tier.charge(page_bytes)
+
+
 def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPreset, scale: float,
-           prompt: PrefixKeys, req: Request, run: PolicyRun) -> _Served:
+           prompt: PrefixKeys, req: Request, run: PolicyRun, kv_pool: int | None = None) -> _Served:
     """One request, as the engine serves it in either discipline: match, restore, then put
-    the pages of the recomputed segment and the checkpoints the placement asks for."""
+    the pages of the recomputed segment and the checkpoints the placement asks for.
+
+    Under a KV pool (``kv_pool``, in pages; ``None`` for the unlimited reference) the engine
+    first allocates fresh KV for the whole segment it computes, ``[plan.position, len)``,
+    with the resumed prefix locked (:func:`_allocate`), as SGLang and vLLM do: KV the cache
+    held past the resume point is not reused by the prefill, and it may be evicted by that
+    allocation like any other.  A prompt whose KV alone exceeds the pool cannot be prefilled
+    with its KV resident: an engine refuses it (SGLang aborts a prompt longer than its
+    ``max_total_tokens``; vLLM cannot schedule more blocks than its pool holds), so it is
+    served from its match and nothing of it is stored (``run.refused`` counts them);
+    storing it would flush the whole pool for a prompt that cannot stay.
+    """
     plan = store.match(prompt)
     run.lookups += prompt.nblocks
     cost = store.restore_cost(plan)
+    page_bytes = model.page_bytes(prompt.block_size)
+    refused = kv_pool is not None and prompt.nblocks > kv_pool
     try:
         measured = objects.restore(store, plan) if plan.position else None
+        if kv_pool is not None and not refused:
+            _allocate(store, prompt, plan.position, page_bytes)
     finally:
         store.release(plan)
     # The simulated clock runs on the modeled restore, in data mode too.
@@ -396,10 +423,27 @@ def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPres
     hints = list(req.anchors) if p.anchors else []
     if p.branch and plan.position < plan.kv_tokens < prompt.length:
         hints.append(plan.kv_tokens)
-    _put_segment(store, objects, prompt, plan.position, hints, model.page_bytes(prompt.block_size),
-                 model.checkpoint_bytes)
+    if refused:
+        run.refused += 1
+    else:
+        _put_segment(store, objects, prompt, plan.position, hints, page_bytes,
+                     model.checkpoint_bytes)
     return _Served(plan.position, restore_s, recompute_s,
                    {t: round(n * scale) for t, (n, _) in cost.items()}, measured)
+
+
+def _allocate(store: HybridStore, prompt: PrefixKeys, cached: int, page_bytes: int) -> None:
+    """The engine's KV allocation for the segment ``[cached, len)`` it is about to compute:
+    room for its pages in the fastest tier, the resumed prefix pinned by the caller's plan.
+    Best effort: where everything left is pinned or needed, the put makes what room it can."""
+    pages = prompt.nblocks - cached // prompt.block_size
+    if pages <= 0:
+        return
+    tier = store.tiers[next(name for name in TIER_ORDER if name in store.tiers)]
+    try:
+        store.make_room(pages * tier.charge(page_bytes), ObjectKind.PAGE)
+    except CapacityError:
+        pass
 
 
 def _result(session: str, req: Request, served: _Served, arrival: float,
@@ -439,13 +483,14 @@ def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: 
     server_free = 0.0
     t0 = time.perf_counter()
     bar = tqdm(total=total, desc=f"replay {name}", unit="req", disable=not progress, leave=False)
+    kv_pool = kv_pool_pages(store, p, cfg, model.page_bytes(trace.block_size))
     with store:
         while events and len(run.results) < total:
             arrival, _, session, i = heapq.heappop(events)
             req = session.requests[i]
             prompt = _prompt(store, req, tokens[session.id], cfg.token_level)
             begin = max(arrival, server_free)
-            served = _serve(store, objects, p, model, scale, prompt, req, run)
+            served = _serve(store, objects, p, model, scale, prompt, req, run, kv_pool)
             done = begin + served.restore_s + served.recompute_s
             server_free = done
             run.results.append(_result(session.id, req, served, arrival, begin - arrival))
@@ -479,6 +524,7 @@ def _run_sequential(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPres
         order = order[:cfg.max_requests]
     by_id = {s.id: s for s in trace.sessions}
     tokens: dict[str, Iterator[np.ndarray]] = {}
+    kv_pool = kv_pool_pages(store, p, cfg, model.page_bytes(trace.block_size))
     t0 = time.perf_counter()
     with store:
         for req in tqdm(order, desc=f"replay {p.name} (sequential)", unit="req",
@@ -487,7 +533,7 @@ def _run_sequential(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPres
             if req.session not in tokens:
                 tokens[req.session] = session_tokens(session) if cfg.token_level else iter(())
             prompt = _prompt(store, req, tokens[req.session], cfg.token_level)
-            served = _serve(store, objects, p, model, scale, prompt, req, run)
+            served = _serve(store, objects, p, model, scale, prompt, req, run, kv_pool)
             run.results.append(_result(req.session, req, served, req.arrival_s, 0.0))
             if req.index + 1 == len(session.requests):
                 tokens.pop(req.session, None)

@@ -15,9 +15,14 @@ preset              models
 ``vllm-cpu``        the same with vLLM's CPU offloading: write-through to DRAM,
                     LRU per tier
 ``vllm-disk``       vLLM CPU + disk offloading: write-through to DRAM and SSD
-``sglang-hicache``  SGLang's Mamba radix cache with HiCache: a checkpoint every
-                    256 tokens (+ request end aligned to a block), about half of
-                    each tier for states (static partition), LRU
+``sglang-hicache``  SGLang 0.5.23's ``UnifiedRadixCache`` (FULL + MAMBA, no extra
+                    buffer: one state at each prompt's end), its split KV and
+                    Mamba pools (static partition; ``mamba_ratio / (1 + ratio)``
+                    for states under a budget), its radix LRU (``lru-radix``:
+                    least recently used leaf with its state, state LRU for the
+                    Mamba pool, no slack); HiCache's host tiers write-through.
+                    Calibrated against SGLang's own cache
+                    (``python -m benchmarks calibrate``, docs/replay.md)
 ``marconi``         Marconi: checkpoints at turn ends and branch points only;
                     eviction by recency + FLOP efficiency (α = 1)
 ``flashstates``     FlashStates: exact request-end checkpoints (ASC), hybrid
@@ -130,8 +135,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            placement=_place(("block-aligned", {"block_size": "$B"}))),
     Preset(name="vllm-disk", eviction="lru-vllm", tiers=("device", "host", "disk"),
            placement=_place(("block-aligned", {"block_size": "$B"}))),
-    Preset(name="sglang-hicache", eviction="lru-vllm", tier_policy="partition",
-           placement=_place(("interval", {"interval": 256}), ("block-aligned", {"block_size": "$B"}))),
+    Preset(name="sglang-hicache", eviction="lru-radix", tier_policy="partition",
+           placement=_place(("request-end", {}))),
     Preset(name="marconi", eviction="marconi", tiers=("device", "host"), tier_policy="write-back",
            branch=True, placement=_place(("marconi", {})),
            params=lambda model: {"eviction": {"flops": _flops(model)}}),

@@ -107,12 +107,12 @@ class Evictor:
                 f"({t.capacity_bytes} bytes); raise its budget")
         if res.room(tier, kind) >= need:
             return
-        # Free a few percent of the tier (or two objects) beyond the need, so that one
-        # eviction pass serves many puts: a pass ranks every object of the tier.
+        # Free a few percent of the tier (the policy's ``room_slack``) beyond the need, so
+        # that one eviction pass serves many puts: a pass ranks every object of the tier.
         self.copies.drain()
         partition = kind if res.tiering.state_share is not None else None
         share = res.tiering.share(partition) if partition is not None else None
-        slack = int((share or 1.0) * t.capacity_bytes) // 32
+        slack = int((share or 1.0) * t.capacity_bytes * self.policy.room_slack)
         self.evict(tier, need - res.room(tier, kind) + slack, partition)
         if res.room(tier, kind) < need and self.copies.pending:
             # Objects whose disk write is still in flight cannot leave DRAM yet.
@@ -185,8 +185,9 @@ class Evictor:
         """
         freed = 0
         follow = self.policy.dependency_aware and kind != ObjectKind.STATE
+        other = 0                 # bytes of another kind than ``kind`` freed on the way
         for attempt in range(8):  # a fresh ranking may find more (pages made reclaimable)
-            before = freed
+            before = freed + other
             victims, made = self._ranking(tier, kind, fresh=attempt > 0)
             for victim in victims:
                 if victim.kind == ObjectKind.PAGE:
@@ -198,7 +199,10 @@ class Evictor:
                     continue
                 exclusive = self._exclusive_pages(victim) if follow else _NO_PAGES
                 got = self.evict_one(victim, tier)
-                freed += got
+                if kind is None or victim.kind == kind:
+                    freed += got
+                else:   # a checkpoint evicted for page room frees pages only through its own
+                    other += got
                 if freed >= nbytes:
                     return freed
                 if got and exclusive.size:
@@ -208,7 +212,7 @@ class Evictor:
                     if freed >= nbytes:
                         return freed
             self._rankings.pop((tier, kind), None)
-            if freed == before and attempt:
+            if freed + other == before and attempt:
                 break
         return freed
 

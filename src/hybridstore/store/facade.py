@@ -657,6 +657,21 @@ class HybridStore:
             self._refresh()
             return self._evictor.evict(tier, nbytes)
 
+    def make_room(self, nbytes: int, kind: ObjectKind = ObjectKind.PAGE) -> None:
+        """Evict from the fastest tier until ``nbytes`` of ``kind`` fit (its partition, if
+        the tier policy splits it): an engine's allocation before a prefill, which computes
+        its new segment into fresh KV whatever the cache held past the resume point.
+
+        Raises:
+            ObjectTooLargeError: ``nbytes`` exceeds the whole tier.
+            CapacityError: what is left is pinned by live plans or needed.
+        """
+        nbytes = args.whole(nbytes, "nbytes")
+        with self._lock:
+            self._check_open()
+            self._copies.drain()
+            self._evictor.make_room(self._res.chain[0], nbytes, ObjectKind(kind))
+
     # -- engine helpers -------------------------------------------------------------
     def checkpoint_positions(self, *, cached: int, length: int, anchors: Sequence[int] = ()) -> list[int]:
         """Positions of a new segment ``(cached, length]`` where the engine should capture states."""

@@ -1,0 +1,116 @@
+"""SGLang's radix-tree LRU (``UnifiedRadixCache`` with FULL + MAMBA components, LRU).
+
+What SGLang 0.5.23's tree core does (``unified_cache/unified_tree_core.py``,
+``components/full.py`` and ``components/mamba.py``), and how this policy ranks it:
+
+* **KV eviction** (the KV pool is short) takes the least recently used *leaf*:
+  ``FullComponent`` keeps a heap of device leaves by ``last_access_time``; a match
+  touches the matched path, an insert the whole inserted path, so a parent is never
+  older than its child.  The leaf goes whole, with the Mamba state at its end
+  (``_delete_unbacked_device_leaf``): SGLang never keeps a state without its KV.
+  Here: pages in least-recently-used order, deepest first among equal times (a
+  prompt's tail before its head, :func:`~hybridstore.policy.base.lru_order`); a page
+  no retained checkpoint needs is offered itself, a page a checkpoint needs is
+  offered as that checkpoint, which the store evicts together with the pages only
+  it needed (the leaf back to where another retained state shares the path).
+* **Mamba eviction** (the Mamba pool is short) takes the least recently used state
+  (``MambaComponent``'s LRU list: a match refreshes only the state it resumes from,
+  an insert the state it adds), whether it ends a leaf or sits inside the path.
+* **No slack**: SGLang frees what the allocation needs (in whole leaves) and no more.
+
+Where it differs from SGLang: the unit is a page (64 tokens in the replay), not a
+token; a leaf is freed page by page as far as the allocation needs, back at most to
+the nearest retained state or shared page, and what is left of it (KV nothing needs
+any more) goes first at the next eviction (SGLang frees the whole leaf node at once,
+whose boundary may lie deeper, where an evicted state or a split left one); KV that a
+state alone needed stays until the KV ranking reaches it when the *Mamba* pool evicts
+that state (SGLang frees a leaf's KV with its state at once).  On the bundled WEKA
+sample these leave the token hit rate within half a point of SGLang's own cache
+(``python -m benchmarks calibrate``, docs/replay.md).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+
+import numpy as np
+
+from hybridstore.index.trie import Checkpoint, HybridIndex
+from hybridstore.objects import TIER_BITS, ObjectKind
+from hybridstore.policy.base import EvictionPolicy, Victim
+
+
+class RadixLRUEviction(EvictionPolicy):
+    """Least recently used leaf first, a leaf's state with it (SGLang's radix cache)."""
+
+    name = "lru-radix"
+    dependency_aware = True
+    room_slack = 0.0
+    states_free_pages = True
+
+    def victims(self, index: HybridIndex, tier: str, kind: ObjectKind | None = None, *,
+                keep_needed: bool = False) -> Iterator[Victim]:
+        """Objects of ``tier`` in SGLang's order: for the KV (``kind`` PAGE), leaves by last
+        use, each with the state that needs it; for states (``kind`` STATE), the state LRU;
+        for one shared pool (``kind`` None), both merged by last use."""
+        bit = TIER_BITS[tier]
+        held = [ck for ck in index.checkpoints() if ck.tiers & bit]
+        states = sorted(((ck.atime, ObjectKind.STATE, ck.key) for ck in held),
+                        key=lambda t: t[0])
+        if kind == ObjectKind.STATE:
+            for _, _, key in states:
+                yield Victim(ObjectKind.STATE, key)
+            return
+        leaves = self._leaves(index, tier, held, keep_needed)
+        if kind == ObjectKind.PAGE:
+            for _, kind_, ref in leaves:
+                yield Victim(kind_, ref)
+            return
+        seen: set[bytes] = set()
+        for _, kind_, ref in heapq.merge(leaves, states, key=lambda t: t[0]):
+            if kind_ == ObjectKind.STATE:
+                if ref in seen:
+                    continue
+                seen.add(bytes(ref))
+            yield Victim(kind_, ref)
+
+    @staticmethod
+    def _leaves(index: HybridIndex, tier: str, held: list[Checkpoint],
+                keep_needed: bool) -> Iterator[tuple[int, ObjectKind, int | bytes]]:
+        """``(time, kind, ref)`` of the KV ranking: pages by last use, deepest first, a
+        page a retained checkpoint needs preceded by the checkpoints it ends (and left
+        out when the store keeps needed pages anyway: ``keep_needed``)."""
+        pages = index.page_table(tier)
+        order = np.lexsort((-pages["block"], pages["atime"]))
+        # A checkpoint leaves with the newest page of its block that holds its tokens: the
+        # page of its own prompt's partial last block and the full page of a longer prompt
+        # both do, and only the one a later path went through is SGLang's node boundary.
+        covering: dict[int, list[Checkpoint]] = {}
+        bit = TIER_BITS[tier]
+        given: set[bytes] = set()
+        for ck in held:
+            if not ck.covers:
+                continue
+            cols = index.page_columns(np.asarray(ck.covers, np.int64), ("atime", "tiers"))
+            live = np.flatnonzero(cols["tiers"] & bit)
+            if live.size:
+                newest = int(live[np.argmax(cols["atime"][live])])
+                covering.setdefault(int(ck.covers[newest]), []).append(ck)
+        elsewhere = ~bit & 0xFF
+        for nid, t in zip(pages["ids"][order].tolist(), pages["atime"][order].tolist()):
+            # read when reached: evicting a checkpoint frees the pages it alone needed
+            tiers, deps = index.page_state(nid)[:2]
+            if not deps:
+                yield t, ObjectKind.PAGE, nid
+                continue
+            for ck in sorted(covering.get(nid, ()), key=lambda c: c.atime):
+                if ck.key not in given and ck.tiers & bit:
+                    given.add(ck.key)
+                    yield t, ObjectKind.STATE, ck.key
+            if not keep_needed or tiers & elsewhere:
+                # then the page itself: the store keeps the last copy of a needed page
+                yield t, ObjectKind.PAGE, nid
+
+
+__all__ = ["RadixLRUEviction"]
