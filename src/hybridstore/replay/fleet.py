@@ -69,6 +69,7 @@ from hybridstore.replay.sim import (
     _Sessions,
     build_store,
     kv_footprint,
+    kv_pool_pages,
     merged_requests,
 )
 from hybridstore.replay.systems import Preset, preset
@@ -165,6 +166,7 @@ class _Node:
     index: int
     store: HybridStore
     objects: _NodePlane
+    kv_pool: int | None = None       # the node's KV pool in pages (sim.kv_pool_pages)
     free: float = 0.0
     served: int = 0
 
@@ -262,7 +264,8 @@ def fleet_policy(trace: Trace, name: str, cfg: ReplayConfig, *, nodes: int, rout
             store = build_store(p, cfg, model, trace.block_size, plane, scale, footprint,
                                 hash_secret=secret)
             stack.enter_context(store)
-            fleet_nodes.append(_Node(k, store, plane))
+            fleet_nodes.append(_Node(k, store, plane,
+                                     kv_pool_pages(store, p, cfg, model.page_bytes(trace.block_size))))
         loop = _sequential if cfg.discipline == "sequential" else _server
         node_of: list[int] = []
         run = loop(trace, p, cfg, model, scale, fleet_nodes, router, node_of,
@@ -306,7 +309,7 @@ def _server(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scal
         node = nodes[router.node(req, i + 1 == len(session.requests))]
         prompt = _prompt(node.store, req, tokens[session.id], cfg.token_level)
         begin = max(arrival, node.free)
-        served = _serve(node.store, node.objects, p, model, scale, prompt, req, run)
+        served = _serve(node.store, node.objects, p, model, scale, prompt, req, run, node.kv_pool)
         done = begin + served.restore_s + served.recompute_s
         node.free = done
         node.served += 1
@@ -346,7 +349,7 @@ def _sequential(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, 
         if req.session not in tokens:
             tokens[req.session] = session_tokens(session) if cfg.token_level else iter(())
         prompt = _prompt(node.store, req, tokens[req.session], cfg.token_level)
-        served = _serve(node.store, node.objects, p, model, scale, prompt, req, run)
+        served = _serve(node.store, node.objects, p, model, scale, prompt, req, run, node.kv_pool)
         node.served += 1
         node_of.append(node.index)
         run.results.append(_result(req.session, req, served, req.arrival_s, 0.0))
