@@ -254,6 +254,14 @@ class SlabAllocator:
                 self._free(done)
             return None
 
+    def trim(self) -> int:
+        """Drop every empty regular arena now (its budget goes back to the owner, e.g. to a
+        disk directory that other processes share); returns how many went."""
+        with self._lock:
+            n = len(self._empty)
+            self._release_empty()
+            return n
+
     def free(self, extent: Extent) -> None:
         """Return a live extent.
 

@@ -186,6 +186,9 @@ class TierCopies:
                 self.skipped(dst, 1, error)
             elif error is not None:
                 log.warning("copy of %s to %s failed: %s", okey.hex(), dst, error)
+            elif not self.closed and getattr(self.res.tiers[dst], "shared", None) is not None \
+                    and not self.res.tiers[dst].contains(okey):
+                pass        # another process sharing the tier deleted it since it landed
             elif not self.closed and not self.res.mark(okey, dst):
                 # The object was forgotten while its copy was in flight.
                 self.res.tiers[dst].delete(okey)

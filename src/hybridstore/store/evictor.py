@@ -18,6 +18,7 @@ constructing an :class:`Evictor` binds it to them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TypeVar
@@ -82,6 +83,9 @@ class Evictor:
         self.leases: dict[str, Callable[[], AbstractContextManager[None]]] = {}
         """Per tier, what must be held to evict from it: a disk tier shared by several
         processes is evicted from by one at a time (``store/shared.py``)."""
+        self.waits: dict[str, Callable[[], float]] = {}
+        """Per shared tier, how long a put that eviction has made room for waits for that
+        room to come back from the other processes' segments (0: no other process)."""
         copies.room = self
 
     # -- room -------------------------------------------------------------------------
@@ -153,11 +157,19 @@ class Evictor:
                 if round_ == rounds:
                     raise
                 if lease is not None:
-                    # a shared tier: the room others' deletions made comes back once their
-                    # owners take it back; evict no more than a policy step
+                    # a shared tier: room freed in another process's segments comes back
+                    # when its owner empties them (within its sync interval); evict one
+                    # policy step, then give the owners a moment instead of evicting more
                     with lease():
                         self.copies.drain()
                         self.evict(tier, t.charge(nbytes) + t.capacity_bytes // 16)
+                    wait = self.waits.get(tier)
+                    deadline = time.monotonic() + (wait() if wait is not None else 0.0)
+                    while time.monotonic() < deadline:
+                        try:
+                            return attempt()
+                        except CapacityError:
+                            time.sleep(0.01)
                     continue
                 self.copies.drain()
                 # the last round frees whatever the policy and pins allow: a put refused

@@ -147,6 +147,7 @@ class HybridStore:
             if shared is not None else None
         if self._follower is not None:
             self._evictor.leases["disk"] = self._follower.lease
+            self._evictor.waits["disk"] = self._follower.wait_s
         if self._remote is not None:
             self._copies.remote_gate = self._remote.worth_sending
         self._admission.bind(free_bytes=lambda: res.room(res.chain[0], ObjectKind.STATE),

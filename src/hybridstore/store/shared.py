@@ -22,7 +22,6 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from hybridstore.backends.catalog import PUT
 from hybridstore.errors import CatalogError
 from hybridstore.index import meta
 from hybridstore.layout import Layout
@@ -33,6 +32,10 @@ from hybridstore.store.residency import Residency
 log = logging.getLogger("hybridstore.store")
 
 DISK = "disk"
+SHARED_WAIT_S = 0.25
+"""How long a put into a shared disk tier waits for the room its eviction freed in other
+processes' segments to come back (their owners take it back within their sync interval,
+0.1 s by default) before it evicts more."""
 
 
 def adopt_entries(res: Residency, entries: Iterable[tuple[bytes, int, bytes]],
@@ -105,23 +108,23 @@ class DiskFollower:
         self.forgotten = 0
 
     def pull(self) -> None:
-        """Apply the other processes' puts and deletes since the last pull."""
+        """Bring the index in line with the tier for every object the other processes
+        changed since the last pull: what the tier holds now is adopted, what it does not
+        is forgotten (its present state decides, not the order of the changes: this
+        process's own put of a key another process deleted meanwhile stays)."""
         changes = self.tier.take_changes()
         if not changes:
             return
-        last: dict[bytes, tuple[int, int, bytes]] = {}
-        for op, key, nbytes, blob in changes:      # the last change of each key wins
-            last.pop(key, None)
-            last[key] = (op, nbytes, blob)
-        puts = [(key, n, blob) for key, (op, n, blob) in last.items() if op == PUT]
-        for key, (op, n, _) in last.items():
-            if op != PUT:
+        sizes = {key: nbytes for _, key, nbytes, _ in changes}
+        now = self.tier.visible(list(sizes))
+        for key, n in sizes.items():
+            if key not in now:
                 before = self.res.objects[DISK]
                 self.res.forget(ObjectKey(key), DISK, n)
                 self.forgotten += before - self.res.objects[DISK]
-        if puts:
-            self._take_layouts({key_kind(ObjectKey(k)) for k, _, _ in puts})
-            fitting = [(k, n, b) for k, n, b in puts
+        if now:
+            self._take_layouts({key_kind(ObjectKey(k)) for k in now})
+            fitting = [(k, n, b) for k, (n, b) in now.items()
                        if (layout := self.layouts.get(key_kind(ObjectKey(k)))) is not None
                        and layout.nbytes == n]
             before = self.res.objects[DISK]
@@ -140,6 +143,11 @@ class DiskFollower:
             except CatalogError as e:
                 log.warning("disk tier %s: the %s layout record is damaged: %s", self.where,
                             kind.name.lower(), e)
+
+    def wait_s(self) -> float:
+        """How long a put waits for room its eviction freed in the other processes' segments
+        (they take it back within their sync interval); 0 when no other process is there."""
+        return SHARED_WAIT_S if self.tier.shared.peers() else 0.0
 
     @contextlib.contextmanager
     def lease(self) -> Iterator[None]:

@@ -162,6 +162,10 @@ class SharedDirectory:
             if slot != self.slot and self.live(slot):
                 yield slot
 
+    def peers(self) -> int:
+        """How many other live processes share the directory now."""
+        return sum(1 for _ in self._live_rows())
+
     # -- views --------------------------------------------------------------------------
     def applied(self, seq: int) -> None:
         """Publish that this process has applied the log up to ``seq``."""

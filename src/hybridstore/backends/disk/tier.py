@@ -80,7 +80,7 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
                  engine: str | Engine = "auto", segment_bytes: int = 256 << 20,
                  io_threads: int = 8, ssd_gbps: float = 5.0, h2d_gbps: float = 64.0,
                  verify_checksums: bool = True, shared: bool = False,
-                 sync_interval_s: float = 0.5) -> None:
+                 sync_interval_s: float = 0.1) -> None:
         super().__init__()
         _validate(capacity_bytes, segment_bytes, io_threads, ssd_gbps, h2d_gbps)
         self.path = os.fspath(path)
@@ -306,7 +306,18 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
                     keep.append((seq, extent))
                 else:
                     self._release(extent)
+            freed = len(keep) < len(self._quarantine)
             self._quarantine = keep
+        if freed:
+            self._alloc.trim()      # emptied segments go back to the directory's budget
+
+    def visible(self, keys: Iterable[bytes]) -> dict[bytes, tuple[int, bytes]]:
+        """``(nbytes, meta)`` of those of ``keys`` visible in this view now (no sync: what
+        :meth:`take_changes` reported is checked against the same view)."""
+        with self._lock:
+            found = ((bytes(k), self._objects.get(bytes(k))) for k in keys)
+            return {k: (obj.record.length, obj.record.meta) for k, obj in found
+                    if obj is not None}
 
     def take_changes(self) -> list[tuple[int, bytes, int, bytes]]:
         """The other processes' changes applied since the last call, oldest first:
