@@ -20,6 +20,7 @@ from hybridstore.backends.base import Slots
 from hybridstore.backends.gather import scatter_rows
 from hybridstore.backends.transfer import to_host_rows
 from hybridstore.errors import (
+    CatalogError,
     CapacityError,
     HybridStoreError,
     InvalidArgumentError,
@@ -38,6 +39,23 @@ from hybridstore.store.residency import Residency
 
 LAYOUT_INFO = {ObjectKind.PAGE: "layout.page", ObjectKind.STATE: "layout.state"}
 """The names under which a durable tier keeps the store's two layouts."""
+
+
+def take_layouts(tier: Any, layouts: dict[ObjectKind, Layout], kinds: Any,
+                 warn: Callable[[str], None]) -> None:
+    """A store that has not fixed its layout of a kind yet takes the one ``tier`` records
+    (what the objects another store put there need); a damaged record is ``warn``-ed."""
+    for kind in kinds:
+        if kind in layouts:
+            continue
+        raw = tier.get_info(LAYOUT_INFO[kind])
+        if raw is None:
+            continue
+        try:
+            layouts[kind] = Layout.from_json(raw)
+        except CatalogError as e:
+            warn(f"the {kind.name.lower()} layout record is damaged: {e}")
+
 
 Pack = Callable[[int, np.ndarray], None]
 """``pack(i, slot)``: write page ``i`` of a put into one slot."""

@@ -34,7 +34,7 @@ from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import ROOT, Checkpoint
 from hybridstore.layout import Layout
 from hybridstore.objects import TIER_BITS, ObjectKey, ObjectKind, key_kind, object_key
-from hybridstore.store.landing import LAYOUT_INFO
+from hybridstore.store.landing import take_layouts
 from hybridstore.store.residency import Residency
 
 log = logging.getLogger("hybridstore.store")
@@ -150,7 +150,8 @@ class RemoteSync:
         found = [k for k, ok in zip(okeys, there) if ok]
         if not found:
             return
-        self._take_layouts(found)
+        take_layouts(self.tier, self.layouts, {key_kind(k) for k in found},
+                     lambda msg: self.tier.client.warn(f"the pool's {msg}"))
         states = []
         for okey, nbytes, blob in self.tier.adopt(found):
             kind = key_kind(okey)
@@ -178,19 +179,6 @@ class RemoteSync:
                                               state.covers, REMOTE, nbytes)
             self.res.added(REMOTE, ObjectKind.STATE, 1, self.tier.charge(nbytes))
             self.adopted += 1
-
-    def _take_layouts(self, okeys: list[ObjectKey]) -> None:
-        """A store that has not fixed a layout yet takes the pool's (what its objects need)."""
-        for kind in {key_kind(k) for k in okeys}:
-            if kind in self.layouts:
-                continue
-            raw = self.tier.get_info(LAYOUT_INFO[kind])
-            if raw is None:
-                continue
-            try:
-                self.layouts[kind] = Layout.from_json(raw)
-            except CatalogError as e:
-                self.tier.client.warn(f"the pool's {kind.name.lower()} layout is damaged: {e}")
 
     def forget_lost(self) -> None:
         """Forget in the index every object the remote tier dropped."""

@@ -26,7 +26,7 @@ from hybridstore.errors import CatalogError
 from hybridstore.index import meta
 from hybridstore.layout import Layout
 from hybridstore.objects import TIER_BITS, ObjectKey, ObjectKind, key_kind
-from hybridstore.store.landing import LAYOUT_INFO
+from hybridstore.store.landing import take_layouts
 from hybridstore.store.residency import Residency
 
 log = logging.getLogger("hybridstore.store")
@@ -123,26 +123,14 @@ class DiskFollower:
                 self.res.forget(ObjectKey(key), DISK, n)
                 self.forgotten += before - self.res.objects[DISK]
         if now:
-            self._take_layouts({key_kind(ObjectKey(k)) for k in now})
+            take_layouts(self.tier, self.layouts, {key_kind(ObjectKey(k)) for k in now},
+                         lambda msg: log.warning("disk tier %s: %s", self.where, msg))
             fitting = [(k, n, b) for k, (n, b) in now.items()
                        if (layout := self.layouts.get(key_kind(ObjectKey(k)))) is not None
                        and layout.nbytes == n]
             before = self.res.objects[DISK]
             adopt_entries(self.res, fitting, where=self.where)   # undecodable: not adopted
             self.adopted += self.res.objects[DISK] - before
-
-    def _take_layouts(self, kinds: set[ObjectKind]) -> None:
-        for kind in kinds:
-            if kind in self.layouts:
-                continue
-            raw = self.tier.get_info(LAYOUT_INFO[kind])
-            if raw is None:
-                continue
-            try:
-                self.layouts[kind] = Layout.from_json(raw)
-            except CatalogError as e:
-                log.warning("disk tier %s: the %s layout record is damaged: %s", self.where,
-                            kind.name.lower(), e)
 
     def wait_s(self) -> float:
         """How long a put waits for room its eviction freed in the other processes' segments
