@@ -177,8 +177,9 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
         return self._shared
 
     def contains(self, key: ObjectKey) -> bool:
+        # no sync here: the loader asks per page, and every read applies the log first
+        # (an object another process deleted since is then not found: a typed miss)
         self._check_open()
-        self.sync()
         with self._lock:
             return bytes(key) in self._objects
 
@@ -494,13 +495,13 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
                                 f"committed its {self._capacity}-byte budget; evict objects "
                                 "and retry")
         try:
-            self._open_segment(segment, path, nbytes, new)
+            self._open_segment(segment, path, nbytes)
         except BaseException:
             if new:
                 self.catalog.remove_segments([segment])
             raise
 
-    def _open_segment(self, segment: int, path: str, nbytes: int, new: bool) -> None:
+    def _open_segment(self, segment: int, path: str, nbytes: int) -> None:
         fresh = True
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
