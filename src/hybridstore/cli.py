@@ -220,7 +220,7 @@ def _bench_moved(args: argparse.Namespace) -> int:
     return 2
 
 
-DEFAULT_POLICIES = "unlimited,vllm-disk,sglang-hicache,flashstates,histate"
+DEFAULT_POLICIES = "unlimited,vllm-disk,sglang-hicache,flashstates,histate,hybridstore"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -173,7 +173,7 @@ def test_the_sweep_document_and_its_command(trace, tmp_path):
     assert main(["replay", "--budget", "0%"]) == 2
 
 
-@pytest.mark.parametrize("name", ["histate", "vllm-marconi", "marconi", "flashstates"])
+@pytest.mark.parametrize("name", ["histate", "hybridstore", "vllm-marconi", "marconi", "flashstates"])
 def test_split_pools_never_fail_a_put(trace, name):
     """Issue 15, part 5: under SGLang's strict split pools a page partition full of pages the
     retained checkpoints need must not end the replay with CapacityError."""

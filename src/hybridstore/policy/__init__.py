@@ -34,7 +34,7 @@ from hybridstore.policy.base import (
     Victim,
 )
 from hybridstore.policy.flashstates import FlashStatesAdmission, FlashStatesEviction
-from hybridstore.policy.histate import HiStateEviction
+from hybridstore.policy.histate import HiStateEviction, HybridStoreEviction
 from hybridstore.policy.intervals import AdaptiveInterval, FixedInterval
 from hybridstore.policy.lru import LRUEviction
 from hybridstore.policy.lru_radix import RadixLRUEviction
@@ -51,6 +51,7 @@ EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru-refresh": LRURefreshEviction,
     "marconi": MarconiEviction,
     "histate": HiStateEviction,
+    "hybridstore": HybridStoreEviction,
     "flashstates": FlashStatesEviction,
 }
 ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
@@ -103,7 +104,7 @@ def placement_policy(name: str, **params: Any) -> PlacementPolicy:
 
 __all__ = ["ADMISSION_POLICIES", "AdaptiveInterval", "AdmissionPolicy", "BlockAligned",
            "BranchPoints", "Compose", "EVICTION_POLICIES", "EvictionPolicy", "FixedInterval",
-           "FlashStatesAdmission", "FlashStatesEviction", "HiStateEviction", "KeepAll",
-           "LRUEviction", "LRURefreshEviction", "MarconiEviction", "PLACEMENT_POLICIES",
+           "FlashStatesAdmission", "FlashStatesEviction", "HiStateEviction", "HybridStoreEviction",
+           "KeepAll", "LRUEviction", "LRURefreshEviction", "MarconiEviction", "PLACEMENT_POLICIES",
            "PlacementPolicy", "PlainLRUEviction", "PrefillCost", "RadixLRUEviction", "RequestEnd",
            "ResidenceStats", "SemanticAnchors", "Victim", "admission_policy", "eviction_policy", "placement_policy"]

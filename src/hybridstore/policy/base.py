@@ -109,9 +109,16 @@ class EvictionPolicy(ABC):
     """Its page ranking (``kind=PAGE``) also names the checkpoints whose eviction frees
     pages, where the engine frees a state with its KV (SGLang's radix leaves); the store
     counts only the pages freed towards the room asked for."""
+    demotes_abandoned: bool = False
+    """The store reports, at each resume, the never-resumed branches the prompt left
+    (:func:`abandoned_branches`, :meth:`on_abandon`)."""
 
     def on_hit(self, index: HybridIndex, checkpoint: Checkpoint) -> None:  # noqa: B027
         """Called after a resume from ``checkpoint`` (e.g. to refresh ancestors)."""
+
+    def on_abandon(self, index: HybridIndex, branches: list[Checkpoint]) -> None:  # noqa: B027
+        """Called after a resume with the checkpoints of the branches the prompt left there
+        that no request ever resumed from (only when :attr:`demotes_abandoned`)."""
 
     @abstractmethod
     def victims(self, index: HybridIndex, tier: str, kind: ObjectKind | None = None, *,
@@ -149,6 +156,47 @@ def reclaimable_pages(index: HybridIndex, atime: np.ndarray,
     free = deps == 0
     young = free & (atime > newest)
     return free & ~young, young
+
+
+def abandoned_branches(checkpoint: Checkpoint, limit: int, diverged: int | None) -> list[Checkpoint]:
+    """The checkpoints a prompt resumed at ``checkpoint`` has left behind, never resumed from.
+
+    A child of ``checkpoint`` lies off the prompt's path when
+
+    * it sits at or before ``limit`` (the prompt's length, or the caller's
+      ``max_position``): a match takes the deepest complete resume point, and a
+      dependency-aware store keeps a retained checkpoint's pages, so the match passed it
+      over only because the prompt's tokens leave its path first; or
+    * the prompt's own KV walk ended at ``diverged`` with a full block of the prompt
+      after it that the index does not know (so the prompt goes on differently, not
+      merely stops), and the child's block starts past ``diverged``: its path holds a
+      block there that the prompt does not.
+
+    Such a prompt is an edit of that branch (an agent rewrote its last turn, or rewound
+    and went on differently).  A child past ``limit`` that the prompt may still continue
+    into (a lookup that stops early, a prompt that ends inside the block) is left alone.
+    Of the children the prompt left, the subtrees in which no checkpoint was ever resumed
+    from (``hits == 0``: the dead end of the turn just rewritten) are returned whole; a
+    subtree some request resumed from is another live continuation (a sibling session
+    sharing the prefix) and is not.
+
+    Args:
+        checkpoint: the resumed checkpoint.
+        limit: the match's limit, ``min(max_position, prompt length)``.
+        diverged: where the prompt's walk left the index when a full block of the prompt
+            follows it (:attr:`~hybridstore.index.trie.ResumePlan.kv_tokens`), else ``None``.
+    """
+    out: list[Checkpoint] = []
+    for child in checkpoint.children:
+        if child.position > limit and (diverged is None or child.position - child.offset <= diverged):
+            continue
+        subtree, i = [child], 0
+        while i < len(subtree) and not subtree[i].hits:
+            subtree.extend(subtree[i].children)
+            i += 1
+        if i == len(subtree):
+            out.extend(subtree)
+    return out
 
 
 class AdmissionPolicy(ABC):

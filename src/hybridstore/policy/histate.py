@@ -27,7 +27,16 @@ position of the nearest retained checkpoint before ``x`` (0 if none):
   ``p_x - p_-`` tokens more; ``W_d`` sums ``(1 - q) / (P_l - 1)`` over the
   trajectories ``l`` through ``d``.
 
-The common factor ``1/T`` (T trajectories) is folded into ``tau``.  For a
+The common factor ``1/T`` (T trajectories) is folded into ``tau``.
+
+**Abandoned branches** (``demote_abandoned``, our addition; the ``hybridstore``
+preset): the access model above treats every trajectory as live.  Agents do not
+go back to a turn they rewrote: when a prompt resumes at ``x`` and leaves a branch
+after ``x`` that no request ever resumed from (the dead end of the turn it edits,
+:func:`~hybridstore.policy.base.abandoned_branches`), that branch's ``t_x`` drops to
+0, so its units go before every live trajectory's while their ``C_x / M_x`` still
+orders them among themselves.  On the shared WEKA sessions about 4 % of requests
+rewrite the previous last block and 3 % diverge further back.  For a
 tier that is not the last copy (a DRAM copy also on SSD) ``C_x`` is an upper
 bound: the object only moves down.
 """
@@ -64,6 +73,8 @@ class HiStateEviction(UnitEviction):
         terminal_prob: initial ``q``, the probability that a resume hits a
             trajectory's terminal state.
         ema: weight of each observed resume in the EMA of ``q``.
+        demote_abandoned: rank the never-resumed branches a prompt leaves as
+            never used (module docstring).
     """
 
     name = "histate"
@@ -77,7 +88,8 @@ class HiStateEviction(UnitEviction):
     the rest sit in the other pool under no pressure."""
 
     def __init__(self, *, tau: float | None = None, kv_bytes_per_token: float | None = None,
-                 terminal_prob: float = 0.5, ema: float = 0.05) -> None:
+                 terminal_prob: float = 0.5, ema: float = 0.05,
+                 demote_abandoned: bool = False) -> None:
         if tau is not None and tau < 0:
             raise ConfigError(f"tau must be non-negative, got {tau}")
         if not 0.0 <= terminal_prob <= 1.0 or not 0.0 < ema <= 1.0:
@@ -87,12 +99,18 @@ class HiStateEviction(UnitEviction):
         self.kv_bytes_per_token = kv_bytes_per_token
         self.terminal_prob = terminal_prob
         self.ema = ema
+        self.demotes_abandoned = demote_abandoned
 
     def on_hit(self, index: HybridIndex, checkpoint: Checkpoint) -> None:
         """Refresh-all (§3.3) and update the terminal-access EMA ``q``."""
         self.terminal_prob += self.ema * (float(checkpoint.terminal) - self.terminal_prob)
         for ck in index.ancestors(checkpoint):
             ck.atime = max(ck.atime, checkpoint.atime)
+
+    def on_abandon(self, index: HybridIndex, branches: list[Checkpoint]) -> None:
+        """An abandoned branch's recency term ``t_x`` becomes 0 (last used never)."""
+        for ck in branches:
+            ck.atime = 0
 
     # -- eq. 7 ---------------------------------------------------------------------
     def prepare(self, index: HybridIndex, tier: str, pages: dict[str, np.ndarray],
@@ -129,9 +147,20 @@ class HiStateEviction(UnitEviction):
         return gap * sum(ctx.weight.get(d.key, 0.0) * (d.position - ck.position) for d in ck.children)
 
 
+class HybridStoreEviction(HiStateEviction):
+    """Our default: HiState's eq. 7 with abandoned-branch demotion on (``policy="hybridstore"``)."""
+
+    name = "hybridstore"
+
+    def __init__(self, *, tau: float | None = None, kv_bytes_per_token: float | None = None,
+                 terminal_prob: float = 0.5, ema: float = 0.05, demote_abandoned: bool = True) -> None:
+        super().__init__(tau=tau, kv_bytes_per_token=kv_bytes_per_token, terminal_prob=terminal_prob,
+                         ema=ema, demote_abandoned=demote_abandoned)
+
+
 def _leaf_weight(ck: Checkpoint, q: float) -> float:
     """Internal access mass per position of the trajectory ending at ``ck``."""
     return (1.0 - q) / max(ck.position - 1, 1)
 
 
-__all__ = ["HiStateEviction"]
+__all__ = ["HiStateEviction", "HybridStoreEviction"]

@@ -33,6 +33,10 @@ preset              models
                     dependency-aware LRU; write-through DRAM + SSD
 ``histate``         HiState: adaptive interval (eq. 3–6) + terminal state,
                     asymmetric tiering (§3.1), unified eviction (eq. 7)
+``hybridstore``     ours: ``histate``'s placement, tiering and eq. 7, plus
+                    abandoned-branch demotion (a branch the prompt leaves that
+                    nobody resumed from, an edited turn's dead end, goes first;
+                    ``policy/histate.py``); the README default
 ==================  ===========================================================
 
 Simplifications common to all: the GPU tier is a cache of the given budget
@@ -146,6 +150,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset(name="semantic", eviction="lru", anchors=True,
            placement=_place(("anchors", {}), ("request-end", {}))),
     Preset(name="histate", eviction="histate", tier_policy="asymmetric",
+           placement=_place(("adaptive", {"state_tokens": "$Ns", "block_size": "$B"})),
+           params=lambda model: {"eviction": {"kv_bytes_per_token": model.kv_bytes_per_token}}),
+    Preset(name="hybridstore", eviction="hybridstore", tier_policy="asymmetric",
            placement=_place(("adaptive", {"state_tokens": "$Ns", "block_size": "$B"})),
            params=lambda model: {"eviction": {"kv_bytes_per_token": model.kv_bytes_per_token}}),
 )}
