@@ -109,6 +109,16 @@ def _replay(args: argparse.Namespace) -> int:
             plot_divergence(docs, args.plot)
         return 0
     trace = traces[0] if len(traces) == 1 else merge(traces)
+    if args.headroom:
+        from hybridstore.replay.headroom import headroom, plot_headroom, print_headroom
+
+        doc = headroom(trace, budgets or [0.05, 0.1, 0.2, 0.4], cfg, progress=not args.no_progress)
+        print_headroom(doc)
+        if args.json:
+            write_json(doc, args.json)
+        if args.plot:
+            plot_headroom(doc, args.plot)
+        return 0
     if args.nodes:
         return _fleet(args, trace, names, cfg)
     # the objects: real bytes (unlimited presets: sizes, as the reference) or sizes only
@@ -281,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--divergence", action="store_true",
                      help="instead of a replay: where each request leaves its predecessor's "
                           "prefix, a histogram per trace (--json/--plot get it)")
+    rep.add_argument("--headroom", action="store_true",
+                     help="instead of a replay: what any eviction order could keep at each --sweep "
+                          "budget (default 5%%,10%%,20%%,40%%), session by session, by LRU and "
+                          "clairvoyantly (--pools, --json/--plot get it; docs/replay.md)")
     fl = rep.add_argument_group("fleet model (docs/replay.md, The fleet model)")
     fl.add_argument("--nodes", default=None,
                     help="instead of one replay: N engine nodes per point, e.g. 1,4,16,64, "

@@ -157,7 +157,8 @@ def test_a_small_budget_evicts_into_misses_never_errors_or_wrong_bytes(built):
 
 
 @pytest.mark.parametrize(("policy", "checkpoint_policy", "tier_policy"), [
-    ("histate", "keep-all", "asymmetric"), ("flashstates", "flashstates", "write-through"),
+    ("histate", "keep-all", "asymmetric"), ("hybridstore", "keep-all", "asymmetric"),
+    ("flashstates", "flashstates", "write-through"),
     ("marconi", "keep-all", "partition"), ("lru-refresh", "keep-all", "write-back")])
 def test_hybridstore_policies_apply_through_sglang(built, tmp_path, policy, checkpoint_policy,
                                                    tier_policy):

@@ -212,7 +212,7 @@ def test_restorable_agrees_with_match(state_pages, held, query):
         s.release(plan)
 
 
-@pytest.mark.parametrize("policy", ["lru", "histate", "flashstates"])
+@pytest.mark.parametrize("policy", ["lru", "histate", "hybridstore", "flashstates"])
 def test_attention_only_eviction_takes_tails_first_and_keeps_heads(policy):
     """With no checkpoints every page is reclaimable; a put or a resume touches the whole
     path, and ties go deepest first, so what survives eviction is always a prefix from

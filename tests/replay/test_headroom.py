@@ -1,0 +1,66 @@
+"""The session-level headroom model (``hybridstore replay --headroom``)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hybridstore.cli import main
+from hybridstore.replay.headroom import headroom, session_hit_rate
+from hybridstore.replay.loaders import load
+from hybridstore.replay.samples import weka_sample
+from hybridstore.replay.sim import ReplayConfig, merged_requests
+from hybridstore.replay.trace import Request
+
+
+def req(session: str, index: int, ids: list[int]) -> Request:
+    return Request(session=session, index=index, arrival_s=float(index), input_tokens=4 * len(ids),
+                   output_tokens=1, block_size=4, block_ids=np.array(ids, dtype=np.int64))
+
+
+def test_the_oracle_keeps_the_context_that_returns_first_and_lru_does_not():
+    # Room for two 4-block contexts; C never returns, A returns before B.
+    reqs = [req("A", 0, [1, 2, 3, 4]), req("B", 0, [11, 12, 13, 14]), req("C", 0, [21, 22, 23, 24]),
+            req("A", 1, [1, 2, 3, 4, 5]), req("B", 1, [11, 12, 13, 14, 15])]
+    total = 3 * 16 + 2 * 20
+    assert session_hit_rate(reqs, None, "lru", 4) == 32 / total       # unlimited: both return
+    assert session_hit_rate(reqs, 8, "lru", 4) == 0.0                  # C pushed A out, A pushed B
+    assert session_hit_rate(reqs, 8, "oracle", 4) == 16 / total        # B went at C's arrival
+    assert session_hit_rate(reqs, 3, "oracle", 4) == 0.0               # no context fits
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return load(str(weka_sample()))
+
+
+def test_unlimited_is_what_each_session_shares_with_its_previous_request(trace):
+    reqs = merged_requests(trace)
+    prev: dict[str, np.ndarray] = {}
+    hit = 0
+    for r in reqs:
+        blocks = r.block_ids[: r.input_tokens // trace.block_size]
+        if r.session in prev:
+            p = prev[r.session]
+            n = 0
+            while n < min(len(p), len(blocks)) and p[n] == blocks[n]:
+                n += 1
+            hit += trace.block_size * n
+        prev[r.session] = blocks
+    expected = hit / sum(r.input_tokens for r in reqs)
+    doc = headroom(trace, [0.05, 1.0], ReplayConfig(discipline="sequential"), progress=False)
+    lo, hi = doc["rows"]
+    assert hi["unlimited"] == pytest.approx(expected)
+    assert hi["lru"] == hi["oracle"] == pytest.approx(expected)     # everything fits
+    assert lo["lru"] <= lo["oracle"] < lo["unlimited"]
+
+
+def test_the_command_writes_its_document(tmp_path):
+    out, png = tmp_path / "h.json", tmp_path / "h.png"
+    assert main(["replay", "--headroom", "--sweep", "10%", "--pools", "split", "--max-requests", "80",
+                 "--json", str(out), "--plot", str(png), "--no-progress"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["pools"] == "split" and doc["requests"] == 80 and len(doc["rows"]) == 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
