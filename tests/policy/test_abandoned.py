@@ -25,14 +25,16 @@ def rewrite(session: Session, turn: int, new_tokens: int) -> None:
 def test_the_rewritten_turns_checkpoint_is_abandoned_and_ranked_never_used():
     store = make_store("hybridstore", state_slots=16)
     a = Session(store, "A")
-    a.turn(1, 1024)
-    a.turn(2, 512)                     # resumed from S1: S1 has a hit, S2 none
+    a.turn(1, 4096)
+    a.turn(2, 256)                     # resumed from S1: S1 has a hit, S2 none
     s1, s2 = a.checkpoint(1), a.checkpoint(2)
     assert s1 is not None and s2 is not None and s1.hits == 1 and s2.atime > 0
-    assert abandoned_branches(s1, a.ends[2], None) == [s2]
-    assert abandoned_branches(s1, a.ends[1], None) == []           # a lookup stopping at S1
-    assert abandoned_branches(s1, a.ends[1] + 300, a.ends[1]) == [s2]   # a prompt going on differently
-    rewrite(a, 1, 300)                 # turn 2 rewritten: resumes at S1, leaves S2
+    e1, e2 = a.ends[1], a.ends[2]
+    assert abandoned_branches(s1, e2, e2, continues=False) == [s2]    # passed over: off its path
+    assert abandoned_branches(s1, e1, e2, continues=False) == []      # a lookup stopping at S1
+    assert abandoned_branches(s1, e1 + 100, e1, continues=True) == [s2]   # goes on differently
+    assert abandoned_branches(s1, e1 + 8, e1, continues=False) == []  # ends inside the block
+    rewrite(a, 1, 100)                 # turn 2 rewritten: resumes at S1, leaves S2
     assert s2.atime == 0 and s1.atime > 0
     assert a.checkpoint(2) is not None   # demoted, not dropped
 
@@ -40,8 +42,8 @@ def test_the_rewritten_turns_checkpoint_is_abandoned_and_ranked_never_used():
 def test_histate_alone_keeps_the_dead_ends_recency():
     store = make_store("histate", state_slots=16)
     a = Session(store, "A")
-    a.turn(1, 1024)
-    a.turn(2, 512)
+    a.turn(1, 4096)
+    a.turn(2, 256)
     s2 = a.checkpoint(2)
     assert s2 is not None
     before = s2.atime
@@ -52,8 +54,8 @@ def test_histate_alone_keeps_the_dead_ends_recency():
 def test_a_lookup_that_stops_before_a_branch_leaves_it_alone():
     store = make_store("hybridstore", state_slots=16)
     a = Session(store, "A")
-    a.turn(1, 1024)
-    a.turn(2, 512)
+    a.turn(1, 4096)
+    a.turn(2, 256)
     s2 = a.checkpoint(2)
     assert s2 is not None
     atime = s2.atime
@@ -81,14 +83,32 @@ def test_a_branch_someone_resumed_from_is_a_live_session_not_a_dead_end():
     assert (b2.atime, b3.atime) == atimes
 
 
+def test_a_branch_reaching_far_past_the_divergence_is_not_an_edit():
+    """Another conversation after a shared system prompt: its first turn (never resumed
+    yet) goes on far past where a new prompt leaves it; its next turn may still come."""
+    store = make_store("hybridstore", state_slots=16)
+    a = Session(store, "A")
+    a.turn(1, 1024)                    # a shared system prompt
+    b = a.fork(1, "B")
+    b.turn(2, 2048)                    # B's first question and answer, not resumed yet
+    b2 = b.checkpoint(2)
+    assert b2 is not None and b2.hits == 0
+    atime = b2.atime
+    a.turn(2, 512)                     # A leaves B's branch at the shared prefix
+    assert b2.atime == atime
+    s1 = a.checkpoint(1)
+    assert s1 is not None
+    assert abandoned_branches(s1, a.ends[2], a.ends[1], continues=True) == []
+
+
 @pytest.mark.parametrize("policy, first_to_go", [("hybridstore", "A2"), ("histate", "C1")])
 def test_under_pressure_the_dead_end_goes_before_an_idle_live_session(policy, first_to_go):
     store = make_store(policy, state_slots=6)
     c = Session(store, "C")
     c.turn(1, 2048)                    # an idle session, its next turn still to come
     a = Session(store, "A")
-    a.turn(1, 1024)
-    a.turn(2, 1024)
+    a.turn(1, 3072)
+    a.turn(2, 256)
     a2, c1 = a.checkpoint(2), c.checkpoint(1)
     assert a2 is not None and c1 is not None
     rewrite(a, 1, 256)                 # A's turn 2 is rewritten: A2 is a dead end

@@ -158,8 +158,14 @@ def reclaimable_pages(index: HybridIndex, atime: np.ndarray,
     return free & ~young, young
 
 
-def abandoned_branches(checkpoint: Checkpoint, limit: int, diverged: int | None) -> list[Checkpoint]:
-    """The checkpoints a prompt resumed at ``checkpoint`` has left behind, never resumed from.
+REWRITE_SPAN = 0.125
+"""A left branch counts as an edit of the prompt only when its part past the prompt's
+shared prefix is at most this share of that prefix (:func:`abandoned_branches`)."""
+
+
+def abandoned_branches(checkpoint: Checkpoint, limit: int, walked: int, *,
+                       continues: bool) -> list[Checkpoint]:
+    """The checkpoints of the branches a prompt resumed at ``checkpoint`` has rewritten.
 
     A child of ``checkpoint`` lies off the prompt's path when
 
@@ -167,31 +173,38 @@ def abandoned_branches(checkpoint: Checkpoint, limit: int, diverged: int | None)
       ``max_position``): a match takes the deepest complete resume point, and a
       dependency-aware store keeps a retained checkpoint's pages, so the match passed it
       over only because the prompt's tokens leave its path first; or
-    * the prompt's own KV walk ended at ``diverged`` with a full block of the prompt
-      after it that the index does not know (so the prompt goes on differently, not
-      merely stops), and the child's block starts past ``diverged``: its path holds a
-      block there that the prompt does not.
+    * the prompt's own KV walk ended at ``walked`` with a full block of the prompt after
+      it that the index does not know (``continues``: the prompt goes on differently, it
+      does not merely stop), and the child's block starts past ``walked``: its path holds
+      a block there that the prompt does not.
 
-    Such a prompt is an edit of that branch (an agent rewrote its last turn, or rewound
-    and went on differently).  A child past ``limit`` that the prompt may still continue
-    into (a lookup that stops early, a prompt that ends inside the block) is left alone.
-    Of the children the prompt left, the subtrees in which no checkpoint was ever resumed
-    from (``hits == 0``: the dead end of the turn just rewritten) are returned whole; a
-    subtree some request resumed from is another live continuation (a sibling session
-    sharing the prefix) and is not.
+    A child past ``limit`` that the prompt may still continue into (a lookup that stops
+    early, a prompt that ends inside the block) is left alone.  Of the children the
+    prompt left, a subtree counts as rewritten, and is returned whole, when
+
+    * no checkpoint in it was ever resumed from (``hits == 0``): a subtree some request
+      resumed from is a live continuation of its own (another session on a shared
+      prefix, or a branch the agent came back to); and
+    * it reaches at most :data:`REWRITE_SPAN` of the shared prefix past it (its deepest
+      checkpoint at or before ``walked * (1 + REWRITE_SPAN)``): the prompt keeps nearly
+      all of that branch and changes its tail, as an agent rewriting its last turn does.
+      A branch that goes on far past the divergence (another conversation after a shared
+      system prompt, whose next turn may still come) is not an edit.
 
     Args:
         checkpoint: the resumed checkpoint.
         limit: the match's limit, ``min(max_position, prompt length)``.
-        diverged: where the prompt's walk left the index when a full block of the prompt
-            follows it (:attr:`~hybridstore.index.trie.ResumePlan.kv_tokens`), else ``None``.
+        walked: how far the prompt's KV walk went
+            (:attr:`~hybridstore.index.trie.ResumePlan.kv_tokens`).
+        continues: a full block of the prompt follows ``walked``.
     """
+    reach = walked * (1.0 + REWRITE_SPAN)
     out: list[Checkpoint] = []
     for child in checkpoint.children:
-        if child.position > limit and (diverged is None or child.position - child.offset <= diverged):
+        if child.position > limit and (not continues or child.position - child.offset <= walked):
             continue
         subtree, i = [child], 0
-        while i < len(subtree) and not subtree[i].hits:
+        while i < len(subtree) and not subtree[i].hits and subtree[i].position <= reach:
             subtree.extend(subtree[i].children)
             i += 1
         if i == len(subtree):

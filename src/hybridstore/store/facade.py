@@ -510,9 +510,9 @@ class HybridStore:
                 self._eviction.on_hit(self.index, ck)
                 if self._eviction.demotes_abandoned:
                     limit = prompt.length if max_position is None else min(max_position, prompt.length)
-                    diverged = (plan.kv_tokens if prompt.length - plan.kv_tokens >= prompt.block_size
-                                else None)
-                    self._eviction.on_abandon(self.index, abandoned_branches(ck, limit, diverged))
+                    continues = prompt.length - plan.kv_tokens >= prompt.block_size
+                    self._eviction.on_abandon(self.index, abandoned_branches(
+                        ck, limit, plan.kv_tokens, continues=continues))
             self._counters["matches"] += 1
             self._counters["hit_tokens"] += plan.position
             self._counters["query_tokens"] += prompt.length
