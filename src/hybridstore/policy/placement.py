@@ -74,21 +74,27 @@ class BlockAligned(PlacementPolicy):
     Args:
         block_size: tokens per KV block.
         chunk: tokens per scheduler step; ``None``: only the last block boundary.
+        logits_token: the last boundary is the last one *before* ``length`` (vLLM
+            0.33's ``get_mamba_prefill_checkpoint_position``: the prompt's last token is
+            always recomputed for its logits, so a prompt of whole blocks keeps its state
+            one block earlier).
     """
 
     name = "block-aligned"
 
-    def __init__(self, *, block_size: int = 16, chunk: int | None = None) -> None:
+    def __init__(self, *, block_size: int = 16, chunk: int | None = None,
+                 logits_token: bool = False) -> None:
         if block_size < 1 or (chunk is not None and chunk < 1):
             raise ConfigError(f"block_size and chunk must be positive, got {block_size}, {chunk}")
         self.block_size = block_size
         self.chunk = chunk
+        self.logits_token = logits_token
 
     def positions(self, *, cached: int, length: int, anchors: Sequence[int] = (),
                   stats: ResidenceStats | None = None) -> list[int]:
         B = self.block_size
         picked = set()
-        last = length // B * B
+        last = max(0, length - 1) // B * B if self.logits_token else length // B * B
         if last > cached:
             picked.add(last)
         if self.chunk is not None:

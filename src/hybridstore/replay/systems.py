@@ -53,18 +53,25 @@ from hybridstore.policy.base import AdmissionPolicy, EvictionPolicy, PlacementPo
 from hybridstore.policy.flashstates import FlashStatesEviction
 from hybridstore.policy.placement import Compose
 from hybridstore.policy.units import PrefillCost
-from hybridstore.replay.model_presets import ModelPreset
+from hybridstore.replay.model_presets import ModelPreset, vllm_hybrid_pages
 
 PlacementFactory = Callable[[ModelPreset, int], PlacementPolicy]
+
+VLLM_MAX_BATCHED_TOKENS = 8192
+"""``vllm serve``'s default ``max_num_batched_tokens`` on an H100/H200-class GPU (vLLM
+0.33 ``engine/arg_utils.py``): the scheduler's prefill chunk, whose ends keep states."""
 
 
 def _place(*specs: tuple[str, dict]) -> PlacementFactory:
     """A factory composing registered placements; ``"$B"`` / ``"$Ns"`` / ``"$kv"`` / ``"$state"``
-    in params stand for the block size, N_s, KV bytes per token and checkpoint bytes."""
+    in params stand for the block size, N_s, KV bytes per token and checkpoint bytes,
+    ``"$vB"`` for vLLM's hybrid block (:func:`~hybridstore.replay.model_presets.vllm_hybrid_pages`)."""
 
     def build(model: ModelPreset, block_size: int) -> PlacementPolicy:
-        subst = {"$B": block_size, "$Ns": model.state_tokens(), "$kv": model.kv_bytes_per_token,
-                 "$state": model.checkpoint_bytes}
+        subst: dict[str, Any] = {"$B": block_size, "$Ns": model.state_tokens(),
+                                 "$kv": model.kv_bytes_per_token, "$state": model.checkpoint_bytes}
+        if any(v == "$vB" for _, params in specs for v in params.values()):
+            subst["$vB"] = vllm_hybrid_pages(model).block_tokens
         parts = [placement_policy(name, **{k: subst.get(v, v) if isinstance(v, str) else v
                                            for k, v in params.items()}) for name, params in specs]
         return parts[0] if len(parts) == 1 else Compose(*parts)
@@ -129,8 +136,10 @@ def _flashstates(model: ModelPreset) -> dict[str, dict[str, Any]]:
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset(name="unlimited", eviction="lru", unlimited=True, tiers=("device",),
            placement=_place(("interval", {"interval": "$B"}), ("request-end", {}))),
-    Preset(name="vllm-marconi", eviction="lru-vllm", tiers=("device",), branch=True,
-           placement=_place(("block-aligned", {"block_size": "$B"}), ("anchors", {}))),
+    Preset(name="vllm-marconi", eviction="lru-vllm", tiers=("device",),
+           params=lambda model: {"eviction": {"running_state": True}},
+           placement=_place(("block-aligned", {"block_size": "$vB", "chunk": VLLM_MAX_BATCHED_TOKENS,
+                                               "logits_token": True}))),
     Preset(name="vllm-cpu", eviction="lru-vllm", tiers=("device", "host"),
            placement=_place(("block-aligned", {"block_size": "$B"}))),
     Preset(name="vllm-disk", eviction="lru-vllm", tiers=("device", "host", "disk"),
