@@ -1,4 +1,5 @@
-"""``python -m benchmarks calibrate``: the replay's presets against SGLang's own radix cache.
+"""``python -m benchmarks calibrate``: the replay's presets against SGLang's own radix cache
+(the default) or vLLM's own KV cache manager (``--engine vllm``).
 
 Issue 15, part 1 (first step): the same requests (the sequential discipline: every request
 of the trace by trace time, one at a time, the replay's synthesized token ids), the same
@@ -14,12 +15,19 @@ ratio`` 0.9), through
   prefix locked meanwhile, as ``checkpoint_into_tree`` does after a prefill: the request's
   KV row is the matched prefix's indices then fresh ones, and the insert itself frees the
   fresh indices of what the tree already held (``prev_prefix_len``);
+* or vLLM 0.33's real ``KVCacheManager`` (``HybridKVCacheCoordinator`` over a
+  ``FullAttentionSpec`` group and the model's ``MambaSpec`` groups in
+  ``mamba_cache_mode="align"``, prefix caching on, one real ``BlockPool`` of
+  ``budget x footprint x (1 + mamba_ratio)`` bytes in the model's hybrid blocks) driven
+  by its real ``Scheduler``: ``get_computed_blocks``, ``allocate_slots`` per prefill
+  chunk, ``free`` when the request finishes (:class:`VLLMPrefixCache`);
 * hybridstore's replay with a preset, over one accounting tier split the same way.
 
-It prints, per budget, SGLang's token hit rate and each preset's, with the requests whose
-hit differs from SGLang's by a block or more, as JSON, a table and a PNG.  What it does not
-model of SGLang: chunked prefill with the extra buffer (states at chunk ends, page size 64),
-decode-time states, host and storage tiers.
+It prints, per budget, the engine's token hit rate and each preset's, with the requests
+whose hit differs from the engine's by a block or more, as JSON, a table and a PNG.  What
+it does not model of SGLang: chunked prefill with the extra buffer (states at chunk ends,
+page size 64), decode-time states, host and storage tiers; of vLLM: decode, concurrent
+requests, its offloading connectors.
 """
 
 from __future__ import annotations

@@ -8,12 +8,22 @@ preset              models
 ==================  ===========================================================
 ``unlimited``       every block boundary and request end checkpointed, nothing
                     evicted: the reference upper bound of hit rate
-``vllm-marconi``    vLLM v1 hybrid prefix caching (GPU only): states only at
-                    block-aligned positions (align mode: the last block
-                    boundary of each request, plus Marconi-style branch
-                    points), plain LRU that may leave states without their KV
-``vllm-cpu``        the same with vLLM's CPU offloading: write-through to DRAM,
-                    LRU per tier
+``vllm-marconi``    vLLM 0.33 hybrid prefix caching (GPU only, one block pool for
+                    KV and states), ``mamba_cache_mode="align"``: states at the
+                    end of every 8,192-token prefill chunk, at the branch point
+                    (block-floored: where the KV match ran past the deepest
+                    state) and at the last block boundary before the prompt's
+                    last token, in vLLM's hybrid
+                    block (512 tokens for qwen3.5-9b: a page covers a state);
+                    its free-queue LRU (``lru-vllm`` with ``running_state``: a
+                    request's tail first, states its prefill passed before its
+                    KV, KV no state needs first, no slack), which may leave
+                    states without their KV.  Calibrated against vLLM's own
+                    KVCacheManager (``python -m benchmarks calibrate --engine
+                    vllm``, docs/replay.md)
+``vllm-cpu``        vLLM with CPU offloading: write-through to DRAM, plain LRU
+                    per tier, states at the last trace-block boundary (not
+                    calibrated yet: the offloading tiers are not driven)
 ``vllm-disk``       vLLM CPU + disk offloading: write-through to DRAM and SSD
 ``sglang-hicache``  SGLang 0.5.23's ``UnifiedRadixCache`` (FULL + MAMBA, no extra
                     buffer: one state at each prompt's end), its split KV and
@@ -136,10 +146,10 @@ def _flashstates(model: ModelPreset) -> dict[str, dict[str, Any]]:
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset(name="unlimited", eviction="lru", unlimited=True, tiers=("device",),
            placement=_place(("interval", {"interval": "$B"}), ("request-end", {}))),
-    Preset(name="vllm-marconi", eviction="lru-vllm", tiers=("device",),
+    Preset(name="vllm-marconi", eviction="lru-vllm", tiers=("device",), branch=True,
            params=lambda model: {"eviction": {"running_state": True}},
            placement=_place(("block-aligned", {"block_size": "$vB", "chunk": VLLM_MAX_BATCHED_TOKENS,
-                                               "logits_token": True}))),
+                                               "logits_token": True, "junctions": True}))),
     Preset(name="vllm-cpu", eviction="lru-vllm", tiers=("device", "host"),
            placement=_place(("block-aligned", {"block_size": "$B"}))),
     Preset(name="vllm-disk", eviction="lru-vllm", tiers=("device", "host", "disk"),
