@@ -24,13 +24,19 @@ def _index(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from benchmarks.calibrate import run_calibration
+    from benchmarks.calibrate import (
+        DEFAULT_PRESETS,
+        DEFAULT_VLLM_PRESETS,
+        run_calibration,
+    )
     from hybridstore.replay.sweep import parse_budgets
 
+    policy = args.policy or ",".join(DEFAULT_VLLM_PRESETS if args.engine == "vllm"
+                                     else DEFAULT_PRESETS)
     run_calibration(trace_spec=args.trace, budgets=parse_budgets(args.budgets),
-                    presets=[p.strip() for p in args.policy.split(",") if p.strip()],
+                    presets=[p.strip() for p in policy.split(",") if p.strip()],
                     max_requests=args.max_requests, json_path=args.json, plot_path=args.plot,
-                    pools=args.pools)
+                    pools=args.pools, engine=args.engine)
     return 0
 
 
@@ -58,12 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (~1 min)")
     index.set_defaults(func=_index)
     cal = sub.add_parser("calibrate", help="the replay's presets against SGLang's own "
-                                           "UnifiedRadixCache, same requests and budgets")
+                                           "UnifiedRadixCache (or vLLM's KV cache manager), "
+                                           "same requests and budgets")
+    cal.add_argument("--engine", default="sglang", choices=("sglang", "vllm"),
+                     help="whose own cache: SGLang 0.5.23's UnifiedRadixCache (default) or "
+                          "vLLM 0.33's KVCacheManager (hybrid, align mode) via its Scheduler")
     cal.add_argument("--trace", default=None, help="trace spec (default: the bundled WEKA sample)")
     cal.add_argument("--budgets", default="10%,20%,50%",
                      help="fractions of the KV footprint (default 10%%,20%%,50%%)")
-    cal.add_argument("--policy", default="sglang-hicache,vllm-marconi,histate",
-                     help="presets to compare")
+    cal.add_argument("--policy", default=None,
+                     help="presets to compare (default: sglang-hicache,vllm-marconi,histate; "
+                          "with --engine vllm: vllm-marconi)")
     cal.add_argument("--max-requests", type=int, default=None)
     cal.add_argument("--pools", default="preset", choices=("preset", "unified", "split"),
                      help="how KV and states share the budget (as in hybridstore replay)")

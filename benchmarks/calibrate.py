@@ -1,4 +1,5 @@
-"""``python -m benchmarks calibrate``: the replay's presets against SGLang's own radix cache.
+"""``python -m benchmarks calibrate``: the replay's presets against SGLang's own radix cache
+(the default) or vLLM's own KV cache manager (``--engine vllm``).
 
 Issue 15, part 1 (first step): the same requests (the sequential discipline: every request
 of the trace by trace time, one at a time, the replay's synthesized token ids), the same
@@ -14,12 +15,19 @@ ratio`` 0.9), through
   prefix locked meanwhile, as ``checkpoint_into_tree`` does after a prefill: the request's
   KV row is the matched prefix's indices then fresh ones, and the insert itself frees the
   fresh indices of what the tree already held (``prev_prefix_len``);
+* or vLLM 0.33's real ``KVCacheManager`` (``HybridKVCacheCoordinator`` over a
+  ``FullAttentionSpec`` group and the model's ``MambaSpec`` groups in
+  ``mamba_cache_mode="align"``, prefix caching on, one real ``BlockPool`` of
+  ``budget x footprint x (1 + mamba_ratio)`` bytes in the model's hybrid blocks) driven
+  by its real ``Scheduler``: ``get_computed_blocks``, ``allocate_slots`` per prefill
+  chunk, ``free`` when the request finishes (:class:`VLLMPrefixCache`);
 * hybridstore's replay with a preset, over one accounting tier split the same way.
 
-It prints, per budget, SGLang's token hit rate and each preset's, with the requests whose
-hit differs from SGLang's by a block or more, as JSON, a table and a PNG.  What it does not
-model of SGLang: chunked prefill with the extra buffer (states at chunk ends, page size 64),
-decode-time states, host and storage tiers.
+It prints, per budget, the engine's token hit rate and each preset's, with the requests
+whose hit differs from the engine's by a block or more, as JSON, a table and a PNG.  What
+it does not model of SGLang: chunked prefill with the extra buffer (states at chunk ends,
+page size 64), decode-time states, host and storage tiers; of vLLM: decode, concurrent
+requests, its offloading connectors.
 """
 
 from __future__ import annotations
@@ -33,8 +41,10 @@ from typing import Any
 import numpy as np
 
 from hybridstore.adapters.cpu_shims import SGLANG_CACHE_MODULES, import_sglang
-from hybridstore.replay.model_presets import model_preset
+from hybridstore.errors import ConfigError
+from hybridstore.replay.model_presets import model_preset, vllm_hybrid_pages
 from hybridstore.replay.sim import ReplayConfig, kv_footprint, merged_requests, replay
+from hybridstore.replay.systems import VLLM_MAX_BATCHED_TOKENS
 from hybridstore.replay.tokens import session_tokens
 from hybridstore.replay.trace import Trace
 
@@ -154,26 +164,185 @@ def sglang_hits(trace: Trace, cfg: ReplayConfig) -> list[int]:
     return sglang_run(trace, cfg)[0]
 
 
+_TINY_CONFIG = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64,
+                "ffn_dim": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
+                "vocab_size": 50272, "max_position_embeddings": 1 << 22,
+                "word_embed_proj_dim": 64, "do_layer_norm_before": True,
+                "torch_dtype": "float16", "bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 1}
+
+
+class VLLMPrefixCache:
+    """vLLM 0.33's ``KVCacheManager`` (a ``HybridKVCacheCoordinator`` over one
+    ``FullAttentionSpec`` group and ``mamba_groups`` ``MambaSpec`` groups in
+    ``mamba_cache_mode="align"``, prefix caching on, one real ``BlockPool``) driven by its
+    real ``Scheduler`` on CPU, one request at a time.
+
+    The scheduler does what it does in a server: ``get_computed_blocks`` (the hit),
+    ``allocate_slots`` per prefill chunk (``max_num_batched_tokens``, clipped by
+    ``_mamba_block_aligned_split`` so that chunks end on block boundaries and at the
+    prompt's last block boundary), and ``free`` when the request finishes after its one
+    output token (the prompt's full blocks stay cached, in the free queue).  No model
+    runs: the driver hands back a sampled token per finished prefill.
+
+    Args:
+        num_blocks: the pool (one block id = one page in every layer of a group).
+        block_tokens: tokens per block (attention and Mamba, align mode).
+        mamba_groups: Mamba groups; a state takes one block in each.
+        max_num_batched_tokens: the scheduler's token budget per step (the prefill chunk).
+    """
+
+    def __init__(self, num_blocks: int, block_tokens: int, mamba_groups: int = 1,
+                 max_num_batched_tokens: int = VLLM_MAX_BATCHED_TOKENS) -> None:
+        import tempfile
+
+        import torch
+        from vllm import SamplingParams
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            MambaSpec,
+        )
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import Request, RequestStatus
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self._Request, self._Output, self._Status = Request, ModelRunnerOutput, RequestStatus
+        max_len = 1 << 22
+        self._dir = tempfile.TemporaryDirectory()   # a local model config: no hub access
+        with open(f"{self._dir.name}/config.json", "w") as fh:
+            json.dump(_TINY_CONFIG, fh)
+        mc = ModelConfig(model=self._dir.name, dtype="float16", seed=0, skip_tokenizer_init=True,
+                         max_model_len=max_len)
+        sc = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=max_len, enable_chunked_prefill=True,
+                             is_encoder_decoder=False)
+        cc = CacheConfig(block_size=block_tokens, enable_prefix_caching=True,
+                         mamba_cache_mode="align")
+        cc.num_gpu_blocks = num_blocks
+        vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc,
+                        device_config=DeviceConfig("cpu"))
+        # Page bytes do not matter to the manager (it counts block ids); the Mamba page is
+        # padded to the attention page as vLLM pads it.
+        fa = FullAttentionSpec(block_size=block_tokens, num_kv_heads=1, head_size=8,
+                               dtype=torch.float16)
+        groups = [KVCacheGroupSpec(["attn"], fa)]
+        for g in range(mamba_groups):
+            groups.append(KVCacheGroupSpec([f"mamba{g}"], MambaSpec(
+                block_size=block_tokens, shapes=((4, 8),), dtypes=(torch.float16,),
+                mamba_cache_mode="align", page_size_padded=fa.page_size_bytes)))
+        kvc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+        self.sched = Scheduler(vllm_config=vc, kv_cache_config=kvc, log_stats=False,
+                               structured_output_manager=StructuredOutputManager(vc),
+                               block_size=block_tokens)
+        self.manager = self.sched.kv_cache_manager
+        init_none_hash(sha256)
+        self._hasher = get_request_block_hasher(self.sched.hash_block_size, sha256)
+        self._params = SamplingParams(max_tokens=1)
+        self._params.update_from_generation_config({}, 2)
+        self.num_blocks = num_blocks
+        self.block_tokens = block_tokens
+        self.skipped = 0
+        self._n = 0
+
+    def serve(self, tokens: np.ndarray) -> int:
+        """One request (prefill and its one output token): its hit, in tokens."""
+        self._n += 1
+        req = self._Request(request_id=str(self._n), prompt_token_ids=tokens.tolist(),
+                            sampling_params=self._params, pooling_params=None,
+                            block_hasher=self._hasher)
+        hit = self.manager.get_computed_blocks(req)[1]    # what the scheduler will reuse
+        self.sched.add_request(req)
+        first = True
+        while self.sched.requests:
+            out = self.sched.schedule()
+            n = out.num_scheduled_tokens.get(req.request_id, 0)
+            if n == 0:     # more blocks than the pool has: vLLM cannot run it
+                self.sched.finish_requests(req.request_id, self._Status.FINISHED_ABORTED)
+                self.skipped += 1
+                return hit
+            if first:
+                hit, first = req.num_computed_tokens - n, False
+            done = req.num_computed_tokens >= req.num_prompt_tokens
+            self.sched.update_from_output(out, self._Output(
+                req_ids=[req.request_id], req_id_to_index={req.request_id: 0},
+                sampled_token_ids=[[7] if done else []], logprobs=None,
+                prompt_logprobs_dict={}, pooler_output=None))
+        return hit
+
+
+def vllm_run(trace: Trace, cfg: ReplayConfig,
+             max_num_batched_tokens: int = VLLM_MAX_BATCHED_TOKENS) -> tuple[list[int], int]:
+    """Per-request hits of vLLM's own prefix cache, in the sequential discipline's order, and
+    the number of requests it could not run (more blocks than its pool).
+
+    Its one pool gets the one-budget presets' bytes, ``budget x footprint x (1 +
+    mamba_ratio)``, in blocks of the model's hybrid page layout
+    (:func:`~hybridstore.replay.model_presets.vllm_hybrid_pages`)."""
+    assert cfg.budget is not None
+    model = model_preset(cfg.model)
+    pages = vllm_hybrid_pages(model)
+    total = cfg.budget * kv_footprint(trace, cfg, model) * (1 + cfg.mamba_ratio)
+    cache = VLLMPrefixCache(max(1, int(total // pages.block_bytes)), pages.block_tokens,
+                            pages.mamba_groups, max_num_batched_tokens)
+    order = merged_requests(trace)
+    if cfg.max_requests is not None:
+        order = order[:cfg.max_requests]
+    tokens = {s.id: session_tokens(s) for s in trace.sessions}
+    return [cache.serve(next(tokens[r.session])) for r in order], cache.skipped
+
+
+ENGINES = {"sglang": ("sglang_radix_cache", "SGLang UnifiedRadixCache"),
+           "vllm": ("vllm_prefix_cache", "vLLM KVCacheManager")}
+"""Engines whose own cache the presets are calibrated against: the row key of its hit rate
+and its label."""
+
+DEFAULT_VLLM_PRESETS = ("vllm-marconi",)
+
+
+def engine_run(engine: str, trace: Trace, cfg: ReplayConfig) -> tuple[list[int], int]:
+    """Per-request hits of ``engine``'s own cache and the requests it could not hold."""
+    if engine == "sglang":
+        return sglang_run(trace, cfg)
+    if engine == "vllm":
+        return vllm_run(trace, cfg)
+    raise ConfigError(f"engine must be one of {sorted(ENGINES)}, got {engine!r}")
+
+
 def calibrate(trace: Trace, budgets: Sequence[float], presets: Sequence[str] = DEFAULT_PRESETS,
               *, max_requests: int | None = None, mamba_ratio: float = 0.9,
-              pools: str = "preset") -> dict[str, Any]:
-    """Token hit rates of SGLang's cache and of each preset at each budget (sequential).
+              pools: str = "preset", engine: str = "sglang") -> dict[str, Any]:
+    """Token hit rates of an engine's own cache and of each preset at each budget (sequential).
 
-    Each row has the hit rates (``sglang_radix_cache`` and one per preset), and per preset
-    ``diverging``: the requests whose hit differs from SGLang's by a block or more, and
-    ``refused``: requests longer than the KV pool, which neither stores.
+    Each row has the hit rates (``sglang_radix_cache`` or ``vllm_prefix_cache``, and one
+    per preset), and per preset ``diverging``: the requests whose hit differs from the
+    engine's by a block or more, and ``refused``: requests the engine or the preset could
+    not hold (longer than the KV pool).
     """
+    if engine not in ENGINES:
+        raise ConfigError(f"engine must be one of {sorted(ENGINES)}, got {engine!r}")
+    col = ENGINES[engine][0]
     rows = []
     for budget in budgets:
         cfg = ReplayConfig(discipline="sequential", budget=budget, max_requests=max_requests,
                            mamba_ratio=mamba_ratio, pools=pools)
         t0 = time.perf_counter()
-        hits, skipped = sglang_run(trace, cfg)
+        hits, skipped = engine_run(engine, trace, cfg)
         runs = replay(trace, list(presets), cfg, progress=False)
         inp = sum(r.input_tokens for r in next(iter(runs.values())).results)
-        row: dict[str, Any] = {"budget": budget, "sglang_radix_cache": sum(hits) / inp}
+        row: dict[str, Any] = {"budget": budget, col: sum(hits) / inp}
         diverging: dict[str, int] = {}
-        refused: dict[str, int] = {"sglang_radix_cache": skipped}
+        refused: dict[str, int] = {col: skipped}
         for name, run in runs.items():
             row[name] = run.summary()["token_hit_rate"]
             diverging[name] = sum(abs(r.hit_tokens - h) >= trace.block_size
@@ -184,7 +353,7 @@ def calibrate(trace: Trace, budgets: Sequence[float], presets: Sequence[str] = D
         rows.append(row)
     return {"trace": trace.name, "requests": max_requests or trace.n_requests,
             "discipline": "sequential", "mamba_ratio": mamba_ratio, "pools": pools,
-            "rows": rows}
+            "engine": engine, "rows": rows}
 
 
 def _rate_columns(doc: dict[str, Any]) -> list[str]:
@@ -197,9 +366,10 @@ def print_calibration(doc: dict[str, Any]) -> None:
     from rich.table import Table
 
     cols = _rate_columns(doc)
+    engine = ENGINES[doc.get("engine", "sglang")][1].split()[0]
     table = Table(title=f"token hit rate, {doc['trace']} ({doc['requests']} requests, "
                         f"sequential, pools {doc.get('pools', 'preset')}; in brackets: requests "
-                        "whose hit differs from SGLang's by a block or more)")
+                        f"whose hit differs from {engine}'s by a block or more)")
     table.add_column("budget")
     for c in cols:
         table.add_column(c, justify="right")
@@ -211,20 +381,21 @@ def print_calibration(doc: dict[str, Any]) -> None:
 
 
 def plot_calibration(doc: dict[str, Any], path: str) -> None:
-    """Token hit rate against budget: SGLang's own cache and every preset."""
+    """Token hit rate against budget: the engine's own cache and every preset."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     budgets = [100 * r["budget"] for r in doc["rows"]]
+    col, label = ENGINES[doc.get("engine", "sglang")]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for c in _rate_columns(doc):
-        sglang = c == "sglang_radix_cache"
+        own = c == col
         ax.plot(budgets, [r[c] for r in doc["rows"]], marker="o",
-                label="SGLang UnifiedRadixCache (its own code)" if sglang else c,
-                color="black" if sglang else None, linewidth=2.5 if sglang else 1.5,
-                linestyle="--" if sglang else "-", zorder=3 if sglang else 2)
+                label=f"{label} (its own code)" if own else c,
+                color="black" if own else None, linewidth=2.5 if own else 1.5,
+                linestyle="--" if own else "-", zorder=3 if own else 2)
     ax.set_xlabel("budget (% of the KV footprint; + Mamba pool x mamba_ratio)")
     ax.set_ylabel("token hit rate")
     ax.set_ylim(0, 1)
@@ -240,12 +411,12 @@ def plot_calibration(doc: dict[str, Any], path: str) -> None:
 def run_calibration(*, trace_spec: str | None, budgets: Sequence[float],
                     presets: Sequence[str], max_requests: int | None,
                     json_path: str | None, plot_path: str | None = None,
-                    pools: str = "preset") -> dict[str, Any]:
+                    pools: str = "preset", engine: str = "sglang") -> dict[str, Any]:
     from hybridstore.replay.loaders import load
     from hybridstore.replay.samples import weka_sample
 
     doc = calibrate(load(trace_spec or str(weka_sample())), budgets, presets,
-                    max_requests=max_requests, pools=pools)
+                    max_requests=max_requests, pools=pools, engine=engine)
     print_calibration(doc)
     print(json.dumps(doc, indent=2))
     if json_path:

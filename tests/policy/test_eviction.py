@@ -273,3 +273,31 @@ def test_radix_lru_evicts_the_least_recently_used_leaf_with_its_state():
         assert b.resume_if_appended() == 1000 and c.resume_if_appended() == 2000
         # only the leaf's state and as many of its pages as the allocation needed
         assert store.stats()["evictions"] <= 1 + (480 // 16 + 1)
+
+
+def test_vllm_running_state_order():
+    """vLLM's align mode (``running_state``): of what one prompt stored, the KV past its last
+    state goes first (vLLM never caches a partial last block), then the chunk-end state its
+    prefill moved past (released at the next chunk), then its pages tail first, then its
+    last state; plain LRU keeps the put order (pages, then states)."""
+    from hybridstore.policy.lru_vllm import PlainLRUEviction
+
+    for running in (True, False):
+        store = HybridStore(StoreConfig(block_size=16), eviction=PlainLRUEviction(running_state=running),
+                            tiers={"host": AccountingTier("host", 1 << 30, read_gbps=64)})
+        prompt = store.prefix(np.arange(7_000_000, 7_000_200))     # 200 tokens, 13 pages
+        store.put_kv_sized(prompt, nbytes=PAGE)
+        for p in (64, 160):                                        # a chunk end, the last boundary
+            store.put_state_sized(prompt, nbytes=STATE, position=p)
+        other = store.prefix(np.arange(8_000_000, 8_000_040))      # a later prompt's put
+        store.put_kv_sized(other, nbytes=PAGE)
+        got = [(v.kind, v.ref if v.kind == ObjectKind.PAGE else store.index.checkpoint(v.ref).position)
+               for v in store._eviction.victims(store.index, "host")]
+        ids = store.index._walk_ids(prompt).tolist()
+        pages = [(ObjectKind.PAGE, i) for i in ids[::-1]]
+        states = [(ObjectKind.STATE, 64), (ObjectKind.STATE, 160)]
+        mine = [g for g in got if g[0] == ObjectKind.STATE or g[1] in ids]
+        if running:   # pages 10..12 (tokens 160-200) no state needs
+            assert mine == pages[:3] + states[:1] + pages[3:] + states[1:]
+        else:
+            assert mine == pages + states

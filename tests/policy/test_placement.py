@@ -128,6 +128,11 @@ def test_fixed_interval_is_every_multiple_in_the_new_segment():
 def test_block_aligned_keeps_chunk_ends_and_the_last_block_boundary():
     assert BlockAligned(block_size=16).positions(cached=0, length=1000) == [992]
     assert BlockAligned(block_size=16, chunk=256).positions(cached=32, length=1000) == [288, 544, 800, 992]
+    # vLLM recomputes a prompt's last token for its logits: a whole-block prompt keeps its
+    # state one block earlier, and a prompt ending a token past a boundary keeps it there
+    assert BlockAligned(block_size=16, logits_token=True).positions(cached=0, length=992) == [976]
+    assert BlockAligned(block_size=16, logits_token=True).positions(cached=0, length=993) == [992]
+    assert BlockAligned(block_size=16, logits_token=True).positions(cached=976, length=992) == []
     assert BlockAligned(block_size=16).positions(cached=992, length=1000) == []   # ASC would keep 1000
 
 

@@ -6,47 +6,95 @@ needs, leaving that checkpoint without its KV.  Such dependency misses are
 what FlashStates measures for vLLM; this policy is the baseline that shows
 them.  Use :class:`~hybridstore.policy.lru.LRUEviction` for the
 dependency-aware order.
+
+With ``running_state=True`` it follows vLLM 0.33's GPU block pool in
+``mamba_cache_mode="align"`` (``v1/core/single_type_kv_cache_manager.py``,
+``MambaManager``): a request keeps one running Mamba state, and the state
+block its prefill has moved past (a chunk end's, or the one it resumed from)
+goes back to the free queue at the next chunk, *before* the request's KV
+blocks, which return when it finishes (tail first), followed by its last
+state.  So among what one request stored, its chunk-end states are evicted
+first, then its pages from the tail, then its last state.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator
-from itertools import repeat
 
 import numpy as np
 
-from hybridstore.index.trie import HybridIndex
+from hybridstore.index.trie import Checkpoint, HybridIndex
 from hybridstore.objects import TIER_BITS, ObjectKind
 from hybridstore.policy.base import EvictionPolicy, Victim
 
 
+def _released_at(ck: Checkpoint, page_atime: dict[int, int]) -> float:
+    """When vLLM's free queue got ``ck``'s block (the rank of :class:`PlainLRUEviction`
+    with ``running_state``).
+
+    A state that the request which last used it continued past (a checkpoint on its
+    path created after that use) went back while that request ran, before the
+    request's pages.  Last used by a hit: the hit touched it before the request's put
+    touched the pages, so its last use ranks it.  Last used by its own put: that put
+    touched the pages first (``page_atime``: its base page, when not touched since),
+    so it ranks just before them.  Any other state ranks at its last use (the state
+    at a prompt's last block boundary, released after the prompt's pages)."""
+    if ck.hits or not any(c.created > ck.atime for c in ck.children):
+        return float(ck.atime)
+    t = page_atime.get(ck.base)
+    return (t if t is not None and t < ck.created else ck.created) - 0.5
+
+
 class PlainLRUEviction(EvictionPolicy):
-    """Least recently used object first, pages and checkpoints alike."""
+    """Least recently used object first, pages and checkpoints alike.
+
+    Args:
+        running_state: rank the states a request's prefill moved past before that
+            request's pages, as vLLM's align mode releases them (module docstring).
+    """
 
     name = "lru-vllm"
     dependency_aware = False
+
+    def __init__(self, *, running_state: bool = False) -> None:
+        self.running_state = running_state
+        if running_state:
+            self.room_slack = 0.0   # vLLM's block pool evicts a block when it needs one
 
     def victims(self, index: HybridIndex, tier: str, kind: ObjectKind | None = None, *,
                 keep_needed: bool = False) -> Iterator[Victim]:
         """Objects of ``tier`` by last access (only those of ``kind``, when given); pages
         used at the same time go deepest first (the order of :func:`~hybridstore.policy.base.lru_order`:
         vLLM's block pool frees a request's blocks in reverse, so its tail is evicted
-        before its head, without which the tail is useless)."""
+        before its head, without which the tail is useless).  With ``running_state``,
+        KV no state needs first, and states ranked by :func:`_released_at`."""
         bit = TIER_BITS[tier]
-        page_ids: list[int] = []
-        page_atime: list[int] = []
+        pages = index.page_table(tier)
+        ranked: list[tuple[float, int, int, ObjectKind, int | bytes]] = []
         if kind != ObjectKind.STATE:
-            pages = index.page_table(tier)
             order = np.lexsort((-pages["block"], pages["atime"]))   # lru_order's ranking
-            page_ids = pages["ids"][order].tolist()
-            page_atime = pages["atime"][order].tolist()
-        states: list[tuple[int, ObjectKind, int | bytes]] = [] if kind == ObjectKind.PAGE \
-            else sorted(((ck.atime, ObjectKind.STATE, ck.key) for ck in index.checkpoints()
-                         if ck.tiers & bit), key=lambda t: t[0])
-        ranked: Iterator[tuple[int, ObjectKind, int | bytes]] = zip(
-            page_atime, repeat(ObjectKind.PAGE), page_ids)
-        for _, kind_, ref in heapq.merge(ranked, states, key=lambda t: t[0]):
+            if self.running_state and len(order):
+                # KV that no state needs, of an earlier prompt (its tail past its last
+                # state, a partial last block): vLLM never caches it, so it goes first.
+                # The newest pages belong to the prompt being stored, states still to come.
+                atime = pages["atime"]
+                first = ((pages["deps"] == 0) & (atime < atime.max()))[order]
+                yield from (Victim(ObjectKind.PAGE, i) for i in pages["ids"][order[first]].tolist())
+                order = order[~first]
+            ranked = [(float(t), 0, 0, ObjectKind.PAGE, i) for t, i in
+                      zip(pages["atime"][order].tolist(), pages["ids"][order].tolist())]
+        states: list[tuple[float, int, int, ObjectKind, int | bytes]] = []
+        if kind != ObjectKind.PAGE:
+            if self.running_state:
+                page_atime = dict(zip(pages["ids"].tolist(), pages["atime"].tolist()))
+                states = [(_released_at(ck, page_atime), 1, ck.position, ObjectKind.STATE, ck.key)
+                          for ck in index.checkpoints() if ck.tiers & bit]
+            else:
+                states = [(float(ck.atime), 1, ck.position, ObjectKind.STATE, ck.key)
+                          for ck in index.checkpoints() if ck.tiers & bit]
+            states.sort(key=lambda t: t[:3])
+        for *_, kind_, ref in heapq.merge(ranked, states, key=lambda t: t[:3]):
             yield Victim(kind_, ref)
 
 

@@ -74,26 +74,43 @@ class BlockAligned(PlacementPolicy):
     Args:
         block_size: tokens per KV block.
         chunk: tokens per scheduler step; ``None``: only the last block boundary.
+        logits_token: the last boundary is the last one *before* ``length`` (vLLM
+            0.33's ``get_mamba_prefill_checkpoint_position``: the prompt's last token is
+            always recomputed for its logits, so a prompt of whole blocks keeps its state
+            one block earlier).
+        junctions: the anchors the engine gives (the branch point: where the KV match
+            ran past the deepest state) are junctions: a chunk stops at the block
+            boundary at or below one and keeps its state there, the next chunk starting
+            from it (vLLM 0.33's ``shared_prefix_boundary``, block-floored, in
+            ``Scheduler._mamba_block_aligned_split``).  False: anchors are ignored.
     """
 
     name = "block-aligned"
 
-    def __init__(self, *, block_size: int = 16, chunk: int | None = None) -> None:
+    def __init__(self, *, block_size: int = 16, chunk: int | None = None,
+                 logits_token: bool = False, junctions: bool = False) -> None:
         if block_size < 1 or (chunk is not None and chunk < 1):
             raise ConfigError(f"block_size and chunk must be positive, got {block_size}, {chunk}")
         self.block_size = block_size
         self.chunk = chunk
+        self.logits_token = logits_token
+        self.junctions = junctions
 
     def positions(self, *, cached: int, length: int, anchors: Sequence[int] = (),
                   stats: ResidenceStats | None = None) -> list[int]:
         B = self.block_size
-        picked = set()
-        last = length // B * B
+        last = max(0, length - 1) // B * B if self.logits_token else length // B * B
+        stops = sorted({a // B * B for a in anchors if cached < a // B * B < last}
+                       if self.junctions else set())
+        picked = set(stops)
         if last > cached:
             picked.add(last)
         if self.chunk is not None:
             step = max(B, self.chunk // B * B)
-            picked.update(range(cached // B * B + step, last, step))
+            start = cached // B * B
+            for end in [*stops, last]:     # chunks restart at every junction
+                picked.update(range(start + step, end, step))
+                start = max(start, end)
         return sorted(p for p in picked if p > cached)
 
 

@@ -15,6 +15,7 @@ configs; where a figure is rounded it says so.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from hybridstore.errors import ConfigError
@@ -30,6 +31,9 @@ class ModelPreset:
         checkpoint_bytes: one recurrent-state checkpoint, all recurrent layers.
         active_params: parameters touched per token (MoE: active only).
         attn_layers, q_heads, head_dim: full-attention shape (attention term).
+        recurrent_layers: linear-attention / Mamba layers (their states make up
+            ``checkpoint_bytes``); how vLLM lays out its hybrid pages
+            (:func:`vllm_hybrid_pages`).  0: unknown.
         prefill_flops: effective prefill FLOP/s of the serving GPU.
         decode_s_per_token: decode time per output token.
         source: where the numbers come from.
@@ -42,6 +46,7 @@ class ModelPreset:
     attn_layers: int
     q_heads: int
     head_dim: int
+    recurrent_layers: int = 0
     prefill_flops: float = 400e12
     decode_s_per_token: float = 0.012
     source: str = ""
@@ -90,22 +95,68 @@ MODELS: dict[str, ModelPreset] = {
     "qwen3.5-9b": ModelPreset(
         name="qwen3.5-9b", kv_bytes_per_token=1_100_000_000 // 32_768,
         checkpoint_bytes=1_600_000_000 // 32, active_params=9e9, attn_layers=8, q_heads=16,
-        head_dim=256, source="HiState §3.1 (1.1 GB KV, 1.6 GB checkpoints / 32K @ I=1024)"),
+        head_dim=256, recurrent_layers=24, source="HiState §3.1 (1.1 GB KV, 1.6 GB checkpoints / 32K @ I=1024)"),
     # Qwen3-Next-80B-A3B: 48 layers, every 4th full attention (12), 2 KV heads
     # x 256, 16 query heads; 36 Gated DeltaNet layers with 32 value heads of
     # 128x128 FP32 state (+ a small conv state): ~75 MB per checkpoint.
     "qwen3-next-80b-a3b": ModelPreset(
         name="qwen3-next-80b-a3b", kv_bytes_per_token=12 * 2 * 2 * 256 * 2,
         checkpoint_bytes=36 * (32 * 128 * 128 * 4 + 3 * 8192 * 2), active_params=3e9,
-        attn_layers=12, q_heads=16, head_dim=256,
+        attn_layers=12, q_heads=16, head_dim=256, recurrent_layers=36,
         source="Qwen3-Next-80B-A3B config.json (rounded conv state)"),
     # Nemotron-H-8B: 52 layers, 4 attention (8 KV heads x 128), Mamba-2 layers
     # with 128 heads x 64 head dim x 128 state, kept in FP32.
     "nemotron-h-8b": ModelPreset(
         name="nemotron-h-8b", kv_bytes_per_token=4 * 2 * 8 * 128 * 2,
         checkpoint_bytes=24 * 128 * 64 * 128 * 4, active_params=8e9, attn_layers=4, q_heads=32,
-        head_dim=128, source="Nemotron-H-8B config (24 Mamba-2 layers counted, FP32 SSM state)"),
+        head_dim=128, recurrent_layers=24, source="Nemotron-H-8B config (24 Mamba-2 layers counted, FP32 SSM state)"),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMPages:
+    """How vLLM 0.33 lays out a hybrid model's one block pool (see :func:`vllm_hybrid_pages`).
+
+    Attributes:
+        block_tokens: tokens per block of every group (attention and Mamba alike).
+        group_layers: layers per KV cache group (one page each per block).
+        attention_groups, mamba_groups: groups of each kind; a request's Mamba state
+            takes one block in each Mamba group.
+        block_bytes: bytes of one block id (``group_layers`` pages).
+    """
+
+    block_tokens: int
+    group_layers: int
+    attention_groups: int
+    mamba_groups: int
+    block_bytes: float
+
+
+def vllm_hybrid_pages(model: ModelPreset, kernel_block: int = 16) -> VLLMPages:
+    """vLLM's hybrid page layout for ``model``.
+
+    ``platforms/interface.py`` (``_align_hybrid_block_size``) raises the attention block
+    size to the smallest multiple of the kernel block (16 for FlashAttention) whose
+    per-layer page covers one layer's Mamba state, and pads the Mamba page to it (align
+    mode: the Mamba block size follows); ``v1/core/kv_cache_planning.py`` groups the
+    layers in groups of the smaller layer count (the larger when under 1.5 x), and one
+    block id of the shared pool is one page in every layer of a group; ``num_blocks =
+    memory // (group_layers x page)``.
+
+    Raises:
+        ConfigError: the model preset does not give its recurrent layer count.
+    """
+    if model.recurrent_layers < 1 or model.attn_layers < 1:
+        raise ConfigError(f"model {model.name} gives no recurrent layer count")
+    kv_layer = model.kv_bytes_per_token / model.attn_layers       # one layer, one token
+    state_layer = model.checkpoint_bytes / model.recurrent_layers
+    block = kernel_block * math.ceil(state_layer / (kernel_block * kv_layer))
+    lo, hi = sorted((model.attn_layers, model.recurrent_layers))
+    group = hi if hi < 1.5 * lo else lo
+    return VLLMPages(block_tokens=block, group_layers=group,
+                     attention_groups=math.ceil(model.attn_layers / group),
+                     mamba_groups=math.ceil(model.recurrent_layers / group),
+                     block_bytes=group * block * kv_layer)
 
 
 def model_preset(name: str) -> ModelPreset:

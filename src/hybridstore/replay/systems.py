@@ -8,12 +8,22 @@ preset              models
 ==================  ===========================================================
 ``unlimited``       every block boundary and request end checkpointed, nothing
                     evicted: the reference upper bound of hit rate
-``vllm-marconi``    vLLM v1 hybrid prefix caching (GPU only): states only at
-                    block-aligned positions (align mode: the last block
-                    boundary of each request, plus Marconi-style branch
-                    points), plain LRU that may leave states without their KV
-``vllm-cpu``        the same with vLLM's CPU offloading: write-through to DRAM,
-                    LRU per tier
+``vllm-marconi``    vLLM 0.33 hybrid prefix caching (GPU only, one block pool for
+                    KV and states), ``mamba_cache_mode="align"``: states at the
+                    end of every 8,192-token prefill chunk, at the branch point
+                    (block-floored: where the KV match ran past the deepest
+                    state) and at the last block boundary before the prompt's
+                    last token, in vLLM's hybrid
+                    block (512 tokens for qwen3.5-9b: a page covers a state);
+                    its free-queue LRU (``lru-vllm`` with ``running_state``: a
+                    request's tail first, states its prefill passed before its
+                    KV, KV no state needs first, no slack), which may leave
+                    states without their KV.  Calibrated against vLLM's own
+                    KVCacheManager (``python -m benchmarks calibrate --engine
+                    vllm``, docs/replay.md)
+``vllm-cpu``        vLLM with CPU offloading: write-through to DRAM, plain LRU
+                    per tier, states at the last trace-block boundary (not
+                    calibrated yet: the offloading tiers are not driven)
 ``vllm-disk``       vLLM CPU + disk offloading: write-through to DRAM and SSD
 ``sglang-hicache``  SGLang 0.5.23's ``UnifiedRadixCache`` (FULL + MAMBA, no extra
                     buffer: one state at each prompt's end), its split KV and
@@ -57,18 +67,25 @@ from hybridstore.policy.base import AdmissionPolicy, EvictionPolicy, PlacementPo
 from hybridstore.policy.flashstates import FlashStatesEviction
 from hybridstore.policy.placement import Compose
 from hybridstore.policy.units import PrefillCost
-from hybridstore.replay.model_presets import ModelPreset
+from hybridstore.replay.model_presets import ModelPreset, vllm_hybrid_pages
 
 PlacementFactory = Callable[[ModelPreset, int], PlacementPolicy]
+
+VLLM_MAX_BATCHED_TOKENS = 8192
+"""``vllm serve``'s default ``max_num_batched_tokens`` on an H100/H200-class GPU (vLLM
+0.33 ``engine/arg_utils.py``): the scheduler's prefill chunk, whose ends keep states."""
 
 
 def _place(*specs: tuple[str, dict]) -> PlacementFactory:
     """A factory composing registered placements; ``"$B"`` / ``"$Ns"`` / ``"$kv"`` / ``"$state"``
-    in params stand for the block size, N_s, KV bytes per token and checkpoint bytes."""
+    in params stand for the block size, N_s, KV bytes per token and checkpoint bytes,
+    ``"$vB"`` for vLLM's hybrid block (:func:`~hybridstore.replay.model_presets.vllm_hybrid_pages`)."""
 
     def build(model: ModelPreset, block_size: int) -> PlacementPolicy:
-        subst = {"$B": block_size, "$Ns": model.state_tokens(), "$kv": model.kv_bytes_per_token,
-                 "$state": model.checkpoint_bytes}
+        subst: dict[str, Any] = {"$B": block_size, "$Ns": model.state_tokens(),
+                                 "$kv": model.kv_bytes_per_token, "$state": model.checkpoint_bytes}
+        if any(v == "$vB" for _, params in specs for v in params.values()):
+            subst["$vB"] = vllm_hybrid_pages(model).block_tokens
         parts = [placement_policy(name, **{k: subst.get(v, v) if isinstance(v, str) else v
                                            for k, v in params.items()}) for name, params in specs]
         return parts[0] if len(parts) == 1 else Compose(*parts)
@@ -134,7 +151,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset(name="unlimited", eviction="lru", unlimited=True, tiers=("device",),
            placement=_place(("interval", {"interval": "$B"}), ("request-end", {}))),
     Preset(name="vllm-marconi", eviction="lru-vllm", tiers=("device",), branch=True,
-           placement=_place(("block-aligned", {"block_size": "$B"}), ("anchors", {}))),
+           params=lambda model: {"eviction": {"running_state": True}},
+           placement=_place(("block-aligned", {"block_size": "$vB", "chunk": VLLM_MAX_BATCHED_TOKENS,
+                                               "logits_token": True, "junctions": True}))),
     Preset(name="vllm-cpu", eviction="lru-vllm", tiers=("device", "host"),
            placement=_place(("block-aligned", {"block_size": "$B"}))),
     Preset(name="vllm-disk", eviction="lru-vllm", tiers=("device", "host", "disk"),
