@@ -88,42 +88,22 @@ def test_the_calibrated_preset_is_within_one_point_of_sglangs_own_cache(trace, b
     assert abs(row["sglang-hicache"] - row["sglang_radix_cache"]) <= 0.01
 
 
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
-
-
 def test_extra_buffer_with_room_for_everything_hits_the_deepest_tracked_position(trace):
     """No eviction, SGLang with the Mamba extra buffer (page 64): a request hits the deepest
     position at which an earlier request tracked a state and that its prompt shares. The
-    oracle re-derives the tracked positions from the scheduler's rule in plain Python (one
-    state per 8192-token chunk at its last 64-aligned position, or at the branch point:
-    the KV the tree holds, i.e. the longest prefix shared with an inserted key, floored to
-    64, where it runs past the hit), with no SGLang code."""
-    from benchmarks.calibrate import SGLANG_CHUNK
+    oracle (``tests/policy/test_chunk_track.py``) re-derives the tracked positions from the
+    scheduler's rule in plain Python, with no SGLang code; the same oracle checks the
+    ``sglang-extra`` preset."""
+    from tests.policy.test_chunk_track import extra_buffer_oracle
 
     order = merged_requests(trace)[:N]
     its = {s.id: session_tokens(s) for s in trace.sessions}
     toks = [next(its[r.session]) for r in order]
-    states: list[np.ndarray] = []       # the prefixes that end at a stored state
-    want = []
-    for cur in toks:
-        hit = max((len(k) for k in states if len(k) <= len(cur)
-                   and np.array_equal(cur[:len(k)], k)), default=0)
-        kv = max((_lcp(cur, k) for k in states), default=0) // 64 * 64
-        branch = kv if kv > hit else None
-        want.append(hit)
-        s = hit
-        while s < len(cur):
-            e = min(s + SGLANG_CHUNK, len(cur))
-            if e - s >= 64:
-                t = branch if branch is not None and s < branch < e else s + (e - s) // 64 * 64
-                states.append(cur[:t])
-            s = e
+    want = extra_buffer_oracle(toks)
     got = sglang_hits(trace, ReplayConfig(discipline="sequential", budget=50.0, max_requests=N),
                       "extra_buffer")
     assert got == want and sum(want) > 0
-    assert all(h % 64 == 0 for h in got)
-    # the branch points matter on this slice: without them the oracle would differ
-    assert any(h % SGLANG_CHUNK and h not in {len(t) // 64 * 64 for t in toks} for h in got)
+    # the branch points and the chunks matter on this slice: without either the rule
+    # would keep other states
+    assert extra_buffer_oracle(toks, branches=False) != want
+    assert extra_buffer_oracle(toks, chunk=10**9) != want

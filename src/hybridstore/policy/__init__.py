@@ -33,6 +33,7 @@ from hybridstore.policy.base import (
     ResidenceStats,
     Victim,
 )
+from hybridstore.policy.chunk_track import ChunkTrack
 from hybridstore.policy.flashstates import FlashStatesAdmission, FlashStatesEviction
 from hybridstore.policy.histate import HiStateEviction, HybridStoreEviction
 from hybridstore.policy.intervals import AdaptiveInterval, FixedInterval
@@ -64,6 +65,7 @@ PLACEMENT_POLICIES: dict[str, type[PlacementPolicy]] = {
     "marconi": BranchPoints,
     "interval": FixedInterval,
     "block-aligned": BlockAligned,
+    "chunk-track": ChunkTrack,
     "adaptive": AdaptiveInterval,
     "anchors": SemanticAnchors,
     "compose": Compose,     # placement_policy("compose", parts=[...])
@@ -102,7 +104,7 @@ def placement_policy(name: str, **params: Any) -> PlacementPolicy:
     return Compose(*(_build(PLACEMENT_POLICIES, "placement", part, {}) for part in parts))
 
 
-__all__ = ["ADMISSION_POLICIES", "AdaptiveInterval", "AdmissionPolicy", "BlockAligned",
+__all__ = ["ADMISSION_POLICIES", "AdaptiveInterval", "AdmissionPolicy", "BlockAligned", "ChunkTrack",
            "BranchPoints", "Compose", "EVICTION_POLICIES", "EvictionPolicy", "FixedInterval",
            "FlashStatesAdmission", "FlashStatesEviction", "HiStateEviction", "HybridStoreEviction",
            "KeepAll", "LRUEviction", "LRURefreshEviction", "MarconiEviction", "PLACEMENT_POLICIES",

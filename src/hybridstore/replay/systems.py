@@ -91,6 +91,9 @@ class Preset:
         branch: the engine tells the placement the branch point (where the
             prompt leaves cached context).
         unlimited: no capacity limit at all.
+        kv_to_last_state: the engine keeps a prompt's KV only up to its last
+            checkpoint of the segment (SGLang's extra buffer: the radix insert
+            stops at the last tracked state, the KV past it is freed).
     """
 
     name: str
@@ -103,6 +106,7 @@ class Preset:
     anchors: bool = False
     branch: bool = False
     unlimited: bool = False
+    kv_to_last_state: bool = False
 
     def policies(self, model: ModelPreset) -> tuple[EvictionPolicy, AdmissionPolicy]:
         """The eviction and admission policy instances for ``model``."""
@@ -141,6 +145,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            placement=_place(("block-aligned", {"block_size": "$B"}))),
     Preset(name="sglang-hicache", eviction="lru-radix", tier_policy="partition",
            placement=_place(("request-end", {}))),
+    Preset(name="sglang-extra", eviction="lru-radix", tier_policy="partition", branch=True,
+           kv_to_last_state=True,
+           placement=_place(("chunk-track", {"block_size": "$B", "chunk": 8192}))),
     Preset(name="marconi", eviction="marconi", tiers=("device", "host"), tier_policy="write-back",
            branch=True, placement=_place(("marconi", {})),
            params=lambda model: {"eviction": {"flops": _flops(model)}}),
