@@ -104,9 +104,10 @@ def placement_policy(name: str, **params: Any) -> PlacementPolicy:
     return Compose(*(_build(PLACEMENT_POLICIES, "placement", part, {}) for part in parts))
 
 
-__all__ = ["ADMISSION_POLICIES", "AdaptiveInterval", "AdmissionPolicy", "BlockAligned", "ChunkTrack",
-           "BranchPoints", "Compose", "EVICTION_POLICIES", "EvictionPolicy", "FixedInterval",
-           "FlashStatesAdmission", "FlashStatesEviction", "HiStateEviction", "HybridStoreEviction",
-           "KeepAll", "LRUEviction", "LRURefreshEviction", "MarconiEviction", "PLACEMENT_POLICIES",
-           "PlacementPolicy", "PlainLRUEviction", "PrefillCost", "RadixLRUEviction", "RequestEnd",
-           "ResidenceStats", "SemanticAnchors", "Victim", "admission_policy", "eviction_policy", "placement_policy"]
+__all__ = ["ADMISSION_POLICIES", "AdaptiveInterval", "AdmissionPolicy", "BlockAligned",
+           "BranchPoints", "ChunkTrack", "Compose", "EVICTION_POLICIES", "EvictionPolicy",
+           "FixedInterval", "FlashStatesAdmission", "FlashStatesEviction", "HiStateEviction",
+           "HybridStoreEviction", "KeepAll", "LRUEviction", "LRURefreshEviction",
+           "MarconiEviction", "PLACEMENT_POLICIES", "PlacementPolicy", "PlainLRUEviction",
+           "PrefillCost", "RadixLRUEviction", "RequestEnd", "ResidenceStats", "SemanticAnchors",
+           "Victim", "admission_policy", "eviction_policy", "placement_policy"]
