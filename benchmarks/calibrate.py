@@ -16,10 +16,19 @@ ratio`` 0.9), through
   fresh indices of what the tree already held (``prev_prefix_len``);
 * hybridstore's replay with a preset, over one accounting tier split the same way.
 
+With ``--sglang-mode extra_buffer`` (SGLang's default strategy ``auto`` resolves to it with
+overlap scheduling or pages over one token) the same cache runs with page size 64 and the
+Mamba extra buffer, driven as its scheduler drives it (:meth:`SGLangRadixCache.
+serve_extra_buffer`): prefill in chunks of ``chunked_prefill_size`` (8192), one state
+tracked per chunk by SGLang's own ``_mamba_radix_cache_v2_req_prepare_for_extend`` (the
+chunk's last 64-aligned position, or the branch point ``mamba_branching_seqlen`` inside
+it), inserted with the KV up to it; the preset that follows it is ``sglang-extra``.
+
 It prints, per budget, SGLang's token hit rate and each preset's, with the requests whose
 hit differs from SGLang's by a block or more, as JSON, a table and a PNG.  What it does not
-model of SGLang: chunked prefill with the extra buffer (states at chunk ends, page size 64),
-decode-time states, host and storage tiers.
+model of SGLang: decode-time states (every ``mamba_track_interval`` tokens of output: the
+sequential discipline has no decode), host and storage tiers, batches of several requests
+(one request at a time, as the discipline serves them).
 """
 
 from __future__ import annotations

@@ -107,3 +107,17 @@ def test_extra_buffer_with_room_for_everything_hits_the_deepest_tracked_position
     # would keep other states
     assert extra_buffer_oracle(toks, branches=False) != want
     assert extra_buffer_oracle(toks, chunk=10**9) != want
+
+
+@pytest.mark.parametrize("budget", [0.1, 0.2])
+def test_sglang_extra_follows_sglangs_extra_buffer_cache(trace, budget):
+    """``sglang-extra`` (chunk-track placement, KV up to the last state, split pools,
+    ``lru-radix``) against SGLang's cache with the extra buffer, page 64, on the same
+    requests and pools: within one point, under pressure."""
+    doc = calibrate(trace, [budget, 50.0], ["sglang-extra"], max_requests=N,
+                    sglang_mode="extra_buffer")
+    row, roomy = doc["rows"]
+    assert doc["sglang_mode"] == "extra_buffer"
+    assert row["sglang_radix_cache"] < roomy["sglang_radix_cache"] - 0.01   # the budget bites
+    assert abs(row["sglang-extra"] - row["sglang_radix_cache"]) <= 0.01
+    assert abs(roomy["sglang-extra"] - roomy["sglang_radix_cache"]) <= 0.001

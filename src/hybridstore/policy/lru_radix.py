@@ -13,10 +13,11 @@ What SGLang 0.5.23's tree core does (``unified_cache/unified_tree_core.py``,
   no retained checkpoint needs is offered itself, a page a checkpoint needs is
   offered as that checkpoint, which the store evicts together with ALL the pages only
   it needed (``whole_leaves``: the leaf back to where another retained state shares
-  the path), but only when the page ends a leaf: a page a deeper state needs too is
-  inside the tree, and SGLang's KV eviction never takes an inner node's state (a
-  parent page may be older than its children here, where a match refreshed it before
-  a later insert went deeper; SGLang's leaf heap never sees the parent then).
+  the path), but for a state on a page boundary only when its page ends a leaf: a
+  page a deeper state needs too is inside the tree, and SGLang's KV eviction never
+  takes an inner node's state (a reused ranking may reach such a page before the
+  subtree below it; SGLang's leaf heap is always current).  A state inside a block
+  shares its page with longer prompts' pages, so there the page cannot tell.
 * **Mamba eviction** (the Mamba pool is short) takes the least recently used state
   (``MambaComponent``'s LRU list: a match refreshes only the state it resumes from,
   an insert the state it adds), whether it ends a leaf or sits inside the path.
@@ -111,10 +112,14 @@ class RadixLRUEviction(EvictionPolicy):
                 continue
             ends = covering.get(nid, ())
             # a deeper state needs this page too: the node is inside the tree, not a leaf,
-            # and SGLang's KV eviction never takes its state (only its Mamba LRU does)
+            # and SGLang's KV eviction never takes its state (only its Mamba LRU does).
+            # Told apart only for a state on a page boundary, whose last page is its node's
+            # end; a state inside a block shares its page with longer prompts' pages.
             inner = deps > len(ends)
             for ck in sorted(ends, key=lambda c: c.atime):
-                if not inner and ck.key not in given and ck.tiers & bit:
+                if inner and ck.offset == index.block_size:
+                    continue
+                if ck.key not in given and ck.tiers & bit:
                     given.add(ck.key)
                     yield t, ObjectKind.STATE, ck.key
             if not keep_needed or tiers & elsewhere:

@@ -23,6 +23,16 @@ preset              models
                     Mamba pool, no slack); HiCache's host tiers write-through.
                     Calibrated against SGLang's own cache
                     (``python -m benchmarks calibrate``, docs/replay.md)
+``sglang-extra``    SGLang 0.5.23 as it runs by default (``auto`` resolves to
+                    the Mamba extra buffer, page 64): one state per prefill
+                    chunk of 8192 tokens at its last 64-aligned position, or
+                    the branch point inside that chunk (``chunk-track``), the
+                    radix insert stopping at the last state (no KV past it:
+                    ``kv_to_last_state``), split pools, ``lru-radix``; no
+                    decode-time states.  Calibrated against SGLang's own cache
+                    (``python -m benchmarks calibrate --sglang-mode
+                    extra_buffer``): the same hit on every request of the
+                    bundled sample at 10/20/50 %
 ``marconi``         Marconi: checkpoints at turn ends and branch points only;
                     eviction by recency + FLOP efficiency (α = 1)
 ``flashstates``     FlashStates: exact request-end checkpoints (ASC), hybrid
