@@ -8,7 +8,7 @@ from tests.policy.sessions import PAGE, STATE, B, Session, make_store
 def _engine_turn(session: Session, new_tokens: int) -> int:
     """A turn as the replay's engine serves it: match, release the plan (the prefill ran),
     then put the new pages and the state at the end.  The resumed path is refreshed
-    before the new pages are put, so its last page is older than the leaf below it."""
+    before the new pages are put (the put then touches the whole path again)."""
     store = session.store
     resumed = session.begin(new_tokens)
     store.release(session._plan)
@@ -18,12 +18,10 @@ def _engine_turn(session: Session, new_tokens: int) -> int:
     return resumed
 
 
-def test_an_inner_state_whose_page_is_older_than_its_subtree_stays():
-    """States on page boundaries (SGLang's extra buffer): A's second turn resumes from S1
-    and stores a deeper leaf, so S1's last page is older than the leaf (the match
-    refreshed it before the leaf was put).  SGLang's leaf heap never offers S1's node
-    while a leaf hangs below it: KV pressure takes the leaf with S2 and S1 stays (it
-    used to be dropped first, for nothing: S2 still needed its page)."""
+def test_kv_pressure_takes_the_leaf_and_keeps_the_inner_state():
+    """States on page boundaries (SGLang's extra buffer), turns served as the replay's
+    engine serves them: KV pressure takes A's leaf with S2, the least recently used leaf,
+    and S1, now an inner node's state, stays with its path."""
     store = make_store("lru-radix", state_slots=4)      # KV pool: 4 x 1024 tokens, 4 states
     a, b, c = Session(store, "A"), Session(store, "B"), Session(store, "C")
     _engine_turn(a, 1024)                               # S1 on a page boundary
@@ -46,3 +44,25 @@ def test_a_leaf_goes_whole():
     assert not a.has(2) and a.has(1)
     kv = store.stats()
     assert kv["evictions"] >= 1 + 60
+
+
+def test_a_reused_ranking_never_takes_an_inner_state():
+    """In a large tier the store reuses one ranking for several evictions, so it can reach
+    a page after the path below it has grown.  A's states S1 (512) and S2 (1024) are ranked
+    while old; A then resumes from S2 and grows a leaf (S3) that needs more room.  The next eviction resumes the
+    old ranking at A's path: S1's page is now inside the tree (S2 and S3 need it), and
+    SGLang's leaf heap would never offer S1's node, so S1 must stay (it used to be
+    evicted there, freeing nothing)."""
+    store = make_store("lru-radix", state_slots=16)      # KV: 16 x 1024 tokens = 1024 pages
+    old = Session(store, "O")
+    _engine_turn(old, 1024)                             # the oldest: goes first
+    a = Session(store, "A")
+    _engine_turn(a, 512)                                # S1 at 512
+    _engine_turn(a, 512)                                # S2 at 1024
+    for i in range(7):
+        _engine_turn(Session(store, f"F{i}"), 2048)     # the KV pool is full
+    _engine_turn(Session(store, "G"), 100)              # evicts O (the ranking is made)
+    assert not old.has(1) and a.has(1) and a.has(2)
+    assert _engine_turn(a, 1200) == 1024                # S3; room from the next leaves
+    assert a.has(1) and a.has(2) and a.has(3)
+    assert a.resume_if_forked_at(1) == 512
