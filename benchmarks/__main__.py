@@ -36,7 +36,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     run_calibration(trace_spec=args.trace, budgets=parse_budgets(args.budgets),
                     presets=[p.strip() for p in policy.split(",") if p.strip()],
                     max_requests=args.max_requests, json_path=args.json, plot_path=args.plot,
-                    pools=args.pools, engine=args.engine)
+                    pools=args.pools, engine=args.engine, sglang_mode=args.sglang_mode)
     return 0
 
 
@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--max-requests", type=int, default=None)
     cal.add_argument("--pools", default="preset", choices=("preset", "unified", "split"),
                      help="how KV and states share the budget (as in hybridstore replay)")
+    cal.add_argument("--sglang-mode", default="no_buffer", choices=("no_buffer", "extra_buffer"),
+                     help="SGLang's --mamba-radix-cache-strategy: no_buffer (page 1, a state at "
+                          "each prompt's end) or extra_buffer (page 64, tracked states; what "
+                          "auto resolves to with overlap scheduling); compare with sglang-extra")
     cal.add_argument("--json", default=None, help="write the document here")
     cal.add_argument("--plot", default=None, help="write hit rate against budget here (PNG)")
     cal.set_defaults(func=_calibrate)

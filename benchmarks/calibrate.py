@@ -24,10 +24,20 @@ ratio`` 0.9), through
 * hybridstore's replay with a preset, over one accounting tier split the same way.
 
 It prints, per budget, the engine's token hit rate and each preset's, with the requests
-whose hit differs from the engine's by a block or more, as JSON, a table and a PNG.  What
-it does not model of SGLang: chunked prefill with the extra buffer (states at chunk ends,
-page size 64), decode-time states, host and storage tiers; of vLLM: decode, concurrent
-requests, its offloading connectors.
+whose hit differs from the engine's by a block or more, as JSON, a table and a PNG.
+
+With ``--sglang-mode extra_buffer`` (SGLang's default strategy ``auto`` resolves to it with
+overlap scheduling or pages over one token) the same cache runs with page size 64 and the
+Mamba extra buffer, driven as its scheduler drives it (:meth:`SGLangRadixCache.
+serve_extra_buffer`): prefill in chunks of ``chunked_prefill_size`` (8192), one state
+tracked per chunk by SGLang's own ``_mamba_radix_cache_v2_req_prepare_for_extend`` (the
+chunk's last 64-aligned position, or the branch point ``mamba_branching_seqlen`` inside
+it), inserted with the KV up to it; the preset that follows it is ``sglang-extra``.
+
+What it does not model of SGLang: decode-time states (every ``mamba_track_interval`` tokens
+of output: the sequential discipline has no decode), host and storage tiers, batches of
+several requests (one request at a time, as the discipline serves them); of vLLM: decode,
+concurrent requests, its offloading connectors.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from __future__ import annotations
 import json
 import time
 from array import array
+from types import SimpleNamespace
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,20 +62,39 @@ from hybridstore.replay.trace import Trace
 DEFAULT_PRESETS = ("sglang-hicache", "vllm-marconi", "histate")
 
 
+SGLANG_MODES = ("no_buffer", "extra_buffer")
+SGLANG_PAGE = {"no_buffer": 1, "extra_buffer": 64}   # extra_buffer: SGLang's default page 64
+SGLANG_CHUNK = 8192        # chunked_prefill_size on an H100 / H200 (arg_groups/memory_hook.py)
+SGLANG_TRACKING_SLOTS = 3  # extra_buffer: a request's working state + 2 ping-pong track slots
+
+
 class SGLangRadixCache:
-    """SGLang's ``UnifiedRadixCache`` (FULL + MAMBA, page 1, LRU) over real pools on CPU.
+    """SGLang's ``UnifiedRadixCache`` (FULL + MAMBA, LRU) over real pools on CPU.
 
     Args:
         kv_tokens: the KV pool, in tokens.
         mamba_slots: the Mamba pool, in states.
         tree_core: SGLang's tree core backend, ``"rust"`` (its default) or ``"python"``
             (the reference implementation; the same decisions, slower, inspectable).
+        mode: ``"no_buffer"`` (page 1, one state at each prompt's end) or
+            ``"extra_buffer"`` (``--mamba-radix-cache-strategy extra_buffer``, what ``auto``
+            resolves to with overlap scheduling or pages over 1: page 64, states where the
+            scheduler tracks them, :meth:`serve_extra_buffer`).
+        chunk: ``chunked_prefill_size`` (extra_buffer: one tracked state per chunk).
     """
 
-    def __init__(self, kv_tokens: int, mamba_slots: int, tree_core: str | None = None) -> None:
+    def __init__(self, kv_tokens: int, mamba_slots: int, tree_core: str | None = None,
+                 mode: str = "no_buffer", chunk: int = SGLANG_CHUNK) -> None:
         import torch
 
-        m = import_sglang(SGLANG_CACHE_MODULES)
+        if mode not in SGLANG_MODES:
+            raise ValueError(f"mode must be one of {SGLANG_MODES}, got {mode!r}")
+        self.mode, self.page = mode, SGLANG_PAGE[mode]
+        extra = mode == "extra_buffer"
+        self.chunk = chunk // self.page * self.page
+        kv_tokens = kv_tokens // self.page * self.page
+        m = import_sglang(SGLANG_CACHE_MODULES + ("sglang.srt.mem_cache.allocator.paged",
+                                                  "sglang.srt.managers.schedule_batch"))
         sa_mod = m["sglang.srt.server_args"]
         self._bpc = m["sglang.srt.mem_cache.base_prefix_cache"]
         self._radix = m["sglang.srt.mem_cache.radix_cache"]
@@ -74,7 +104,8 @@ class SGLangRadixCache:
         self._parallel = m["sglang.srt.runtime_context"].get_parallel().override(
             tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
         self._parallel.__enter__()
-        sa = sa_mod.ServerArgs(model_path="dummy", page_size=1)
+        sa = sa_mod.ServerArgs(model_path="dummy", page_size=self.page,
+                               mamba_radix_cache_strategy=mode)
         sa._mamba_cache_chunk_size = 64       # no model config to read it from here
         sa_mod.set_global_server_args_for_scheduler(sa)
         with m["sglang.srt.environ"].envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
@@ -86,28 +117,41 @@ class SGLangRadixCache:
         rtp = pools.HybridReqToTokenPool(
             size=2, mamba_size=mamba_slots, mamba_spec_state_size=1, max_context_len=8,
             device="cpu", enable_memory_saver=False, cache_params=cparams, mamba_layer_ids=[0],
-            enable_mamba_extra_buffer=False, speculative_num_draft_tokens=1)
+            enable_mamba_extra_buffer=extra, speculative_num_draft_tokens=1)
         kv = pools.HybridLinearKVPool(
-            size=kv_tokens, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=1,
+            size=kv_tokens, dtype=torch.bfloat16, page_size=self.page, head_num=1, head_dim=1,
             full_attention_layer_ids=[1], device="cpu", enable_memory_saver=False,
             mamba_pool=rtp.mamba_pool)
-        self.kv = m["sglang.srt.mem_cache.allocator"].TokenToKVPoolAllocator(
-            size=kv_tokens, dtype=torch.bfloat16, device="cpu", kvcache=kv, need_sort=False)
+        if extra:
+            self.kv = m["sglang.srt.mem_cache.allocator.paged"].PagedTokenToKVPoolAllocator(
+                size=kv_tokens, page_size=self.page, dtype=torch.bfloat16, device="cpu",
+                kvcache=kv, need_sort=False)
+        else:
+            self.kv = m["sglang.srt.mem_cache.allocator"].TokenToKVPoolAllocator(
+                size=kv_tokens, dtype=torch.bfloat16, device="cpu", kvcache=kv, need_sort=False)
         self.mamba = rtp.mamba_allocator
         params = m["sglang.srt.mem_cache.cache_init_params"].CacheInitParams(
-            req_to_token_pool=rtp, token_to_kv_pool_allocator=self.kv, page_size=1,
+            req_to_token_pool=rtp, token_to_kv_pool_allocator=self.kv, page_size=self.page,
             disable=False, tree_components=(comp.FULL, comp.MAMBA),
-            enable_mamba_extra_buffer=False,
+            enable_mamba_extra_buffer=extra,
             kv_event_lora_names=m["sglang.srt.mem_cache.events"].KvEventLoraNames(),
             eviction_policy="lru", tree_core_backend=tree_core)
         self.cache = m["sglang.srt.mem_cache.unified_radix_cache"].UnifiedRadixCache(params=params)
         self.kv_tokens = kv_tokens
         self.skipped = 0
+        # the scheduler's tracking rule, called on a batch of one request (tracked())
+        self._prepare_for_extend = m["sglang.srt.managers.schedule_batch"].ScheduleBatch \
+            ._mamba_radix_cache_v2_req_prepare_for_extend
+        self._batch = SimpleNamespace(
+            model_config=SimpleNamespace(hf_text_config=SimpleNamespace()),
+            tree_cache=SimpleNamespace(page_size=self.page), req_to_token_pool=rtp)
 
     def serve(self, tokens: np.ndarray) -> int:
         """One prefill: the hit (tokens with KV and a state at their end), then the insert."""
         import torch
 
+        if self.mode == "extra_buffer":
+            return self.serve_extra_buffer(tokens)
         key = self._radix.RadixKey(array("q", tokens.astype(np.int64).tolist()))
         match = self.cache.match_prefix(self._bpc.MatchPrefixParams(key=key))
         hit = int(match.device_prefix_len)
@@ -142,16 +186,119 @@ class SGLangRadixCache:
         finally:
             self.cache.unlock(lock)
 
+    def tracked(self, start: int, end: int, branch: int | None) -> int | None:
+        """Where the scheduler tracks a state for the prefill chunk ``[start, end)``: SGLang's
+        own ``ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend`` on a request
+        with that chunk (``mamba_last_track_seqlen``; ``None``: nothing tracked).
 
-def sglang_run(trace: Trace, cfg: ReplayConfig) -> tuple[list[int], int]:
+        That rule: ONE state per chunk, at ``start + (end - start) // 64 * 64`` (none when
+        the chunk is under 64 tokens), or instead at the branch point
+        ``mamba_branching_seqlen`` (the KV match floored to 64 where it runs past the state
+        match) when ``start < branch < end`` on the chunk's grid.  A prefill-only request
+        tracks nothing more (the state every ``mamba_track_interval`` tokens of decode is
+        not modeled: the sequential replay has no decode).
+        """
+        NS = SimpleNamespace
+        req = NS(prefix_len=start, extend_end=end, extend_len=end - start,
+                 mamba_branching_seqlen=branch,
+                 kv=NS(mamba_next_track_idx=0, mamba_last_track_idx=1,
+                       mamba_last_track_seqlen=None))
+        entry = self._prepare_for_extend(self._batch, req)
+        return int(req.kv.mamba_last_track_seqlen) if entry.track_mask else None
+
+    def serve_extra_buffer(self, tokens: np.ndarray) -> int:
+        """One prefill with the Mamba extra buffer, as the scheduler drives the cache.
+
+        ``match_prefix`` (the hit: the deepest node with KV and a state; its
+        ``mamba_branching_seqlen``); the matched node locked; the request's Mamba slots (a
+        working state and two ping-pong track slots, overlap scheduling on: ``evict`` when
+        the pool is short); then per chunk of ``chunk`` tokens: KV for the chunk (paged,
+        ``evict`` when short), and where the chunk tracked a state
+        (:meth:`tracked_positions`) an ``insert`` of ``[0, t)`` with that state
+        (``checkpoint_into_tree``: ``prev_prefix_len`` = the protected prefix, the insert
+        frees the duplicates; before the last chunk the ping-pong slot is donated and a
+        new one allocated, and the lock moves to the inserted node).  At the end the KV
+        past the last inserted state is freed (``release_kv_cache``: the key stops at the
+        state, ``effective_cache_len``), and the request's other slots with it.
+        """
+        import torch
+
+        P = self.page
+        n = len(tokens)
+        key = self._radix.RadixKey(array("q", tokens.astype(np.int64).tolist()))
+        match = self.cache.match_prefix(self._bpc.MatchPrefixParams(key=key))
+        hit = int(match.device_prefix_len)
+        branch = match.mamba_branching_seqlen
+        lock = self.cache.lock(match.last_device_node)
+        try:
+            pages = -(-(n - hit) // P) * P
+            if pages > self.kv_tokens or self.mamba.size < SGLANG_TRACKING_SLOTS:
+                self.skipped += 1
+                return hit
+            short = SGLANG_TRACKING_SLOTS - self.mamba.available_size()
+            if short > 0:
+                self.cache.evict(self._bpc.EvictParams(mamba_num=short))
+            slots = self.mamba.alloc(SGLANG_TRACKING_SLOTS)
+            if slots is None:
+                self.skipped += 1
+                return hit
+            held = list(slots.split(1))           # working state, ping, pong
+            row = self.cache.path_device_indices(match.last_device_node)[:hit].to(torch.int64)
+            protected = hit
+            s = hit
+            while s < n:
+                e = min(s + self.chunk, n)
+                need = -(-(e - s) // P) * P
+                if self.kv.available_size() < need:
+                    self.cache.evict(self._bpc.EvictParams(
+                        num_tokens=need - self.kv.available_size()))
+                idx = self.kv.alloc(need)
+                if idx is None:                   # everything left is locked: give up here
+                    break
+                row = torch.cat([row, idx[:e - s].to(torch.int64)])
+                t = self.tracked(s, e, branch)
+                if t is not None:
+                    last = e == n
+                    state = held.pop()
+                    got = self.cache.insert(self._bpc.InsertParams(
+                        key=key[:t], value=row[:t].clone(), mamba_value=state,
+                        prev_prefix_len=protected))
+                    if got.mamba_exist:
+                        self.mamba.free(state)
+                    node = got.last_device_node
+                    tree = self.cache.path_device_indices(node)
+                    row[protected:len(tree)] = tree[protected:].to(torch.int64)
+                    protected = len(tree)
+                    self.cache.unlock(lock)
+                    lock = self.cache.lock(node)
+                    if not last:                  # donate_mamba_ping_pong_slot: a new slot
+                        if self.mamba.available_size() < 1:
+                            self.cache.evict(self._bpc.EvictParams(mamba_num=1))
+                        new = self.mamba.alloc(1)
+                        if new is not None:
+                            held.append(new)
+                s = e
+            if len(row) > protected:              # release_kv_cache: past the last state
+                self.kv.free(row[protected:])
+            for slot in held:
+                self.mamba.free(slot)
+            return hit
+        finally:
+            self.cache.unlock(lock)
+
+
+def sglang_run(trace: Trace, cfg: ReplayConfig, mode: str = "no_buffer",
+               chunk: int = SGLANG_CHUNK) -> tuple[list[int], int]:
     """Per-request hits of SGLang's own cache, in the sequential discipline's order, and the
-    number of requests it could not hold (a prompt longer than its KV pool)."""
+    number of requests it could not hold (a prompt longer than its KV pool); ``mode``:
+    :class:`SGLangRadixCache`'s."""
     assert cfg.budget is not None
     model = model_preset(cfg.model)
     footprint = kv_footprint(trace, cfg, model)
-    cache = SGLangRadixCache(max(1, int(cfg.budget * footprint / model.kv_bytes_per_token)),
+    cache = SGLangRadixCache(max(SGLANG_PAGE[mode],
+                                 int(cfg.budget * footprint / model.kv_bytes_per_token)),
                              max(1, int(cfg.budget * footprint * cfg.mamba_ratio
-                                        / model.checkpoint_bytes)))
+                                        / model.checkpoint_bytes)), mode=mode, chunk=chunk)
     order = merged_requests(trace)
     if cfg.max_requests is not None:
         order = order[:cfg.max_requests]
@@ -159,9 +306,9 @@ def sglang_run(trace: Trace, cfg: ReplayConfig) -> tuple[list[int], int]:
     return [cache.serve(next(tokens[r.session])) for r in order], cache.skipped
 
 
-def sglang_hits(trace: Trace, cfg: ReplayConfig) -> list[int]:
+def sglang_hits(trace: Trace, cfg: ReplayConfig, mode: str = "no_buffer") -> list[int]:
     """Per-request hits of SGLang's own cache (:func:`sglang_run`)."""
-    return sglang_run(trace, cfg)[0]
+    return sglang_run(trace, cfg, mode)[0]
 
 
 _TINY_CONFIG = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64,
@@ -310,10 +457,12 @@ and its label."""
 DEFAULT_VLLM_PRESETS = ("vllm-marconi",)
 
 
-def engine_run(engine: str, trace: Trace, cfg: ReplayConfig) -> tuple[list[int], int]:
-    """Per-request hits of ``engine``'s own cache and the requests it could not hold."""
+def engine_run(engine: str, trace: Trace, cfg: ReplayConfig,
+               sglang_mode: str = "no_buffer") -> tuple[list[int], int]:
+    """Per-request hits of ``engine``'s own cache and the requests it could not hold
+    (``sglang_mode``: SGLang's Mamba strategy, :class:`SGLangRadixCache`)."""
     if engine == "sglang":
-        return sglang_run(trace, cfg)
+        return sglang_run(trace, cfg, sglang_mode)
     if engine == "vllm":
         return vllm_run(trace, cfg)
     raise ConfigError(f"engine must be one of {sorted(ENGINES)}, got {engine!r}")
@@ -321,7 +470,8 @@ def engine_run(engine: str, trace: Trace, cfg: ReplayConfig) -> tuple[list[int],
 
 def calibrate(trace: Trace, budgets: Sequence[float], presets: Sequence[str] = DEFAULT_PRESETS,
               *, max_requests: int | None = None, mamba_ratio: float = 0.9,
-              pools: str = "preset", engine: str = "sglang") -> dict[str, Any]:
+              pools: str = "preset", engine: str = "sglang",
+              sglang_mode: str = "no_buffer") -> dict[str, Any]:
     """Token hit rates of an engine's own cache and of each preset at each budget (sequential).
 
     Each row has the hit rates (``sglang_radix_cache`` or ``vllm_prefix_cache``, and one
@@ -337,7 +487,7 @@ def calibrate(trace: Trace, budgets: Sequence[float], presets: Sequence[str] = D
         cfg = ReplayConfig(discipline="sequential", budget=budget, max_requests=max_requests,
                            mamba_ratio=mamba_ratio, pools=pools)
         t0 = time.perf_counter()
-        hits, skipped = engine_run(engine, trace, cfg)
+        hits, skipped = engine_run(engine, trace, cfg, sglang_mode)
         runs = replay(trace, list(presets), cfg, progress=False)
         inp = sum(r.input_tokens for r in next(iter(runs.values())).results)
         row: dict[str, Any] = {"budget": budget, col: sum(hits) / inp}
@@ -353,7 +503,7 @@ def calibrate(trace: Trace, budgets: Sequence[float], presets: Sequence[str] = D
         rows.append(row)
     return {"trace": trace.name, "requests": max_requests or trace.n_requests,
             "discipline": "sequential", "mamba_ratio": mamba_ratio, "pools": pools,
-            "engine": engine, "rows": rows}
+            "engine": engine, "sglang_mode": sglang_mode, "rows": rows}
 
 
 def _rate_columns(doc: dict[str, Any]) -> list[str]:
@@ -368,8 +518,10 @@ def print_calibration(doc: dict[str, Any]) -> None:
     cols = _rate_columns(doc)
     engine = ENGINES[doc.get("engine", "sglang")][1].split()[0]
     table = Table(title=f"token hit rate, {doc['trace']} ({doc['requests']} requests, "
-                        f"sequential, pools {doc.get('pools', 'preset')}; in brackets: requests "
-                        f"whose hit differs from {engine}'s by a block or more)")
+                        f"sequential, pools {doc.get('pools', 'preset')}"
+                        + (f", SGLang {doc.get('sglang_mode', 'no_buffer')}" if engine == "SGLang" else "")
+                        + f"; in brackets: requests whose hit differs from {engine}'s by a block "
+                        "or more)")
     table.add_column("budget")
     for c in cols:
         table.add_column(c, justify="right")
@@ -411,12 +563,14 @@ def plot_calibration(doc: dict[str, Any], path: str) -> None:
 def run_calibration(*, trace_spec: str | None, budgets: Sequence[float],
                     presets: Sequence[str], max_requests: int | None,
                     json_path: str | None, plot_path: str | None = None,
-                    pools: str = "preset", engine: str = "sglang") -> dict[str, Any]:
+                    pools: str = "preset", engine: str = "sglang",
+                    sglang_mode: str = "no_buffer") -> dict[str, Any]:
     from hybridstore.replay.loaders import load
     from hybridstore.replay.samples import weka_sample
 
     doc = calibrate(load(trace_spec or str(weka_sample())), budgets, presets,
-                    max_requests=max_requests, pools=pools, engine=engine)
+                    max_requests=max_requests, pools=pools, engine=engine,
+                    sglang_mode=sglang_mode)
     print_calibration(doc)
     print(json.dumps(doc, indent=2))
     if json_path:

@@ -152,3 +152,38 @@ def test_the_vllm_preset_is_within_one_point_of_vllms_own_cache(trace, vllm, tmp
     assert roomy["vllm-marconi"] == roomy["vllm_prefix_cache"]
     plot_calibration(doc, str(tmp_path / "cal.png"))
     assert (tmp_path / "cal.png").stat().st_size > 10_000
+
+
+def test_extra_buffer_with_room_for_everything_hits_the_deepest_tracked_position(trace):
+    """No eviction, SGLang with the Mamba extra buffer (page 64): a request hits the deepest
+    position at which an earlier request tracked a state and that its prompt shares. The
+    oracle (``tests/policy/test_chunk_track.py``) re-derives the tracked positions from the
+    scheduler's rule in plain Python, with no SGLang code; the same oracle checks the
+    ``sglang-extra`` preset."""
+    from tests.policy.test_chunk_track import extra_buffer_oracle
+
+    order = merged_requests(trace)[:N]
+    its = {s.id: session_tokens(s) for s in trace.sessions}
+    toks = [next(its[r.session]) for r in order]
+    want = extra_buffer_oracle(toks)
+    got = sglang_hits(trace, ReplayConfig(discipline="sequential", budget=50.0, max_requests=N),
+                      "extra_buffer")
+    assert got == want and sum(want) > 0
+    # the branch points and the chunks matter on this slice: without either the rule
+    # would keep other states
+    assert extra_buffer_oracle(toks, branches=False) != want
+    assert extra_buffer_oracle(toks, chunk=10**9) != want
+
+
+@pytest.mark.parametrize("budget", [0.1, 0.2])
+def test_sglang_extra_follows_sglangs_extra_buffer_cache(trace, budget):
+    """``sglang-extra`` (chunk-track placement, KV up to the last state, split pools,
+    ``lru-radix``) against SGLang's cache with the extra buffer, page 64, on the same
+    requests and pools: within one point, under pressure."""
+    doc = calibrate(trace, [budget, 50.0], ["sglang-extra"], max_requests=N,
+                    sglang_mode="extra_buffer")
+    row, roomy = doc["rows"]
+    assert doc["sglang_mode"] == "extra_buffer"
+    assert row["sglang_radix_cache"] < roomy["sglang_radix_cache"] - 0.01   # the budget bites
+    assert abs(row["sglang-extra"] - row["sglang_radix_cache"]) <= 0.01
+    assert abs(roomy["sglang-extra"] - roomy["sglang_radix_cache"]) <= 0.001

@@ -33,6 +33,7 @@ from hybridstore.policy.base import (
     ResidenceStats,
     Victim,
 )
+from hybridstore.policy.chunk_track import ChunkTrack
 from hybridstore.policy.flashstates import FlashStatesAdmission, FlashStatesEviction
 from hybridstore.policy.histate import HiStateEviction, HybridStoreEviction
 from hybridstore.policy.intervals import AdaptiveInterval, FixedInterval
@@ -64,6 +65,7 @@ PLACEMENT_POLICIES: dict[str, type[PlacementPolicy]] = {
     "marconi": BranchPoints,
     "interval": FixedInterval,
     "block-aligned": BlockAligned,
+    "chunk-track": ChunkTrack,
     "adaptive": AdaptiveInterval,
     "anchors": SemanticAnchors,
     "compose": Compose,     # placement_policy("compose", parts=[...])
@@ -103,8 +105,9 @@ def placement_policy(name: str, **params: Any) -> PlacementPolicy:
 
 
 __all__ = ["ADMISSION_POLICIES", "AdaptiveInterval", "AdmissionPolicy", "BlockAligned",
-           "BranchPoints", "Compose", "EVICTION_POLICIES", "EvictionPolicy", "FixedInterval",
-           "FlashStatesAdmission", "FlashStatesEviction", "HiStateEviction", "HybridStoreEviction",
-           "KeepAll", "LRUEviction", "LRURefreshEviction", "MarconiEviction", "PLACEMENT_POLICIES",
-           "PlacementPolicy", "PlainLRUEviction", "PrefillCost", "RadixLRUEviction", "RequestEnd",
-           "ResidenceStats", "SemanticAnchors", "Victim", "admission_policy", "eviction_policy", "placement_policy"]
+           "BranchPoints", "ChunkTrack", "Compose", "EVICTION_POLICIES", "EvictionPolicy",
+           "FixedInterval", "FlashStatesAdmission", "FlashStatesEviction", "HiStateEviction",
+           "HybridStoreEviction", "KeepAll", "LRUEviction", "LRURefreshEviction",
+           "MarconiEviction", "PLACEMENT_POLICIES", "PlacementPolicy", "PlainLRUEviction",
+           "PrefillCost", "RadixLRUEviction", "RequestEnd", "ResidenceStats", "SemanticAnchors",
+           "Victim", "admission_policy", "eviction_policy", "placement_policy"]

@@ -96,7 +96,7 @@ class EvictionPolicy(ABC):
             first, FlashStates' hybrid-state unit); when False pages go in
             plain policy order and checkpoints may be left without their KV
             (the dependency misses vLLM and SGLang show).
-        room_slack, states_free_pages: see below.
+        room_slack, states_free_pages, whole_leaves: see below.
     """
 
     name: str = "eviction"
@@ -109,6 +109,11 @@ class EvictionPolicy(ABC):
     """Its page ranking (``kind=PAGE``) also names the checkpoints whose eviction frees
     pages, where the engine frees a state with its KV (SGLang's radix leaves); the store
     counts only the pages freed towards the room asked for."""
+    whole_leaves: bool = False
+    """A checkpoint evicted (for page or for state room) takes ALL the pages only it
+    needed with it, as SGLang deletes a radix leaf whole, its KV with its state (its Mamba
+    eviction too); otherwise only as many as the room asked for, and after a state
+    eviction none: the rest stay until the page ranking reaches them."""
     demotes_abandoned: bool = False
     """The store reports, at each resume, the never-resumed branches the prompt left
     (:func:`abandoned_branches`, :meth:`on_abandon`)."""

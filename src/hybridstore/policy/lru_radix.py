@@ -11,22 +11,27 @@ What SGLang 0.5.23's tree core does (``unified_cache/unified_tree_core.py``,
   Here: pages in least-recently-used order, deepest first among equal times (a
   prompt's tail before its head, :func:`~hybridstore.policy.base.lru_order`); a page
   no retained checkpoint needs is offered itself, a page a checkpoint needs is
-  offered as that checkpoint, which the store evicts together with the pages only
-  it needed (the leaf back to where another retained state shares the path).
+  offered as that checkpoint, which the store evicts together with ALL the pages only
+  it needed (``whole_leaves``: the leaf back to where another retained state shares
+  the path), but for a state on a page boundary only when its page ends a leaf: a
+  page a deeper state needs too is inside the tree, and SGLang's KV eviction never
+  takes an inner node's state (a reused ranking may reach such a page before the
+  subtree below it; SGLang's leaf heap is always current).  A state inside a block
+  shares its page with longer prompts' pages, so there the page cannot tell.
 * **Mamba eviction** (the Mamba pool is short) takes the least recently used state
   (``MambaComponent``'s LRU list: a match refreshes only the state it resumes from,
   an insert the state it adds), whether it ends a leaf or sits inside the path.
 * **No slack**: SGLang frees what the allocation needs (in whole leaves) and no more.
 
+* A state evicted for Mamba room takes the pages only it needed with it
+  (``whole_leaves``; SGLang deletes a leaf's KV with its state).
+
 Where it differs from SGLang: the unit is a page (64 tokens in the replay), not a
-token; a leaf is freed page by page as far as the allocation needs, back at most to
-the nearest retained state or shared page, and what is left of it (KV nothing needs
-any more) goes first at the next eviction (SGLang frees the whole leaf node at once,
-whose boundary may lie deeper, where an evicted state or a split left one); KV that a
-state alone needed stays until the KV ranking reaches it when the *Mamba* pool evicts
-that state (SGLang frees a leaf's KV with its state at once).  On the bundled WEKA
-sample these leave the token hit rate within half a point of SGLang's own cache
-(``python -m benchmarks calibrate``, docs/replay.md).
+token (with SGLang's default page of 64 and its extra buffer, ``sglang-extra``, the
+units agree); SGLang's node boundaries also sit where an evicted state or a split
+once left one.  On the bundled WEKA sample the token hit rate is within half a point
+of SGLang's own cache without the extra buffer, and request for request the same with
+it (``python -m benchmarks calibrate``, docs/replay.md).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class RadixLRUEviction(EvictionPolicy):
     dependency_aware = True
     room_slack = 0.0
     states_free_pages = True
+    whole_leaves = True
 
     def victims(self, index: HybridIndex, tier: str, kind: ObjectKind | None = None, *,
                 keep_needed: bool = False) -> Iterator[Victim]:
@@ -104,7 +110,15 @@ class RadixLRUEviction(EvictionPolicy):
             if not deps:
                 yield t, ObjectKind.PAGE, nid
                 continue
-            for ck in sorted(covering.get(nid, ()), key=lambda c: c.atime):
+            ends = covering.get(nid, ())
+            # a deeper state needs this page too: the node is inside the tree, not a leaf,
+            # and SGLang's KV eviction never takes its state (only its Mamba LRU does).
+            # Told apart only for a state on a page boundary, whose last page is its node's
+            # end; a state inside a block shares its page with longer prompts' pages.
+            inner = deps > len(ends)
+            for ck in sorted(ends, key=lambda c: c.atime):
+                if inner and ck.offset == index.block_size:
+                    continue
                 if ck.key not in given and ck.tiers & bit:
                     given.add(ck.key)
                     yield t, ObjectKind.STATE, ck.key

@@ -427,7 +427,7 @@ def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPres
         run.refused += 1
     else:
         _put_segment(store, objects, prompt, plan.position, hints, page_bytes,
-                     model.checkpoint_bytes)
+                     model.checkpoint_bytes, kv_to_last_state=p.kv_to_last_state)
     return _Served(plan.position, restore_s, recompute_s,
                    {t: round(n * scale) for t, (n, _) in cost.items()}, measured)
 
@@ -551,19 +551,33 @@ def _prompt(store: HybridStore, req: Request, toks: Iterator[np.ndarray], token_
 
 
 def _put_segment(store: HybridStore, objects: ObjectPlane, prompt: PrefixKeys, cached: int,
-                 hints: list[int], page_bytes: int, state_bytes: int) -> None:
+                 hints: list[int], page_bytes: int, state_bytes: int, *,
+                 kv_to_last_state: bool = False) -> None:
     """What the engine stores after prefilling ``[cached, len)``: pages, then checkpoints.
 
     ``hints`` are the positions the engine knows (semantic anchors, the
-    branch point) for presets whose placement uses them.
+    branch point) for presets whose placement uses them.  ``kv_to_last_state``: only
+    the pages up to the last checkpoint of the segment are kept (SGLang's extra-buffer
+    insert stops at its last tracked state; the KV past it is freed).
     """
     if prompt.length == 0:
         return
-    objects.put_pages(store, prompt, cached // prompt.block_size, page_bytes)
     anchors = [a for a in hints if 0 < a <= prompt.length]
-    for p in store.checkpoint_positions(cached=cached, length=prompt.length, anchors=anchors):
-        if prompt.key_at(p) is not None:
-            objects.put_state(store, prompt, p, state_bytes)
+    if not kv_to_last_state:
+        objects.put_pages(store, prompt, cached // prompt.block_size, page_bytes)
+    positions = [p for p in store.checkpoint_positions(cached=cached, length=prompt.length,
+                                                       anchors=anchors)
+                 if prompt.key_at(p) is not None]
+    if kv_to_last_state and positions:
+        keep = positions[-1] // prompt.block_size
+        head = PrefixKeys(block_size=prompt.block_size, length=keep * prompt.block_size,
+                          root=prompt.root, keys=prompt.keys[:keep],
+                          tokens=None if prompt.tokens is None
+                          else prompt.tokens[:keep * prompt.block_size],
+                          hash_key=prompt.hash_key)
+        objects.put_pages(store, head, cached // prompt.block_size, page_bytes)
+    for p in positions:
+        objects.put_state(store, prompt, p, state_bytes)
 
 
 def replay(trace: Trace, names: Sequence[str], cfg: ReplayConfig, *,

@@ -33,6 +33,16 @@ preset              models
                     Mamba pool, no slack); HiCache's host tiers write-through.
                     Calibrated against SGLang's own cache
                     (``python -m benchmarks calibrate``, docs/replay.md)
+``sglang-extra``    SGLang 0.5.23 as it runs by default (``auto`` resolves to
+                    the Mamba extra buffer, page 64): one state per prefill
+                    chunk of 8192 tokens at its last 64-aligned position, or
+                    the branch point inside that chunk (``chunk-track``), the
+                    radix insert stopping at the last state (no KV past it:
+                    ``kv_to_last_state``), split pools, ``lru-radix``; no
+                    decode-time states.  Calibrated against SGLang's own cache
+                    (``python -m benchmarks calibrate --sglang-mode
+                    extra_buffer``): the same hit on every request of the
+                    bundled sample at 10/20/50 %
 ``marconi``         Marconi: checkpoints at turn ends and branch points only;
                     eviction by recency + FLOP efficiency (α = 1)
 ``flashstates``     FlashStates: exact request-end checkpoints (ASC), hybrid
@@ -108,6 +118,9 @@ class Preset:
         branch: the engine tells the placement the branch point (where the
             prompt leaves cached context).
         unlimited: no capacity limit at all.
+        kv_to_last_state: the engine keeps a prompt's KV only up to its last
+            checkpoint of the segment (SGLang's extra buffer: the radix insert
+            stops at the last tracked state, the KV past it is freed).
     """
 
     name: str
@@ -120,6 +133,7 @@ class Preset:
     anchors: bool = False
     branch: bool = False
     unlimited: bool = False
+    kv_to_last_state: bool = False
 
     def policies(self, model: ModelPreset) -> tuple[EvictionPolicy, AdmissionPolicy]:
         """The eviction and admission policy instances for ``model``."""
@@ -160,6 +174,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            placement=_place(("block-aligned", {"block_size": "$B"}))),
     Preset(name="sglang-hicache", eviction="lru-radix", tier_policy="partition",
            placement=_place(("request-end", {}))),
+    Preset(name="sglang-extra", eviction="lru-radix", tier_policy="partition", branch=True,
+           kv_to_last_state=True,
+           placement=_place(("chunk-track", {"block_size": "$B", "chunk": 8192}))),
     Preset(name="marconi", eviction="marconi", tiers=("device", "host"), tier_policy="write-back",
            branch=True, placement=_place(("marconi", {})),
            params=lambda model: {"eviction": {"flops": _flops(model)}}),

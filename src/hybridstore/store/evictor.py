@@ -196,7 +196,8 @@ class Evictor:
             Bytes freed (may be less when pinned or needed objects remain).
         """
         freed = 0
-        follow = self.policy.dependency_aware and kind != ObjectKind.STATE
+        whole = self.policy.whole_leaves
+        follow = self.policy.dependency_aware and (kind != ObjectKind.STATE or whole)
         other = 0                 # bytes of another kind than ``kind`` freed on the way
         for attempt in range(8):  # a fresh ranking may find more (pages made reclaimable)
             before = freed + other
@@ -215,6 +216,14 @@ class Evictor:
                     freed += got
                 else:   # a checkpoint evicted for page room frees pages only through its own
                     other += got
+                if got and exclusive.size and whole:
+                    # the policy's engine deletes a leaf whole, its KV with its state
+                    pages = self._evict_pages(exclusive, tier, 1 << 62)[0]
+                    if kind == ObjectKind.STATE:
+                        other += pages
+                    else:
+                        freed += pages
+                    exclusive = _NO_PAGES
                 if freed >= nbytes:
                     return freed
                 if got and exclusive.size:
