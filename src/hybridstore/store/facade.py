@@ -31,9 +31,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from functools import partial
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -45,6 +46,7 @@ from hybridstore.errors import (
     CatalogError,
     InvalidArgumentError,
     InvalidTokensError,
+    LayoutMismatchError,
     MisalignedPageError,
     NamespaceError,
     PlanReleasedError,
@@ -76,6 +78,21 @@ NAMESPACE_INFO = "namespace"
 """The disk tier's info blob that records the root key of the namespace owning it."""
 SECRET_INFO = "hash_secret"
 """The disk tier's info blob that keeps the store's hashing secret (the catalog is 0600)."""
+
+
+def _pack_one(layout: Layout, page: Any, _i: int, slot: np.ndarray) -> None:
+    """``pack(i, slot)`` of a put of one page (:meth:`HybridStore.put_kv_many`)."""
+    layout.pack_into(page, slot)
+
+
+class _PagesOnly:
+    """What :meth:`Loader.run` reads of a plan, for the pages of several (``load_many``)."""
+
+    __slots__ = ("pages", "state_key")
+
+    def __init__(self, pages: np.ndarray) -> None:
+        self.pages = pages
+        self.state_key = None
 
 
 class HybridStore:
@@ -415,6 +432,41 @@ class HybridStore:
                 prompt, first, layout.nbytes,
                 lambda i, slot: layout.pack_into(batch_row(batch, i), slot), scatter)
 
+    def put_kv_many(self, prompts: Sequence[Any], pages: Sequence[Any]) -> int:
+        """Store the last page of each of several prompts, in one call.
+
+        For engines that hand the store a batch of unrelated chunks (vLLM's
+        tiering manager: one job of chunks keyed by their own hashes): one
+        store-lock hold for all, and their write-through to slower tiers as one
+        batch (the disk tier lays them side by side and writes neighbours in one
+        I/O; a later :meth:`load_many` of them reads them back the same way).
+
+        Args:
+            prompts: token ids or :class:`PrefixKeys`, one per page (e.g.
+                ``engine_prefix([key], prefix=())`` of a chunk).
+            pages: the page that ends each prompt (tensor/array or dict of them).
+
+        Returns:
+            The number of pages newly stored (pages already held are touched).
+        """
+        if len(prompts) != len(pages):
+            raise InvalidArgumentError(f"put_kv_many got {len(prompts)} prompts and "
+                                       f"{len(pages)} pages; pass one page per prompt")
+        if not len(prompts):
+            return 0
+        keyed = [self.prefix(t) for t in prompts]
+        firsts = [self._landing.first_block(p, 1) for p in keyed]
+        with self._lock:
+            self._check_open()
+            self._refresh()
+            layout = self._landing.layout(ObjectKind.PAGE, pages[0], "page", pages[1:])
+            stored = 0
+            with self._landing.writes_together():
+                for prompt, first, page in zip(keyed, firsts, pages):
+                    stored += self._landing.put_pages(prompt, first, layout.nbytes,
+                                                      partial(_pack_one, layout, page))
+            return stored
+
     def put_kv_sized(self, tokens: Any, *, nbytes: int, first_block: int = 0) -> int:
         """Record pages by size only (accounting tiers: the trace simulator).
 
@@ -643,6 +695,67 @@ class HybridStore:
                 raise
             self._counters["loads"] += 1
         return fut
+
+    def load_many(self, plans: Sequence[ResumePlan], into: Sequence[Any]) -> Future:
+        """Restore the pages of several live page plans (:meth:`match_pages`) as one load.
+
+        Every page of every plan is read in one pass: from a byte tier with one
+        ``read_many_into`` (the disk tier reads objects that lie side by side,
+        e.g. those one :meth:`put_kv_many` wrote, with one I/O of up to 8 MiB and
+        runs the rest in parallel), from the pinned pool by copy.
+
+        Args:
+            plans: live plans without a checkpoint (``match_pages``).
+            into: one page buffer per page of the plans, in order (the plans'
+                pages concatenated).
+
+        Returns:
+            A future of the filled buffers (a list).  The plans stay pinned until
+            :meth:`release`.
+        """
+        plans = [args.plan(plan) for plan in plans]
+        if any(plan.state_key is not None for plan in plans):
+            raise InvalidArgumentError("load_many restores pages only; load a plan with a "
+                                       "checkpoint with load()")
+        bufs = list(into)
+        n = sum(len(plan.pages) for plan in plans)
+        if len(bufs) != n:
+            raise LayoutMismatchError(f"into has {len(bufs)} page buffers; the plans restore {n}")
+        with self._lock:
+            self._check_open()
+            jobs: list[Any] = []
+            sources: list[str | None] = []
+            try:
+                for plan in plans:
+                    if not self.index.is_live(plan):
+                        raise PlanReleasedError(f"plan {plan.plan_id} was released; match again "
+                                                "before load")
+                    j, src = self._loader.prepare(plan, (), 0)
+                    jobs += j
+                    sources += src
+                layout = self._layouts.get(ObjectKind.PAGE)
+                if n and layout is None:
+                    raise LayoutMismatchError("the store holds no page layout yet")
+                targets = [layout.targets(buf) for buf in bufs] if layout is not None else []
+                merged = _PagesOnly(np.concatenate([p.pages for p in plans]) if plans
+                                    else np.zeros(0, np.int64))
+                fut = self._io.submit(self._loader.run, cast(ResumePlan, merged), jobs, sources, (bufs, None),
+                                      targets)
+            except BaseException:
+                self._loader.release_sources(jobs, sources)
+                raise
+            self._counters["loads"] += 1
+        out: Future = Future()
+
+        def done(f: Future) -> None:
+            error = f.exception()
+            if error is not None:
+                out.set_exception(error)
+            else:
+                out.set_result(f.result()[0])
+
+        fut.add_done_callback(done)
+        return out
 
     # -- eviction ---------------------------------------------------------------------
     def evict(self, nbytes: int, tier: str = "host") -> int:
