@@ -101,3 +101,33 @@ def test_many_calls_check_their_arguments(tmp_path):
             store.load_many(plans, [rows[0].copy()])
         for plan in plans:
             store.release(plan)
+
+
+def test_a_state_only_load_reads_in_place_into_the_callers_buffer(tmp_path):
+    """``into=(None, buf)`` with every page skipped: the checkpoint lands in ``buf`` (read
+    straight from the SSD, its slot larger than it), bit-exact, and is what load returns."""
+    rng = np.random.default_rng(11)
+    tokens = rng.integers(0, 1000, 4 * B)
+    state = rng.integers(0, 255, (300 << 10) + 123, dtype=np.uint8)    # not a slot size
+    with HybridStore(cfg(tmp_path, host_bytes=2 << 20)) as store:
+        prompt = store.prefix(tokens)
+        store.put_kv(prompt, [rng.integers(0, 255, PAGE, dtype=np.uint8) for _ in range(4)])
+        assert store.put_state(prompt, state)
+        store.flush()
+        disk = store.tiers["disk"]
+        assert disk.slot_bytes(state.nbytes) != state.nbytes
+        store.evict(store.tiers["host"].capacity_bytes, tier="host")
+        reads = disk.stats()["reads"]
+        buf = np.full(state.nbytes + 4096, 7, np.uint8)        # more room than the state
+        plan = store.match(prompt)
+        pages, got = store.load(plan, into=(None, buf[:state.nbytes]),
+                                skip_pages=len(plan.pages)).result()
+        store.release(plan)
+        assert disk.stats()["reads"] == reads + 1                     # the state alone
+        assert all(p is None for p in pages)
+        assert np.array_equal(buf[:state.nbytes], state) and (buf[state.nbytes:] == 7).all()
+        assert np.shares_memory(np.asarray(got), buf)
+        plan = store.match(prompt)
+        with pytest.raises(LayoutMismatchError):                       # pages are read: need buffers
+            store.load(plan, into=(None, buf[:state.nbytes]))
+        store.release(plan)

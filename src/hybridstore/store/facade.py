@@ -660,7 +660,9 @@ class HybridStore:
                 tensors) whose first dimension indexes pages, row ``i`` for
                 page ``i`` — restored with one gather per entry from the pinned
                 pool (:func:`~hybridstore.backends.gather.gather_rows`)
-                instead of a copy per page.
+                instead of a copy per page; or ``None`` when ``skip_pages``
+                skips them all (the checkpoint only).  A host buffer that
+                holds one whole object is read into in place from the SSD.
             skip_tiers: objects whose fastest holder is one of these tiers are
                 not read (their slot in the result is ``None``, their ``into``
                 buffer untouched): an engine passes ``("device",)`` for what is
@@ -686,7 +688,8 @@ class HybridStore:
             self._check_open()
             if not self.index.is_live(plan):
                 raise PlanReleasedError(f"plan {plan.plan_id} was released; match again before load")
-            targets = self._loader.check_into(plan, into) if into is not None else None
+            targets = (self._loader.check_into(plan, into, skip_pages) if into is not None
+                       else None)
             jobs, sources = self._loader.prepare(plan, skip_tiers, skip_pages)
             try:
                 fut = self._io.submit(self._loader.run, plan, jobs, sources, into, targets)

@@ -65,14 +65,22 @@ class Loader:
         """Objects found corrupt by loads (each is dropped from its tier)."""
 
     # -- under the store lock ---------------------------------------------------------
-    def check_into(self, plan: ResumePlan, into: tuple[Any, Any]) -> list[list[Target]]:
+    def check_into(self, plan: ResumePlan, into: tuple[Any, Any],
+                   skip_pages: int = 0) -> list[list[Target]]:
         """The matched buffers of every object of the plan; raises on a mismatch.
+
+        ``into``'s pages may be ``None`` when every page is skipped (``skip_pages``).
 
         For a page-major batch the first list holds one :class:`Target` per
         entry of the page layout (``host``: its ``(rows, nbytes)`` byte view).
         """
         page_bufs, state_buf = into
         n = len(plan.pages)
+        if page_bufs is None and skip_pages >= n:      # the checkpoint only
+            out: list[list[Target]] = [[] for _ in range(n)]
+            if plan.state_key is not None:
+                out.append(self.layouts[ObjectKind.STATE].targets(state_buf))
+            return out
         if is_batch(page_bufs):
             out = [self.layouts[ObjectKind.PAGE].batch_targets(page_bufs, n) if n else []]
             if plan.state_key is not None:
@@ -221,7 +229,7 @@ class Loader:
             arena = aligned_empty(sum(sizes)) if any(own) else np.zeros(0, np.uint8)
             offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
             reads: dict[str, list[int]] = {}      # byte tiers: each tier's jobs read at once
-            reads_direct: dict[tuple[str, int], tuple[np.ndarray, list[int], list[int]]] = {}
+            reads_direct: dict[tuple[str, int, int], tuple[np.ndarray, list[int], list[int]]] = {}
             for i, ((okey, kind), src) in enumerate(zip(jobs, sources)):
                 layout = self.layouts[kind]
                 if src is None:                   # skipped: resident in the engine's tier
@@ -247,7 +255,11 @@ class Loader:
                     bufs.append(own_buf)
                 elif i in direct:
                     root, place = direct[i]
-                    group = reads_direct.setdefault((src, id(root)), (root, [], []))
+                    # objects whose slot spans more than them are read one by one: a read of
+                    # neighbours would land the slot padding between their destinations
+                    alone = tiers[src].slot_bytes(layout.nbytes) != layout.nbytes
+                    group = reads_direct.setdefault((src, id(root), i if alone else -1),
+                                                    (root, [], []))
                     group[1].append(i)
                     group[2].append(place)
                     bufs.append(None)
@@ -256,7 +268,7 @@ class Loader:
                 self.loaded_bytes[src] += layout.nbytes
             calls = [(name, idx, arena, [offsets[i] for i in idx]) for name, idx in reads.items()]
             calls += [(name, idx, root, at)
-                      for (name, _), (root, idx, at) in reads_direct.items()]
+                      for (name, _, _), (root, idx, at) in reads_direct.items()]
             for name, idx, dst, at in calls:
                 okeys = [jobs[i][0] for i in idx]
                 try:
@@ -280,7 +292,7 @@ class Loader:
                     continue
                 if i in direct:
                     assert into is not None
-                    outputs.append(into[0][i])     # read in place
+                    outputs.append(into[0][i] if kind == ObjectKind.PAGE else into[1])  # in place
                     continue
                 if buf is None:
                     outputs.append(None)
@@ -364,9 +376,9 @@ def _direct_targets(jobs: list[Job], sources: list[str | None], own: list[bool],
     (``own``), is not a row of a page-major batch, and its one target is a host
     view of the whole object that lies inside a C-contiguous host array; the
     result maps its job to that array (as flat bytes) and the byte offset there.
-    Only where the tier's slot of the object is exactly its size: objects whose
-    destinations are spaced like their slots are then read with one I/O and no
-    slot padding can land between them (``read_many_into``).
+    Objects whose destinations are spaced like their slots are read with one
+    I/O (``read_many_into``) where the slot is exactly the object; the others are
+    read alone (:meth:`Loader.run`).
     """
     out: dict[int, tuple[np.ndarray, int]] = {}
     roots: dict[int, np.ndarray] = {}
@@ -376,8 +388,7 @@ def _direct_targets(jobs: list[Job], sources: list[str | None], own: list[bool],
         layout = layouts[kind]
         found = targets[i]
         if len(found) != 1 or found[0].host is None or found[0].spec.offset != 0 \
-                or found[0].spec.nbytes != layout.nbytes \
-                or tiers[src].slot_bytes(layout.nbytes) != layout.nbytes:
+                or found[0].spec.nbytes != layout.nbytes:
             continue
         view = found[0].host
         root = view
