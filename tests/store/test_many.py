@@ -14,8 +14,8 @@ PAGE = 64 << 10          # a 4 KiB multiple: the disk tier's slot is exactly the
 
 
 def cfg(tmp_path, **kw) -> StoreConfig:
-    base = dict(block_size=B, host_bytes=4 << 20, disk_path=str(tmp_path / "ssd"),
-                disk_bytes=64 << 20, disk_segment_bytes=8 << 20, disk_engine="posix")
+    base = {"block_size": B, "host_bytes": 4 << 20, "disk_path": str(tmp_path / "ssd"),
+            "disk_bytes": 64 << 20, "disk_segment_bytes": 8 << 20, "disk_engine": "posix"}
     base.update(kw)
     return StoreConfig(**base)
 

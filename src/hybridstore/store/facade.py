@@ -63,7 +63,7 @@ from hybridstore.policy import admission_policy, eviction_policy
 from hybridstore.policy.base import AdmissionPolicy, EvictionPolicy, PlacementPolicy
 from hybridstore.policy.placement import RequestEnd
 from hybridstore.policy.tiering import TierPolicy, tier_policy
-from hybridstore.store import args
+from hybridstore.store import args, staged
 from hybridstore.store.copies import TierCopies
 from hybridstore.store.evictor import Evictor
 from hybridstore.store.landing import LAYOUT_INFO, Landing
@@ -157,6 +157,7 @@ class HybridStore:
         self._copies = TierCopies(res)
         self._evictor = Evictor(res, self._copies, self._eviction)
         self._landing = Landing(res, self._copies, self._evictor, self._admission, self._layouts)
+        self._staging = staged.Staging()
         self._loader = Loader(res, self._layouts, self._lock)
         self._remote = RemoteSync(res, self._layouts, self._copies.pending) \
             if "remote" in self.tiers and self.tiers["remote"].stores_bytes else None
@@ -440,6 +441,8 @@ class HybridStore:
         store-lock hold for all, and their write-through to slower tiers as one
         batch (the disk tier lays them side by side and writes neighbours in one
         I/O; a later :meth:`load_many` of them reads them back the same way).
+        The bytes are copied into the fastest tier outside the store lock: slots
+        are reserved under it, filled without it, committed under it again.
 
         Args:
             prompts: token ids or :class:`PrefixKeys`, one per page (e.g.
@@ -460,12 +463,31 @@ class HybridStore:
             self._check_open()
             self._refresh()
             layout = self._landing.layout(ObjectKind.PAGE, pages[0], "page", pages[1:])
-            stored = 0
-            with self._landing.writes_together():
+            if not self.tiers[self._res.chain[0]].stores_bytes:
+                stored = 0       # accounting tiers: nothing to copy
                 for prompt, first, page in zip(keyed, firsts, pages):
                     stored += self._landing.put_pages(prompt, first, layout.nbytes,
                                                       partial(_pack_one, layout, page))
-            return stored
+                return stored
+            tier = self.tiers[self._res.chain[0]]
+            step = max(1, tier.capacity_bytes // 8 // max(1, tier.charge(layout.nbytes)))
+        stored = 0
+        for lo in range(0, len(keyed), step):      # a bounded share of the tier at a time
+            part = keyed[lo:lo + step]
+            with self._lock:
+                self._check_open()
+                new = staged.stage(self._landing, self._staging, part, layout.nbytes)
+            try:       # the copies run outside the store lock (several calls copy at once)
+                for i, slot in zip(new.index, new.slots):
+                    layout.pack_into(pages[lo + i], slot)
+            except BaseException:
+                with self._lock:
+                    staged.abort(self._landing, self._staging, new)
+                raise
+            with self._lock:
+                self._check_open()
+                stored += staged.commit(self._landing, self._staging, new, part)
+        return stored
 
     def put_kv_sized(self, tokens: Any, *, nbytes: int, first_block: int = 0) -> int:
         """Record pages by size only (accounting tiers: the trace simulator).

@@ -10,8 +10,7 @@ that stopped being terminal to SSD.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -83,8 +82,6 @@ class Landing:
         self.evictor = evictor
         self.admission = admission
         self.layouts = layouts
-        self._deferred: list[tuple[list[ObjectKey], int, list[bytes], str]] | None = None
-        self._deferred_bytes = 0
 
     # -- pages ------------------------------------------------------------------------
     def first_block(self, prompt: PrefixKeys, npages: int) -> int:
@@ -189,63 +186,12 @@ class Landing:
                         B = res.block_size
                         metas = [encode_page(k, prompt.block_end(k) - k * B, prompt.key_before(k))
                                  for k in range(c, c + landed)]
-                        self._write_through(okeys[c - a:c - a + landed].keys(), nbytes, metas,
-                                            name)
+                        for dst in res.chain[1:]:
+                            self.copies.write_through_many(okeys[c - a:c - a + landed].keys(),
+                                                           ObjectKind.PAGE, nbytes, metas, name,
+                                                           dst)
             c = d
         return b - a
-
-    def _write_through(self, keys: list[ObjectKey], nbytes: int, metas: list[bytes],
-                       src: str) -> None:
-        """Copy newly landed pages to every slower tier now, or later inside
-        :meth:`writes_together` (held as copies in flight meanwhile: never evicted)."""
-        if self._deferred is None:
-            for dst in self.res.chain[1:]:
-                self.copies.write_through_many(keys, ObjectKind.PAGE, nbytes, metas, src, dst)
-            return
-        for okey in keys:
-            self.copies.inflight[okey] += 1
-        self._deferred.append((keys, nbytes, metas, src))
-        self._deferred_bytes += nbytes * len(keys)
-        if self._deferred_bytes > self.res.tiers[src].capacity_bytes // 8:
-            self._flush_deferred()      # a bounded share of the fast tier waits at a time
-
-    @contextmanager
-    def writes_together(self) -> Iterator[None]:
-        """Puts inside this block write their pages through as one batch at its end
-        (one ``put_many`` per page size: the disk tier places them side by side and
-        writes neighbours in one I/O), instead of a batch per put.  Used for a batch
-        of one-page puts of unrelated prompts (:meth:`HybridStore.put_kv_many`)."""
-        if self._deferred is not None:          # nested: the outer block writes
-            yield
-            return
-        self._deferred, self._deferred_bytes = [], 0
-        try:
-            yield
-        finally:
-            try:
-                self._flush_deferred()
-            finally:
-                self._deferred = None
-
-    def _flush_deferred(self) -> None:
-        """Release the holds of the deferred pages and write them through, grouped."""
-        deferred, self._deferred, self._deferred_bytes = self._deferred or [], [], 0
-        inflight = self.copies.inflight
-        groups: dict[tuple[int, str], tuple[list[ObjectKey], list[bytes]]] = {}
-        for keys, nbytes, metas, src in deferred:
-            group = groups.setdefault((nbytes, src), ([], []))
-            for okey, meta in zip(keys, metas):
-                left = inflight[okey] - 1          # the hold taken in _write_through
-                if left:
-                    inflight[okey] = left
-                else:
-                    del inflight[okey]
-                if self.res.tiers[src].contains(okey):
-                    group[0].append(okey)
-                    group[1].append(meta)
-        for (nbytes, src), (keys, metas) in groups.items():
-            for dst in self.res.chain[1:]:
-                self.copies.write_through_many(keys, ObjectKind.PAGE, nbytes, metas, src, dst)
 
     @staticmethod
     def batch_scatter(targets: list[Target]) -> Scatter:
@@ -357,6 +303,10 @@ class Landing:
         else:
             room.retry(name, nbytes, lambda: tier.put(okey, None, nbytes=nbytes)).result()
         res.added(name, kind, 1, tier.charge(nbytes))
+
+    def commit(self, name: str, keys: Sequence[ObjectKey], nbytes: int) -> None:
+        """Commit objects staged in tier ``name`` (given back if it never finds room)."""
+        self._commit(name, keys, nbytes)
 
     def _commit(self, name: str, keys: Sequence[ObjectKey], nbytes: int) -> None:
         """Commit objects staged in tier ``name``, evicting more while it reports no room
