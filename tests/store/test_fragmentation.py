@@ -35,7 +35,7 @@ def _fragmented(store: HybridStore, pinned_slabs: range):
     return prompt, plans
 
 
-@pytest.mark.parametrize("pinned", [range(0, 4), range(0, 7)])
+@pytest.mark.parametrize("pinned", [range(4), range(7)])
 def test_state_put_into_a_fragmented_disk_tier(tmp_path, pinned):
     with HybridStore(cfg(tmp_path)) as store:
         prompt, plans = _fragmented(store, pinned)

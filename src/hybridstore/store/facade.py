@@ -31,9 +31,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from functools import partial
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any, cast
 
 import numpy as np
