@@ -254,6 +254,50 @@ class SlabAllocator:
                 self._free(done)
             return None
 
+    def window(self, nbytes: int, movable: Callable[[Extent], bool]) -> list[Extent] | None:
+        """The live extents to free so that one object of ``nbytes`` fits, fewest bytes first.
+
+        For a tier whose free bytes are enough but split (no run of the slot's
+        size, or no free slab for a small class): the cheapest window of the
+        slot's size (a slab's, for slab classes) in a committed regular arena,
+        at its alignment, counted in live slot bytes inside it (a slab counts
+        whole: it returns to the free runs only once all its slots are free).
+        ``movable(extent)`` says whether an extent may be freed; windows holding
+        one it refuses are skipped.
+
+        Returns:
+            The extents to free (``[]``: a window is free already), or ``None``
+            when no window can be freed (or the slot is larger than an arena).
+        """
+        size = self.slot_size(nbytes)
+        if size > self._max_regular:
+            return None
+        length, align = (self._slab, self._slab) if size <= self._small_max else (size, self._align)
+        with self._lock:
+            live = list(self._live.items())
+            slabs = [(slab.arena, slab.start) for slab in self._slabs.values()]
+            arenas = {a.id: a.size for a in self._arenas.values() if not a.dedicated}
+        # occupied intervals per arena: (start, end, extents inside)
+        occupied: dict[int, dict[int, tuple[int, list[Extent]]]] = {a: {} for a in arenas}
+        for arena_id, start in slabs:
+            if arena_id in occupied:
+                occupied[arena_id][start] = (start + self._slab, [])
+        for (arena_id, offset), slot in live:
+            spans = occupied.get(arena_id)
+            if spans is None:
+                continue
+            if slot <= self._small_max:
+                spans[offset - offset % self._slab][1].append(Extent(arena_id, offset, slot))
+            else:
+                spans[offset] = (offset + slot, [Extent(arena_id, offset, slot)])
+        best: tuple[int, list[Extent]] | None = None
+        for arena_id, spans in occupied.items():
+            found = _cheapest_window(sorted((s, e, x) for s, (e, x) in spans.items()),
+                                     arenas[arena_id], length, align, movable)
+            if found is not None and (best is None or found[0] < best[0]):
+                best = found
+        return None if best is None else best[1]
+
     def trim(self) -> int:
         """Drop every empty regular arena now (its budget goes back to the owner, e.g. to a
         disk directory that other processes share); returns how many went."""
@@ -536,3 +580,39 @@ class SlabBudget:
 
     def charge(self, nbytes: int) -> int:
         return self._alloc.slot_size(nbytes)
+
+
+def _cheapest_window(spans: list[tuple[int, int, list[Extent]]], size: int, length: int,
+                     align: int, movable: Callable[[Extent], bool]
+                     ) -> tuple[int, list[Extent]] | None:
+    """:meth:`SlabAllocator.window` in one arena of ``size`` bytes: ``spans`` are its
+    occupied intervals ``(start, end, live extents)``, sorted and disjoint.  A sliding
+    window over the aligned starts next to each interval (and 0): ``O(k log k)``."""
+    cost = [sum(x.length for x in ext) for _, _, ext in spans]
+    blocked = [not all(movable(x) for x in ext) for _, _, ext in spans]
+    csum, bsum = [0], [0]
+    for c, b in zip(cost, blocked):
+        csum.append(csum[-1] + c)
+        bsum.append(bsum[-1] + b)
+    starts = [s for s, _, _ in spans]
+    ends = [e for _, e, _ in spans]
+    cands = {0}
+    for s, e, _ in spans:
+        cands.add(s - s % align)
+        cands.add(-(-e // align) * align)
+    best: tuple[int, int, int] | None = None      # (cost, first span, last span + 1)
+    for w in sorted(cands):
+        if w + length > size:
+            break
+        i = bisect.bisect_right(ends, w)            # first span ending after w
+        j = bisect.bisect_left(starts, w + length)  # spans from i to j overlap the window
+        if bsum[j] - bsum[i]:
+            continue
+        c = csum[j] - csum[i]
+        if best is None or c < best[0]:
+            best = (c, i, j)
+            if not c:
+                break
+    if best is None:
+        return None
+    return best[0], [x for _, _, ext in spans[best[1]:best[2]] for x in ext]

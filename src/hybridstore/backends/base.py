@@ -85,7 +85,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -228,6 +228,19 @@ class Tier(ABC):
                 raise ValueError(f"offset {off} + {n} bytes is past dst ({dst.nbytes} bytes)")
             futs.append(self.get_into(key, dst[off:off + n]))
         return _all_of(futs)
+
+    def window_victims(self, nbytes: int, may_free: Callable[[ObjectKey], bool]
+                       ) -> list[ObjectKey] | None:
+        """Objects whose deletion lets one object of ``nbytes`` find a slot when the free
+        bytes suffice but are split (fragmentation), fewest bytes first, among those
+        ``may_free`` allows; ``None`` when no such set exists.  Only called on tiers
+        whose :attr:`finds_windows` is true (the default tier has no slots)."""
+        return None
+
+    @property
+    def finds_windows(self) -> bool:
+        """Whether :meth:`window_victims` answers (a tier that carves slots out of arenas)."""
+        return False
 
     def slot_bytes(self, nbytes: int) -> int:
         """Bytes an ``nbytes`` object spans where this tier keeps it (the spacing at which

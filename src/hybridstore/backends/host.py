@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import mmap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -186,6 +186,24 @@ class HostPool(SlabBudget, ObjectTable):
             objs = self._new_objects(nbytes, len(keys), b"")
             self._pending.update(zip(keys, objs))
             return self._where([obj.extent for obj in objs])
+
+    @property
+    def finds_windows(self) -> bool:
+        return True
+
+    def window_victims(self, nbytes: int, may_free: Callable[[ObjectKey], bool]
+                       ) -> list[ObjectKey] | None:
+        """:meth:`Tier.window_victims` from the allocator's windows; held slots stay."""
+        with self._lock:
+            owner = {obj.extent: key for key, obj in self._objects.items()
+                     if not self._refs.get(key)}
+
+        def movable(extent: Extent) -> bool:
+            key = owner.get(extent)
+            return key is not None and may_free(key)
+
+        extents = self._alloc.window(nbytes, movable)
+        return None if extents is None else [owner[e] for e in extents]
 
     def commit_many(self, keys: Sequence[ObjectKey]) -> None:
         """:meth:`commit` of several keys (a run reserved by :meth:`stage_many`).

@@ -21,12 +21,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import TypeVar
 
 import numpy as np
 
 from hybridstore.errors import CapacityError, ObjectTooLargeError
-from hybridstore.objects import TIER_BITS, KeyBatch, ObjectKey, ObjectKind, object_key
+from hybridstore.objects import (
+    TIER_BITS,
+    KeyBatch,
+    ObjectKey,
+    ObjectKind,
+    key_kind,
+    object_key,
+)
 from hybridstore.policy.base import EvictionPolicy, Victim
 from hybridstore.store.copies import COPY_FAILURES, TierCopies
 from hybridstore.store.residency import Residency
@@ -172,6 +180,18 @@ class Evictor:
                             time.sleep(0.01)
                     continue
                 self.copies.drain()
+                if round_ > 1 and t.finds_windows and t.free_bytes >= t.charge(nbytes):
+                    # Still refused after a pass in the policy's order with the bytes free:
+                    # they are split (fragmentation). Free the cheapest window of them; more
+                    # of the policy's order frees bytes, not contiguity.
+                    freed = self.evict_window(tier, nbytes)
+                    if freed is None and self.copies.pending:
+                        self.copies.wait_pending()   # copies in flight become evictable
+                        freed = self.evict_window(tier, nbytes)
+                    if freed is None:
+                        raise     # every window holds what must stay: evicting more is waste
+                    if freed:
+                        continue
                 # the last round frees whatever the policy and pins allow: a put refused
                 # for fragmentation costs more than an over-eager eviction
                 want = (t.capacity_bytes if round_ == 4 else
@@ -179,6 +199,50 @@ class Evictor:
                 if not self.evict(tier, want):
                     self.copies.wait_pending()
         raise AssertionError("unreachable")
+
+    def evict_window(self, tier: str, nbytes: int) -> int | None:
+        """Free one contiguous slot for ``nbytes`` in a fragmented tier: the evictable
+        objects of the cheapest window the tier names (:meth:`Tier.window_victims`),
+        under :meth:`evict_one`'s rules, whatever the policy's order (a put refused
+        with enough bytes free costs more than evicting a few neighbours out of turn).
+
+        Returns:
+            Bytes freed; ``None`` when the tier names no window that can be freed (every
+            one holds an object that must stay), or cannot tell.
+        """
+        keys = self.res.tiers[tier].window_victims(nbytes, partial(self._may_evict, tier))
+        if keys is None:
+            return None
+        freed = 0
+        for okey in keys:
+            victim = self._victim_of(okey)
+            if victim is not None:
+                freed += self.evict_one(victim, tier)
+        return freed
+
+    def _victim_of(self, okey: ObjectKey) -> Victim | None:
+        if key_kind(okey) == ObjectKind.STATE:
+            return Victim(ObjectKind.STATE, bytes(okey[1:]))
+        nid = self.res.index.find_node(bytes(okey[1:]))
+        return None if nid < 0 else Victim(ObjectKind.PAGE, nid)
+
+    def _may_evict(self, tier: str, okey: ObjectKey) -> bool:
+        """Whether :meth:`evict_one` would evict ``okey`` from ``tier`` (no side effect)."""
+        if self.copies.inflight[okey]:
+            return False
+        index, bit = self.res.index, TIER_BITS[tier]
+        if key_kind(okey) == ObjectKind.STATE:
+            ck = index.checkpoint(bytes(okey[1:]))
+            return ck is not None and bool(ck.tiers & bit) and not ck.pins
+        nid = index.find_node(bytes(okey[1:]))
+        if nid < 0:
+            return False
+        tiers, deps, pins, _ = index.page_state(nid)
+        if not tiers & bit or pins:
+            return False
+        last = not tiers & ~bit
+        return not (last and deps > 0 and self.policy.dependency_aware
+                    and not self.res.spills(ObjectKind.PAGE, tier))
 
     # -- eviction ---------------------------------------------------------------------
     def evict(self, tier: str, nbytes: int, kind: ObjectKind | None = None) -> int:

@@ -33,7 +33,8 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import numpy as np
 
@@ -45,6 +46,7 @@ from hybridstore.errors import (
     CatalogError,
     InvalidArgumentError,
     InvalidTokensError,
+    LayoutMismatchError,
     MisalignedPageError,
     NamespaceError,
     PlanReleasedError,
@@ -61,7 +63,7 @@ from hybridstore.policy import admission_policy, eviction_policy
 from hybridstore.policy.base import AdmissionPolicy, EvictionPolicy, PlacementPolicy, abandoned_branches
 from hybridstore.policy.placement import RequestEnd
 from hybridstore.policy.tiering import TierPolicy, tier_policy
-from hybridstore.store import args
+from hybridstore.store import args, staged
 from hybridstore.store.copies import TierCopies
 from hybridstore.store.evictor import Evictor
 from hybridstore.store.landing import LAYOUT_INFO, Landing
@@ -76,6 +78,21 @@ NAMESPACE_INFO = "namespace"
 """The disk tier's info blob that records the root key of the namespace owning it."""
 SECRET_INFO = "hash_secret"
 """The disk tier's info blob that keeps the store's hashing secret (the catalog is 0600)."""
+
+
+def _pack_one(layout: Layout, page: Any, _i: int, slot: np.ndarray) -> None:
+    """``pack(i, slot)`` of a put of one page (:meth:`HybridStore.put_kv_many`)."""
+    layout.pack_into(page, slot)
+
+
+class _PagesOnly:
+    """What :meth:`Loader.run` reads of a plan, for the pages of several (``load_many``)."""
+
+    __slots__ = ("pages", "state_key")
+
+    def __init__(self, pages: np.ndarray) -> None:
+        self.pages = pages
+        self.state_key = None
 
 
 class HybridStore:
@@ -140,6 +157,7 @@ class HybridStore:
         self._copies = TierCopies(res)
         self._evictor = Evictor(res, self._copies, self._eviction)
         self._landing = Landing(res, self._copies, self._evictor, self._admission, self._layouts)
+        self._staging = staged.Staging()
         self._loader = Loader(res, self._layouts, self._lock)
         self._remote = RemoteSync(res, self._layouts, self._copies.pending) \
             if "remote" in self.tiers and self.tiers["remote"].stores_bytes else None
@@ -415,6 +433,62 @@ class HybridStore:
                 prompt, first, layout.nbytes,
                 lambda i, slot: layout.pack_into(batch_row(batch, i), slot), scatter)
 
+    def put_kv_many(self, prompts: Sequence[Any], pages: Sequence[Any]) -> int:
+        """Store the last page of each of several prompts, in one call.
+
+        For engines that hand the store a batch of unrelated chunks (vLLM's
+        tiering manager: one job of chunks keyed by their own hashes): one
+        store-lock hold for all, and their write-through to slower tiers as one
+        batch (the disk tier lays them side by side and writes neighbours in one
+        I/O; a later :meth:`load_many` of them reads them back the same way).
+        The bytes are copied into the fastest tier outside the store lock: slots
+        are reserved under it, filled without it, committed under it again.
+
+        Args:
+            prompts: token ids or :class:`PrefixKeys`, one per page (e.g.
+                ``engine_prefix([key], prefix=())`` of a chunk).
+            pages: the page that ends each prompt (tensor/array or dict of them).
+
+        Returns:
+            The number of pages newly stored (pages already held are touched).
+        """
+        if len(prompts) != len(pages):
+            raise InvalidArgumentError(f"put_kv_many got {len(prompts)} prompts and "
+                                       f"{len(pages)} pages; pass one page per prompt")
+        if not len(prompts):
+            return 0
+        keyed = [self.prefix(t) for t in prompts]
+        firsts = [self._landing.first_block(p, 1) for p in keyed]
+        with self._lock:
+            self._check_open()
+            self._refresh()
+            layout = self._landing.layout(ObjectKind.PAGE, pages[0], "page", pages[1:])
+            if not self.tiers[self._res.chain[0]].stores_bytes:
+                stored = 0       # accounting tiers: nothing to copy
+                for prompt, first, page in zip(keyed, firsts, pages):
+                    stored += self._landing.put_pages(prompt, first, layout.nbytes,
+                                                      partial(_pack_one, layout, page))
+                return stored
+            tier = self.tiers[self._res.chain[0]]
+            step = max(1, tier.capacity_bytes // 8 // max(1, tier.charge(layout.nbytes)))
+        stored = 0
+        for lo in range(0, len(keyed), step):      # a bounded share of the tier at a time
+            part = keyed[lo:lo + step]
+            with self._lock:
+                self._check_open()
+                new = staged.stage(self._landing, self._staging, part, layout.nbytes)
+            try:       # the copies run outside the store lock (several calls copy at once)
+                for i, slot in zip(new.index, new.slots):
+                    layout.pack_into(pages[lo + i], slot)
+            except BaseException:
+                with self._lock:
+                    staged.abort(self._landing, self._staging, new)
+                raise
+            with self._lock:
+                self._check_open()
+                stored += staged.commit(self._landing, self._staging, new, part)
+        return stored
+
     def put_kv_sized(self, tokens: Any, *, nbytes: int, first_block: int = 0) -> int:
         """Record pages by size only (accounting tiers: the trace simulator).
 
@@ -613,7 +687,9 @@ class HybridStore:
                 tensors) whose first dimension indexes pages, row ``i`` for
                 page ``i`` — restored with one gather per entry from the pinned
                 pool (:func:`~hybridstore.backends.gather.gather_rows`)
-                instead of a copy per page.
+                instead of a copy per page; or ``None`` when ``skip_pages``
+                skips them all (the checkpoint only).  A host buffer that
+                holds one whole object is read into in place from the SSD.
             skip_tiers: objects whose fastest holder is one of these tiers are
                 not read (their slot in the result is ``None``, their ``into``
                 buffer untouched): an engine passes ``("device",)`` for what is
@@ -639,7 +715,8 @@ class HybridStore:
             self._check_open()
             if not self.index.is_live(plan):
                 raise PlanReleasedError(f"plan {plan.plan_id} was released; match again before load")
-            targets = self._loader.check_into(plan, into) if into is not None else None
+            targets = (self._loader.check_into(plan, into, skip_pages) if into is not None
+                       else None)
             jobs, sources = self._loader.prepare(plan, skip_tiers, skip_pages)
             try:
                 fut = self._io.submit(self._loader.run, plan, jobs, sources, into, targets)
@@ -648,6 +725,67 @@ class HybridStore:
                 raise
             self._counters["loads"] += 1
         return fut
+
+    def load_many(self, plans: Sequence[ResumePlan], into: Sequence[Any]) -> Future:
+        """Restore the pages of several live page plans (:meth:`match_pages`) as one load.
+
+        Every page of every plan is read in one pass: from a byte tier with one
+        ``read_many_into`` (the disk tier reads objects that lie side by side,
+        e.g. those one :meth:`put_kv_many` wrote, with one I/O of up to 8 MiB and
+        runs the rest in parallel), from the pinned pool by copy.
+
+        Args:
+            plans: live plans without a checkpoint (``match_pages``).
+            into: one page buffer per page of the plans, in order (the plans'
+                pages concatenated).
+
+        Returns:
+            A future of the filled buffers (a list).  The plans stay pinned until
+            :meth:`release`.
+        """
+        plans = [args.plan(plan) for plan in plans]
+        if any(plan.state_key is not None for plan in plans):
+            raise InvalidArgumentError("load_many restores pages only; load a plan with a "
+                                       "checkpoint with load()")
+        bufs = list(into)
+        n = sum(len(plan.pages) for plan in plans)
+        if len(bufs) != n:
+            raise LayoutMismatchError(f"into has {len(bufs)} page buffers; the plans restore {n}")
+        with self._lock:
+            self._check_open()
+            jobs: list[Any] = []
+            sources: list[str | None] = []
+            try:
+                for plan in plans:
+                    if not self.index.is_live(plan):
+                        raise PlanReleasedError(f"plan {plan.plan_id} was released; match again "
+                                                "before load")
+                    j, src = self._loader.prepare(plan, (), 0)
+                    jobs += j
+                    sources += src
+                layout = self._layouts.get(ObjectKind.PAGE)
+                if n and layout is None:
+                    raise LayoutMismatchError("the store holds no page layout yet")
+                targets = [layout.targets(buf) for buf in bufs] if layout is not None else []
+                merged = _PagesOnly(np.concatenate([p.pages for p in plans]) if plans
+                                    else np.zeros(0, np.int64))
+                fut = self._io.submit(self._loader.run, cast(ResumePlan, merged), jobs, sources, (bufs, None),
+                                      targets)
+            except BaseException:
+                self._loader.release_sources(jobs, sources)
+                raise
+            self._counters["loads"] += 1
+        out: Future = Future()
+
+        def done(f: Future) -> None:
+            error = f.exception()
+            if error is not None:
+                out.set_exception(error)
+            else:
+                out.set_result(f.result()[0])
+
+        fut.add_done_callback(done)
+        return out
 
     # -- eviction ---------------------------------------------------------------------
     def evict(self, nbytes: int, tier: str = "host") -> int:

@@ -304,6 +304,10 @@ class Landing:
             room.retry(name, nbytes, lambda: tier.put(okey, None, nbytes=nbytes)).result()
         res.added(name, kind, 1, tier.charge(nbytes))
 
+    def commit(self, name: str, keys: Sequence[ObjectKey], nbytes: int) -> None:
+        """Commit objects staged in tier ``name`` (given back if it never finds room)."""
+        self._commit(name, keys, nbytes)
+
     def _commit(self, name: str, keys: Sequence[ObjectKey], nbytes: int) -> None:
         """Commit objects staged in tier ``name``, evicting more while it reports no room
         (a tier whose staging defers the allocation to the commit); they are given back

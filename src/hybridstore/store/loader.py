@@ -65,14 +65,22 @@ class Loader:
         """Objects found corrupt by loads (each is dropped from its tier)."""
 
     # -- under the store lock ---------------------------------------------------------
-    def check_into(self, plan: ResumePlan, into: tuple[Any, Any]) -> list[list[Target]]:
+    def check_into(self, plan: ResumePlan, into: tuple[Any, Any],
+                   skip_pages: int = 0) -> list[list[Target]]:
         """The matched buffers of every object of the plan; raises on a mismatch.
+
+        ``into``'s pages may be ``None`` when every page is skipped (``skip_pages``).
 
         For a page-major batch the first list holds one :class:`Target` per
         entry of the page layout (``host``: its ``(rows, nbytes)`` byte view).
         """
         page_bufs, state_buf = into
         n = len(plan.pages)
+        if page_bufs is None and skip_pages >= n:      # the checkpoint only
+            out: list[list[Target]] = [[] for _ in range(n)]
+            if plan.state_key is not None:
+                out.append(self.layouts[ObjectKind.STATE].targets(state_buf))
+            return out
         if is_batch(page_bufs):
             out = [self.layouts[ObjectKind.PAGE].batch_targets(page_bufs, n) if n else []]
             if plan.state_key is not None:
@@ -197,6 +205,13 @@ class Loader:
         # allocation per object: plans run to thousands of pages.
         try:
             own = [self._needs_buffer(src, into is not None) for src in sources]
+            # Objects read from a byte tier straight into the caller's host buffer (no arena,
+            # no copy out): each is one whole-object buffer of a host array that several may
+            # share (vLLM's primary tier: rows of one array), found by _direct_targets.
+            direct = _direct_targets(jobs, sources, own, targets, n_batch, self.layouts,
+                                     tiers) if into is not None and targets is not None else {}
+            for i in direct:
+                own[i] = False
             # Spaced like the tier's slots, so that pages written together are read back
             # with one I/O per run of neighbours (the disk tier's read_many_into).
             spacing: dict[tuple[ObjectKind, str], int] = {}   # depends on (kind, tier) only
@@ -214,6 +229,7 @@ class Loader:
             arena = aligned_empty(sum(sizes)) if any(own) else np.zeros(0, np.uint8)
             offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
             reads: dict[str, list[int]] = {}      # byte tiers: each tier's jobs read at once
+            reads_direct: dict[tuple[str, int, int], tuple[np.ndarray, list[int], list[int]]] = {}
             for i, ((okey, kind), src) in enumerate(zip(jobs, sources)):
                 layout = self.layouts[kind]
                 if src is None:                   # skipped: resident in the engine's tier
@@ -237,14 +253,26 @@ class Loader:
                 elif own_buf is not None:
                     reads.setdefault(src, []).append(i)
                     bufs.append(own_buf)
+                elif i in direct:
+                    root, place = direct[i]
+                    # objects whose slot spans more than them are read one by one: a read of
+                    # neighbours would land the slot padding between their destinations
+                    alone = tiers[src].slot_bytes(layout.nbytes) != layout.nbytes
+                    group = reads_direct.setdefault((src, id(root), i if alone else -1),
+                                                    (root, [], []))
+                    group[1].append(i)
+                    group[2].append(place)
+                    bufs.append(None)
                 else:
                     bufs.append(None)
                 self.loaded_bytes[src] += layout.nbytes
-            for name, idx in reads.items():
+            calls = [(name, idx, arena, [offsets[i] for i in idx]) for name, idx in reads.items()]
+            calls += [(name, idx, root, at)
+                      for (name, _, _), (root, idx, at) in reads_direct.items()]
+            for name, idx, dst, at in calls:
                 okeys = [jobs[i][0] for i in idx]
                 try:
-                    waits.append((name, idx, tiers[name].read_many_into(
-                        okeys, arena, [offsets[i] for i in idx])))
+                    waits.append((name, idx, tiers[name].read_many_into(okeys, dst, at)))
                 except KeyError as e:         # another process sharing the tier evicted it
                     self._forget_dropped(name, okeys)
                     raise CorruptObjectError(f"object {bytes(e.args[0]).hex()} of the plan left "
@@ -261,6 +289,10 @@ class Loader:
                 self.gather_batch(rows, arena, offsets, targets[0], n_batch)
             for i, ((okey, kind), buf) in enumerate(zip(jobs, bufs)):
                 if i < n_batch:
+                    continue
+                if i in direct:
+                    assert into is not None
+                    outputs.append(into[0][i] if kind == ObjectKind.PAGE else into[1])  # in place
                     continue
                 if buf is None:
                     outputs.append(None)
@@ -333,3 +365,41 @@ def _gather_into(sources: list[np.ndarray], which: np.ndarray, offsets: np.ndarr
                  rows: np.ndarray, entry_offset: int, nbytes: int, dst: np.ndarray) -> None:
     """:func:`~hybridstore.backends.gather.gather_rows` with the destination last."""
     gather_rows(sources, which, offsets, rows, entry_offset, nbytes, dst)
+
+
+def _direct_targets(jobs: list[Job], sources: list[str | None], own: list[bool],
+                    targets: list[list[Target]], n_batch: int, layouts: dict[ObjectKind, Layout],
+                    tiers: Mapping[str, Any]) -> dict[int, tuple[np.ndarray, int]]:
+    """The objects of a load that a byte tier can read straight into the caller's buffer.
+
+    An object qualifies when it would be read into a buffer of the load's own
+    (``own``), is not a row of a page-major batch, and its one target is a host
+    view of the whole object that lies inside a C-contiguous host array; the
+    result maps its job to that array (as flat bytes) and the byte offset there.
+    Objects whose destinations are spaced like their slots are read with one
+    I/O (``read_many_into``) where the slot is exactly the object; the others are
+    read alone (:meth:`Loader.run`).
+    """
+    out: dict[int, tuple[np.ndarray, int]] = {}
+    roots: dict[int, np.ndarray] = {}
+    for i, ((_, kind), src) in enumerate(zip(jobs, sources)):
+        if not own[i] or i < n_batch or src is None or i >= len(targets):
+            continue
+        layout = layouts[kind]
+        found = targets[i]
+        if len(found) != 1 or found[0].host is None or found[0].spec.offset != 0 \
+                or found[0].spec.nbytes != layout.nbytes:
+            continue
+        view = found[0].host
+        root = view
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        if not root.flags.c_contiguous or not root.flags.writeable:
+            continue
+        flat = roots.get(id(root))
+        if flat is None:
+            flat = roots[id(root)] = root.reshape(-1).view(np.uint8)
+        at = view.__array_interface__["data"][0] - flat.__array_interface__["data"][0]
+        if 0 <= at and at + layout.nbytes <= flat.nbytes:
+            out[i] = (flat, at)
+    return out

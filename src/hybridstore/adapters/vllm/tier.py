@@ -63,7 +63,7 @@ class HybridStoreTier(SecondaryTierManager):
         disk_path: the store's SSD directory (required).
         **store_settings: ``disk_bytes``, ``host_bytes``, ``policy``,
             ``tier_policy``, ``disk_engine``, ``io_threads``, ``namespace``,
-            ``threads`` (copy threads, 2).
+            ``threads`` (jobs run in parallel, 4).
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -82,7 +82,7 @@ class HybridStoreTier(SecondaryTierManager):
             "vllm-tier", config.model.name, config.model.dtype, f"ws{par.world_size}",
             f"tp{par.tp_size}", f"pp{par.pp_size}", f"chunk{chunk}",
             f"bytes{self._primary.shape[1]}", store_settings.pop("namespace", "")))
-        threads = int(store_settings.pop("threads", 2))
+        threads = int(store_settings.pop("threads", 4))
         kwargs: dict[str, Any] = {}
         for key in _STORE_KEYS:
             if key in store_settings:
@@ -151,17 +151,25 @@ class HybridStoreTier(SecondaryTierManager):
             self._jobs[job.job_id] = self._pool.submit(run)
 
     def _store(self, job: TransferJob, keys: list[OffloadKey]) -> tuple[list[OffloadKey], int]:
-        done, nbytes = [], 0
+        """A job's chunks in one :meth:`~hybridstore.HybridStore.put_kv_many` (one lock hold,
+        one coalesced write-through); chunk by chunk only if that fails."""
+        chunk = self._primary.shape[1]
         try:
-            for key, c in zip(keys, job.chunk_ids.tolist()):
-                prompt = self._prompt(key)
+            prompts = [self._prompt(key) for key in keys]
+            pages = [self._primary[c] for c in job.chunk_ids.tolist()]
+            try:
+                return list(keys), self.store.put_kv_many(prompts, pages) * chunk
+            except HybridStoreError:
+                log.warning("HybridStoreTier: a store job failed as a batch; storing its chunks "
+                            "one by one", exc_info=True)
+            done, nbytes = [], 0
+            for key, prompt, page in zip(keys, prompts, pages):
                 try:
-                    if not self.store.present_pages(prompt):
-                        self.store.put_kv(prompt, self._primary[c])
-                        nbytes += self._primary.shape[1]
+                    nbytes += self.store.put_kv(prompt, page) * chunk
                     done.append(key)
                 except HybridStoreError:
                     log.exception("HybridStoreTier: cannot store a chunk")
+            return done, nbytes
         finally:
             with self._mu:
                 for key in keys:
@@ -170,38 +178,46 @@ class HybridStoreTier(SecondaryTierManager):
                         self._storing[key] = left
                     else:
                         del self._storing[key]
-        return done, nbytes
 
     def _load(self, job: TransferJob, plans: list[ResumePlan | None]
               ) -> tuple[list[OffloadKey], int]:
-        done, nbytes = [], 0
-        started: list[tuple[OffloadKey, ResumePlan, Future]] = []
+        """A job's chunks in one :meth:`~hybridstore.HybridStore.load_many` (the disk tier
+        reads neighbours in one I/O and the rest in parallel); chunk by chunk only if
+        that fails (a corrupt chunk then costs itself only)."""
+        keys, chunks = list(job.keys), job.chunk_ids.tolist()
+        found: list[tuple[OffloadKey, int, ResumePlan]] = []
         try:
-            # every chunk's load is started first: they run in parallel on the store's
-            # load threads and the disk tier's I/O threads, then are waited for in order
-            for key, c, plan in zip(list(job.keys), job.chunk_ids.tolist(), plans):
+            for i, (key, c) in enumerate(zip(keys, chunks)):
+                plan, plans[i] = plans[i], None
                 if plan is None:     # promoted without a lookup of ours in this request
                     plan = self.store.match_pages(self._prompt(key))
-                try:
-                    if len(plan.pages) != 1:
-                        self.store.release(plan)
-                        continue
-                    started.append((key, plan, self.store.load(plan, into=([self._primary[c]],
-                                                                            None))))
-                except HybridStoreError:
-                    log.exception("HybridStoreTier: cannot load a chunk")
+                if len(plan.pages) != 1:
                     self.store.release(plan)
-        finally:
-            for key, plan, fut in started:
+                    continue
+                found.append((key, c, plan))
+            if not found:
+                return [], 0
+            try:
+                self.store.load_many([p for _, _, p in found],
+                                     [self._primary[c] for _, c, _ in found]).result()
+                return [k for k, _, _ in found], len(found) * self._primary.shape[1]
+            except HybridStoreError:
+                log.warning("HybridStoreTier: a load job failed as a batch; loading its chunks "
+                            "one by one", exc_info=True)
+            done = []
+            for key, c, plan in found:
                 try:
-                    fut.result()
+                    self.store.load(plan, into=([self._primary[c]], None)).result()
                     done.append(key)
-                    nbytes += self._primary.shape[1]
                 except HybridStoreError:
                     log.exception("HybridStoreTier: cannot load a chunk")
-                finally:
+            return done, len(done) * self._primary.shape[1]
+        finally:
+            for _, _, plan in found:
+                self.store.release(plan)
+            for plan in plans:
+                if plan is not None:
                     self.store.release(plan)
-        return done, nbytes
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         with self._mu:

@@ -14,7 +14,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -217,6 +217,29 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
                 self._release(obj.extent, seq)
         self._reclaim()
         return obj.extent.length
+
+    @property
+    def finds_windows(self) -> bool:
+        """True unless the directory is shared (its eviction goes through the lease, and
+        other processes' objects fill its segments too)."""
+        return self._shared is None
+
+    def window_victims(self, nbytes: int, may_free: Callable[[ObjectKey], bool]
+                       ) -> list[ObjectKey] | None:
+        """The objects to delete so that one object of ``nbytes`` finds a slot, when the
+        free bytes are enough but split (:meth:`SlabAllocator.window`, fewest bytes
+        first): objects being written or read, and those ``may_free`` refuses, stay.
+        ``None``: no such set."""
+        with self._lock:
+            owner = {self._local(obj.extent): ObjectKey(key) for key, obj in self._objects.items()}
+            pinned = {self._local(extent) for extent in self._pins}
+
+        def movable(extent: Extent) -> bool:
+            key = owner.get(extent)
+            return key is not None and extent not in pinned and may_free(key)
+
+        extents = self._alloc.window(nbytes, movable)
+        return None if extents is None else [owner[e] for e in extents]
 
     def delete_many(self, keys: Iterable[ObjectKey]) -> int:
         """:meth:`delete` of several keys with one catalog transaction; returns the bytes freed.

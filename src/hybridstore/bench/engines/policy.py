@@ -167,6 +167,9 @@ def replay_system(wl: PolicyWorkload, *, backend: str, policy: str | None, budge
             for lo, hi in S.batches(n - hit, batch):
                 s.page_set(b, kv, keys[hit + lo:hit + hi], src_idx[:(hi - lo) * PAGE_TOKENS],
                            keys[:hit + lo])
+        # ours: SSD copies refused for want of room (a state that stays in DRAM only)
+        skipped = (b.store_stats().get("store", {}).get("skipped_copies", 0)
+                   if backend != S.BUILTIN else None)
     finally:
         b.clear()
         S.close_backend(b)
@@ -174,4 +177,5 @@ def replay_system(wl: PolicyWorkload, *, backend: str, policy: str | None, budge
     return {"backend": backend, "policy": policy or "lru-file", "budget_bytes": budget,
             "budget_share": budget / wl.footprint_bytes, "token_hit_rate": hit_tokens / total,
             "hit_tokens": hit_tokens, "input_tokens": total, "requests": len(wl.keys),
-            "loads_short": loaded_short, "seconds": time.perf_counter() - t0}
+            "loads_short": loaded_short, "skipped_copies": skipped,
+            "seconds": time.perf_counter() - t0}
