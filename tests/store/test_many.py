@@ -131,3 +131,31 @@ def test_a_state_only_load_reads_in_place_into_the_callers_buffer(tmp_path):
         with pytest.raises(LayoutMismatchError):                       # pages are read: need buffers
             store.load(plan, into=(None, buf[:state.nbytes]))
         store.release(plan)
+
+
+def test_a_put_of_a_page_another_call_has_reserved_leaves_it_to_that_call(tmp_path):
+    """put_kv_many copies outside the store lock: while its slots are reserved, a plain put
+    of the same page (another engine thread) must neither fail nor store a second copy;
+    the reserving call commits it, bit-exact."""
+    from hybridstore.objects import ObjectKind
+    from hybridstore.store import staged
+
+    keys, rows = chunks(3, seed=5)
+    with HybridStore(cfg(tmp_path, disk_path=None)) as store:
+        prompts = [store.engine_prefix([k], prefix=()) for k in keys]
+        layout = store._landing.layout(ObjectKind.PAGE, rows[0], "page", [])
+        with store._lock:                  # put_kv_many's first step, as it runs it
+            new = staged.stage(store._landing, store._staging, prompts[:2], layout.nbytes)
+        assert len(new.keys) == 2
+        assert store.put_kv(prompts[1], [rows[1]]) == 0     # reserved: left to put_kv_many
+        assert store.put_kv(prompts[2], [rows[2]]) == 1
+        for i, slot in zip(new.index, new.slots):
+            layout.pack_into(rows[i], slot)
+        with store._lock:
+            assert staged.commit(store._landing, store._staging, new, prompts[:2]) == 2
+        assert store.stats()["tiers"]["host"]["objects"] == 3
+        for prompt, row in zip(prompts, rows):
+            plan = store.match_pages(prompt)
+            pages, _ = store.load(plan).result()
+            store.release(plan)
+            assert np.array_equal(np.asarray(pages[0]).view(np.int8).reshape(-1), row)

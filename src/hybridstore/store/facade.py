@@ -157,7 +157,7 @@ class HybridStore:
         self._copies = TierCopies(res)
         self._evictor = Evictor(res, self._copies, self._eviction)
         self._landing = Landing(res, self._copies, self._evictor, self._admission, self._layouts)
-        self._staging = staged.Staging()
+        self._staging = staged.Staging(self._landing.reserved)
         self._loader = Loader(res, self._layouts, self._lock)
         self._remote = RemoteSync(res, self._layouts, self._copies.pending) \
             if "remote" in self.tiers and self.tiers["remote"].stores_bytes else None

@@ -80,6 +80,9 @@ class Landing:
         self.res = residency
         self.copies = copies
         self.evictor = evictor
+        self.reserved: set[ObjectKey] = set()
+        """Page keys a :meth:`~hybridstore.HybridStore.put_kv_many` in progress has reserved
+        slots for (:mod:`~hybridstore.store.staged`): other puts leave them to it."""
         self.admission = admission
         self.layouts = layouts
 
@@ -108,21 +111,33 @@ class Landing:
         index = self.res.index
         stop = prompt.nblocks
         pos, stored = first, 0
-        held = index.held_tiers(prompt, first, stop) != 0
+        # 0: new, 1: held (touched), 2: reserved by a put_kv_many in progress (it stores them)
+        state = (index.held_tiers(prompt, first, stop) != 0).astype(np.int8)
+        self._mark_reserved(prompt, first, state)
         while pos < stop:
-            rest = held[pos - first:]
+            rest = state[pos - first:]
             change = np.flatnonzero(rest != rest[0])
             end = pos + (int(change[0]) if change.size else stop - pos)
-            if rest[0]:
+            if rest[0] == 1:
                 index.add_pages(prompt, pos, end, None, nbytes)
-            else:
+            elif rest[0] == 0:
                 evictions = self.evictor.evictions
                 stored += self._land_pages(prompt, pos, end, nbytes, pack, first, scatter)
                 if self.evictor.evictions != evictions and end < stop:
                     # Making room may have evicted pages of the runs still to come.
-                    held[end - first:] = index.held_tiers(prompt, end, stop) != 0
+                    state[end - first:] = index.held_tiers(prompt, end, stop) != 0
+                    self._mark_reserved(prompt, end, state[end - first:])
             pos = end
         return stored
+
+    def _mark_reserved(self, prompt: PrefixKeys, first: int, state: np.ndarray) -> None:
+        """Mark (2) the blocks ``first..`` whose pages a ``put_kv_many`` has reserved."""
+        if not self.reserved:
+            return
+        for i in np.flatnonzero(state == 0).tolist():
+            k = first + i
+            if object_key(ObjectKind.PAGE, prompt.keys[k:k + 1].astype("<u8").tobytes()) in self.reserved:
+                state[i] = 2
 
     def _land_pages(self, prompt: PrefixKeys, a: int, b: int, nbytes: int, pack: Pack | None,
                     first: int, scatter: Scatter | None = None) -> int:

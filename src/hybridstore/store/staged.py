@@ -40,10 +40,11 @@ class Staged:
 
 
 class Staging:
-    """Keys reserved by calls in progress (one per store)."""
+    """Keys reserved by calls in progress (one per store; the set is the landing's
+    :attr:`~hybridstore.store.landing.Landing.reserved`, which the other puts skip)."""
 
-    def __init__(self) -> None:
-        self.keys: set[ObjectKey] = set()
+    def __init__(self, keys: set[ObjectKey] | None = None) -> None:
+        self.keys: set[ObjectKey] = set() if keys is None else keys
 
 
 def stage(landing: Landing, staging: Staging, prompts: Sequence[PrefixKeys],
