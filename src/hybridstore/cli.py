@@ -66,6 +66,17 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if all(r["exact"] for r in rows) else 1
 
 
+def _outputs(args: argparse.Namespace, doc: dict, plot: Callable[[str], None]) -> int:
+    """Write a command's document to ``--json`` and its figure to ``--plot`` when asked."""
+    from hybridstore.replay.report import write_json
+
+    if args.json:
+        write_json(doc, args.json)
+    if args.plot:
+        plot(args.plot)
+    return 0
+
+
 def _replay(args: argparse.Namespace) -> int:
     from hybridstore.replay.bytes_plane import DATA_POLICIES, DATA_SCALE, data_planes
     from hybridstore.replay.loaders import load
@@ -103,22 +114,14 @@ def _replay(args: argparse.Namespace) -> int:
 
         docs = [divergence(t) for t in traces]
         print_divergence(docs)
-        if args.json:
-            write_json({"traces": docs}, args.json)
-        if args.plot:
-            plot_divergence(docs, args.plot)
-        return 0
+        return _outputs(args, {"traces": docs}, lambda path: plot_divergence(docs, path))
     trace = traces[0] if len(traces) == 1 else merge(traces)
     if args.headroom:
         from hybridstore.replay.headroom import headroom, plot_headroom, print_headroom
 
         doc = headroom(trace, budgets or [0.05, 0.1, 0.2, 0.4], cfg, progress=not args.no_progress)
         print_headroom(doc)
-        if args.json:
-            write_json(doc, args.json)
-        if args.plot:
-            plot_headroom(doc, args.plot)
-        return 0
+        return _outputs(args, doc, lambda path: plot_headroom(doc, path))
     if args.nodes:
         return _fleet(args, trace, names, cfg)
     # the objects: real bytes (unlimited presets: sizes, as the reference) or sizes only
@@ -127,11 +130,7 @@ def _replay(args: argparse.Namespace) -> int:
         doc = sweep(trace, names, cfg, budgets, plane_for=plane_for,
                     progress=not args.no_progress)
         print_sweep(doc)
-        if args.json:
-            write_json(doc, args.json)
-        if args.plot:
-            plot_sweep(doc, args.plot)
-        return 0
+        return _outputs(args, doc, lambda path: plot_sweep(doc, path))
     runs = replay(trace, names, cfg, plane_for=plane_for, progress=not args.no_progress)
     doc = summarize(trace, runs, cfg)
     print_table(doc)

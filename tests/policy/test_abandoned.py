@@ -22,11 +22,17 @@ def rewrite(session: Session, turn: int, new_tokens: int) -> None:
     session.turn(max(session.ends) + 1, new_tokens)
 
 
-def test_the_rewritten_turns_checkpoint_is_abandoned_and_ranked_never_used():
-    store = make_store("hybridstore", state_slots=16)
-    a = Session(store, "A")
+def two_turns(policy: str) -> Session:
+    """A session of a long first turn and a short second one (resumed from S1: S1 has a
+    hit, S2 none)."""
+    a = Session(make_store(policy, state_slots=16), "A")
     a.turn(1, 4096)
-    a.turn(2, 256)                     # resumed from S1: S1 has a hit, S2 none
+    a.turn(2, 256)
+    return a
+
+
+def test_the_rewritten_turns_checkpoint_is_abandoned_and_ranked_never_used():
+    a = two_turns("hybridstore")
     s1, s2 = a.checkpoint(1), a.checkpoint(2)
     assert s1 is not None and s2 is not None and s1.hits == 1 and s2.atime > 0
     e1, e2 = a.ends[1], a.ends[2]
@@ -40,10 +46,7 @@ def test_the_rewritten_turns_checkpoint_is_abandoned_and_ranked_never_used():
 
 
 def test_histate_alone_keeps_the_dead_ends_recency():
-    store = make_store("histate", state_slots=16)
-    a = Session(store, "A")
-    a.turn(1, 4096)
-    a.turn(2, 256)
+    a = two_turns("histate")
     s2 = a.checkpoint(2)
     assert s2 is not None
     before = s2.atime
@@ -52,10 +55,8 @@ def test_histate_alone_keeps_the_dead_ends_recency():
 
 
 def test_a_lookup_that_stops_before_a_branch_leaves_it_alone():
-    store = make_store("hybridstore", state_slots=16)
-    a = Session(store, "A")
-    a.turn(1, 4096)
-    a.turn(2, 256)
+    a = two_turns("hybridstore")
+    store = a.store
     s2 = a.checkpoint(2)
     assert s2 is not None
     atime = s2.atime
