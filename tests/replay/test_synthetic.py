@@ -253,4 +253,6 @@ def test_tokens_are_fast() -> None:
     for _ in range(50):
         request_tokens(r)
     rate = 50 * 100_000 / (time.perf_counter() - start)
-    assert rate > 20e6, f"{rate / 1e6:.1f} M tokens/s"  # ~90 M/s on a laptop core
+    # vectorized (~90 M/s on a laptop core, ~19 M/s on a loaded 2-core VM); a per-token Python
+    # loop makes 1-5 M/s: the bound tells the two apart with room for a busy machine
+    assert rate > 8e6, f"{rate / 1e6:.1f} M tokens/s"

@@ -53,10 +53,13 @@ preset              models
                     dependency-aware LRU; write-through DRAM + SSD
 ``histate``         HiState: adaptive interval (eq. 3–6) + terminal state,
                     asymmetric tiering (§3.1), unified eviction (eq. 7)
-``hybridstore``     ours: ``histate``'s placement, tiering and eq. 7, plus
-                    abandoned-branch demotion (a branch the prompt leaves that
-                    nobody resumed from, an edited turn's dead end, goes first;
-                    ``policy/histate.py``); the README default
+``hybridstore``     ours, the best composition measured (docs/replay.md): vLLM's
+                    align-mode placement as calibrated (a state per prefill chunk,
+                    at the last hybrid-block boundary and at aligned branch
+                    points), HiState's eq. 7 eviction and asymmetric tiering,
+                    plus abandoned-branch demotion (a branch the prompt rewrote,
+                    an edited turn's dead end, goes first; ``policy/histate.py``);
+                    the README default
 ==================  ===========================================================
 
 Simplifications common to all: the GPU tier is a cache of the given budget
@@ -188,8 +191,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset(name="histate", eviction="histate", tier_policy="asymmetric",
            placement=_place(("adaptive", {"state_tokens": "$Ns", "block_size": "$B"})),
            params=lambda model: {"eviction": {"kv_bytes_per_token": model.kv_bytes_per_token}}),
-    Preset(name="hybridstore", eviction="hybridstore", tier_policy="asymmetric",
-           placement=_place(("adaptive", {"state_tokens": "$Ns", "block_size": "$B"})),
+    Preset(name="hybridstore", eviction="hybridstore", tier_policy="asymmetric", branch=True,
+           placement=_place(("block-aligned", {"block_size": "$vB", "chunk": VLLM_MAX_BATCHED_TOKENS,
+                                               "logits_token": True, "junctions": True})),
            params=lambda model: {"eviction": {"kv_bytes_per_token": model.kv_bytes_per_token}}),
 )}
 
