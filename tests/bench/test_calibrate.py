@@ -154,6 +154,7 @@ def test_the_vllm_preset_is_within_one_point_of_vllms_own_cache(trace, vllm, tmp
     assert (tmp_path / "cal.png").stat().st_size > 10_000
 
 
+@needs_sglang
 def test_extra_buffer_with_room_for_everything_hits_the_deepest_tracked_position(trace):
     """No eviction, SGLang with the Mamba extra buffer (page 64): a request hits the deepest
     position at which an earlier request tracked a state and that its prompt shares. The
@@ -175,6 +176,7 @@ def test_extra_buffer_with_room_for_everything_hits_the_deepest_tracked_position
     assert extra_buffer_oracle(toks, chunk=10**9) != want
 
 
+@needs_sglang
 @pytest.mark.parametrize("budget", [0.1, 0.2])
 def test_sglang_extra_follows_sglangs_extra_buffer_cache(trace, budget):
     """``sglang-extra`` (chunk-track placement, KV up to the last state, split pools,
