@@ -164,13 +164,17 @@ def _flashstates(model: ModelPreset) -> dict[str, dict[str, Any]]:
             "admission": {"eviction": eviction, "tier": "device"}}
 
 
+VLLM_ALIGN = ("block-aligned", {"block_size": "$vB", "chunk": VLLM_MAX_BATCHED_TOKENS,
+                                "logits_token": True, "junctions": True})
+"""vLLM's align-mode placement as calibrated (docs/replay.md): a state per prefill chunk, at
+the last hybrid-block boundary before the logits token and at aligned branch points."""
+
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset(name="unlimited", eviction="lru", unlimited=True, tiers=("device",),
            placement=_place(("interval", {"interval": "$B"}), ("request-end", {}))),
     Preset(name="vllm-marconi", eviction="lru-vllm", tiers=("device",), branch=True,
            params=lambda model: {"eviction": {"running_state": True}},
-           placement=_place(("block-aligned", {"block_size": "$vB", "chunk": VLLM_MAX_BATCHED_TOKENS,
-                                               "logits_token": True, "junctions": True}))),
+           placement=_place(VLLM_ALIGN)),
     Preset(name="vllm-cpu", eviction="lru-vllm", tiers=("device", "host"),
            placement=_place(("block-aligned", {"block_size": "$B"}))),
     Preset(name="vllm-disk", eviction="lru-vllm", tiers=("device", "host", "disk"),
@@ -192,8 +196,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            placement=_place(("adaptive", {"state_tokens": "$Ns", "block_size": "$B"})),
            params=lambda model: {"eviction": {"kv_bytes_per_token": model.kv_bytes_per_token}}),
     Preset(name="hybridstore", eviction="hybridstore", tier_policy="asymmetric", branch=True,
-           placement=_place(("block-aligned", {"block_size": "$vB", "chunk": VLLM_MAX_BATCHED_TOKENS,
-                                               "logits_token": True, "junctions": True})),
+           placement=_place(VLLM_ALIGN),
            params=lambda model: {"eviction": {"kv_bytes_per_token": model.kv_bytes_per_token}}),
 )}
 
