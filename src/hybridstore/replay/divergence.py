@@ -31,7 +31,8 @@ EDGES_BLOCKS = (1, 4, 16, 64, 256, 1024)
 """Bin edges of ``back``, in blocks: ``[0, 1)`` is the partial last block (appends)."""
 
 
-def _shared_blocks(a: np.ndarray, b: np.ndarray) -> int:
+def shared_blocks(a: np.ndarray, b: np.ndarray) -> int:
+    """Leading entries two block-id arrays share (where a request leaves another)."""
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if diff.size else n
@@ -53,7 +54,7 @@ def divergence(trace: Trace) -> dict[str, Any]:
         for prev, cur in pairwise(reqs):
             p = prev.block_ids[:prev.input_tokens // B]
             c = cur.block_ids[:cur.input_tokens // B]
-            shared = _shared_blocks(p, c) * B
+            shared = shared_blocks(p, c) * B
             back = prev.input_tokens - shared
             backs.append(back)
             fractions.append(back / prev.input_tokens if prev.input_tokens else 0.0)

@@ -30,17 +30,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from hybridstore.replay.divergence import shared_blocks
 from hybridstore.replay.model_presets import model_preset
 from hybridstore.replay.sim import ReplayConfig, kv_footprint, merged_requests
 from hybridstore.replay.trace import Request, Trace
 
 ORDERS = ("unlimited", "oracle", "lru")
-
-
-def _shared_blocks(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
 
 
 def session_hit_rate(reqs: Sequence[Request], capacity: float | None, order: str, block: int) -> float:
@@ -64,7 +59,7 @@ def session_hit_rate(reqs: Sequence[Request], capacity: float | None, order: str
         total += r.input_tokens
         old = cached.pop(r.session, None)
         if old is not None:
-            hit += _shared_blocks(old[0], blocks) * block
+            hit += shared_blocks(old[0], blocks) * block
             held -= len(old[0])
         if capacity is not None and len(blocks) > capacity:
             continue

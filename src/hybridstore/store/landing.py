@@ -136,7 +136,7 @@ class Landing:
             return
         for i in np.flatnonzero(state == 0).tolist():
             k = first + i
-            if object_key(ObjectKind.PAGE, prompt.keys[k:k + 1].astype("<u8").tobytes()) in self.reserved:
+            if object_key(ObjectKind.PAGE, prompt.block_key(k)) in self.reserved:
                 state[i] = 2
 
     def _land_pages(self, prompt: PrefixKeys, a: int, b: int, nbytes: int, pack: Pack | None,

@@ -59,7 +59,7 @@ def stage(landing: Landing, staging: Staging, prompts: Sequence[PrefixKeys],
     keys: list[ObjectKey] = []
     for i, prompt in enumerate(prompts):
         first = prompt.nblocks - 1
-        okey = object_key(ObjectKind.PAGE, prompt.keys[first:].astype("<u8").tobytes())
+        okey = object_key(ObjectKind.PAGE, prompt.block_key(first))
         if res.index.held_tiers(prompt, first, first + 1)[0] != 0:
             res.index.add_pages(prompt, first, first + 1, None, nbytes)     # touched
         elif okey not in staging.keys:
