@@ -96,7 +96,7 @@ class EvictionPolicy(ABC):
             first, FlashStates' hybrid-state unit); when False pages go in
             plain policy order and checkpoints may be left without their KV
             (the dependency misses vLLM and SGLang show).
-        room_slack, states_free_pages, whole_leaves: see below.
+        room_slack, partition_slack, states_free_pages, whole_leaves: see below.
     """
 
     name: str = "eviction"
@@ -105,6 +105,9 @@ class EvictionPolicy(ABC):
     """Room freed beyond a put's need, as a fraction of the tier (or of its partition):
     one eviction pass then serves many puts.  An engine's own eviction frees what the
     allocation needs and no more (``0``)."""
+    partition_slack: float | None = None
+    """:attr:`room_slack` when the room is asked of one kind's partition of a split tier
+    (``TierPolicy.state_share``); ``None``: the same."""
     states_free_pages: bool = False
     """Its page ranking (``kind=PAGE``) also names the checkpoints whose eviction frees
     pages, where the engine frees a state with its KV (SGLang's radix leaves); the store
@@ -117,6 +120,12 @@ class EvictionPolicy(ABC):
     demotes_abandoned: bool = False
     """The store reports, at each resume, the never-resumed branches the prompt left
     (:func:`abandoned_branches`, :meth:`on_abandon`)."""
+
+    def slack(self, partition: ObjectKind | None) -> float:
+        """Room to free beyond a put's need, as a fraction of the tier or of ``partition``."""
+        if partition is not None and self.partition_slack is not None:
+            return self.partition_slack
+        return self.room_slack
 
     def on_hit(self, index: HybridIndex, checkpoint: Checkpoint) -> None:  # noqa: B027
         """Called after a resume from ``checkpoint`` (e.g. to refresh ancestors)."""

@@ -27,7 +27,7 @@ import numpy as np
 from hybridstore.errors import ConfigError
 from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import HybridIndex
-from hybridstore.objects import TIER_BITS
+from hybridstore.objects import TIER_BITS, ObjectKind
 from hybridstore.policy.base import AdmissionPolicy
 from hybridstore.policy.units import HybridUnit, PrefillCost, UnitEviction, units_of
 
@@ -62,7 +62,7 @@ class FlashStatesEviction(UnitEviction):
         self.half_life = half_life
 
     def prepare(self, index: HybridIndex, tier: str, pages: dict[str, np.ndarray],
-                units: list[HybridUnit]) -> _Pass:
+                units: list[HybridUnit], kind: ObjectKind | None = None) -> _Pass:
         held = len(pages["ids"]) + sum(u.held for u in units)
         return _Pass(now=index.now(), half_life=self.half_life or max(held / 4, 1.0))
 

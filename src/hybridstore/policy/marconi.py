@@ -23,6 +23,7 @@ import numpy as np
 
 from hybridstore.errors import ConfigError
 from hybridstore.index.trie import HybridIndex
+from hybridstore.objects import ObjectKind
 from hybridstore.policy.units import HybridUnit, PrefillCost, UnitEviction
 
 DEFAULT_FLOPS = PrefillCost(per_token=2 * 9e9, per_context_token=4 * 8 * 4096)
@@ -62,7 +63,7 @@ class MarconiEviction(UnitEviction):
         return self.flops.between(before, ck.position) / max(unit.nbytes, 1)
 
     def prepare(self, index: HybridIndex, tier: str, pages: dict[str, np.ndarray],
-                units: list[HybridUnit]) -> _Pass:
+                units: list[HybridUnit], kind: ObjectKind | None = None) -> _Pass:
         if not units:
             return _Pass(0.0, 1.0, 0.0, 1.0)
         t = np.fromiter((u.ck.atime for u in units), dtype=np.float64, count=len(units))

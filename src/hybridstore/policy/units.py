@@ -78,15 +78,26 @@ class HybridUnit:
         held: whether the tier holds the checkpoint itself (else only pages).
         pages: ids of its exclusive pages the tier holds (nearest the checkpoint first).
         nbytes: bytes the tier frees when the unit leaves it.
+        state_bytes: the part of ``nbytes`` that is the checkpoint (0 when not held).
     """
 
-    __slots__ = ("ck", "held", "pages", "nbytes")
+    __slots__ = ("ck", "held", "pages", "nbytes", "state_bytes")
 
-    def __init__(self, ck: Checkpoint, held: bool, pages: np.ndarray, nbytes: int) -> None:
+    def __init__(self, ck: Checkpoint, held: bool, pages: np.ndarray, nbytes: int,
+                 state_bytes: int = 0) -> None:
         self.ck = ck
         self.held = held
         self.pages = pages
         self.nbytes = nbytes
+        self.state_bytes = state_bytes
+
+    def freed(self, kind: ObjectKind | None) -> int:
+        """Bytes of ``kind`` the unit's eviction gives back (``None``: all of :attr:`nbytes`)."""
+        if kind == ObjectKind.PAGE:
+            return self.nbytes - self.state_bytes
+        if kind == ObjectKind.STATE:
+            return self.state_bytes
+        return self.nbytes
 
     def __repr__(self) -> str:
         return (f"HybridUnit(position={self.ck.position}, held={self.held}, "
@@ -116,9 +127,9 @@ def units_of(index: HybridIndex, tier: str, cks: list[Checkpoint] | None = None)
         s = e - int(counts[i])
         held = bool(ck.tiers & bit)
         pages = flat[s:e][here[s:e]]
-        nbytes = int(owner_bytes[i]) + (ck.nbytes if held else 0)
+        state = ck.nbytes if held else 0
         if held or pages.size:
-            units.append(HybridUnit(ck, held, pages, nbytes))
+            units.append(HybridUnit(ck, held, pages, int(owner_bytes[i]) + state, state))
     return units
 
 
@@ -140,8 +151,9 @@ class UnitEviction(EvictionPolicy):
 
     @abstractmethod
     def prepare(self, index: HybridIndex, tier: str, pages: dict[str, np.ndarray],
-                units: list[HybridUnit]) -> Any:
-        """Constants of one pass (normalisers, clocks), computed once per :meth:`victims` call."""
+                units: list[HybridUnit], kind: ObjectKind | None = None) -> Any:
+        """Constants of one pass (normalisers, clocks), computed once per :meth:`victims` call;
+        ``kind``: the partition the pass makes room in (``None``: the whole tier)."""
 
     @abstractmethod
     def score(self, index: HybridIndex, unit: HybridUnit, ctx: Any) -> float:
@@ -166,7 +178,7 @@ class UnitEviction(EvictionPolicy):
             yield Victim(ObjectKind.PAGE, nid)
 
         units = units_of(index, tier)
-        ctx = self.prepare(index, tier, pages, units)
+        ctx = self.prepare(index, tier, pages, units, kind)
         version: dict[bytes, int] = {}
         heap: list[tuple[bool, float, int, int, bytes, HybridUnit]] = []
         seq = 0

@@ -119,12 +119,12 @@ class Evictor:
                 f"({t.capacity_bytes} bytes); raise its budget")
         if res.room(tier, kind) >= need:
             return
-        # Free a few percent of the tier (the policy's ``room_slack``) beyond the need, so
+        # Free a few percent of the tier (the policy's ``slack``) beyond the need, so
         # that one eviction pass serves many puts: a pass ranks every object of the tier.
         self.copies.drain()
         partition = kind if res.tiering.state_share is not None else None
         share = res.tiering.share(partition) if partition is not None else None
-        slack = int((share or 1.0) * t.capacity_bytes * self.policy.room_slack)
+        slack = int((share or 1.0) * t.capacity_bytes * self.policy.slack(partition))
         self.evict(tier, need - res.room(tier, kind) + slack, partition)
         if res.room(tier, kind) < need and self.copies.pending:
             # Objects whose disk write is still in flight cannot leave DRAM yet.
