@@ -16,7 +16,8 @@ eviction            ranking
 Admission: ``keep-all``, ``flashstates`` (cost-aware).  Placement:
 ``request-end``, ``branch-points`` (alias ``marconi``), ``interval``,
 ``block-aligned``, ``adaptive``, ``anchors``; ``compose`` takes ``parts=[...]``
-and ``placement_policy("adaptive+anchors")`` composes registered defaults.
+and ``placement_policy("adaptive+anchors")`` composes registered defaults;
+``learned`` adds states at the resume offsets it learns to its ``parts``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from hybridstore.policy.chunk_track import ChunkTrack
 from hybridstore.policy.flashstates import FlashStatesAdmission, FlashStatesEviction
 from hybridstore.policy.histate import HiStateEviction, HybridStoreEviction
 from hybridstore.policy.intervals import AdaptiveInterval, FixedInterval
+from hybridstore.policy.learned import LearnedOffsets
 from hybridstore.policy.lru import LRUEviction
 from hybridstore.policy.lru_radix import RadixLRUEviction
 from hybridstore.policy.lru_refresh import LRURefreshEviction
@@ -69,6 +71,7 @@ PLACEMENT_POLICIES: dict[str, type[PlacementPolicy]] = {
     "adaptive": AdaptiveInterval,
     "anchors": SemanticAnchors,
     "compose": Compose,     # placement_policy("compose", parts=[...])
+    "learned": LearnedOffsets,   # placement_policy("learned", parts=[...], block_size=..., ...)
 }
 
 
@@ -107,7 +110,7 @@ def placement_policy(name: str, **params: Any) -> PlacementPolicy:
 __all__ = ["ADMISSION_POLICIES", "AdaptiveInterval", "AdmissionPolicy", "BlockAligned",
            "BranchPoints", "ChunkTrack", "Compose", "EVICTION_POLICIES", "EvictionPolicy",
            "FixedInterval", "FlashStatesAdmission", "FlashStatesEviction", "HiStateEviction",
-           "HybridStoreEviction", "KeepAll", "LRUEviction", "LRURefreshEviction",
+           "HybridStoreEviction", "KeepAll", "LRUEviction", "LearnedOffsets", "LRURefreshEviction",
            "MarconiEviction", "PLACEMENT_POLICIES", "PlacementPolicy", "PlainLRUEviction",
            "PrefillCost", "RadixLRUEviction", "RequestEnd", "ResidenceStats", "SemanticAnchors",
            "Victim", "admission_policy", "eviction_policy", "placement_policy"]

@@ -214,9 +214,7 @@ def abandoned_branches(checkpoint: Checkpoint, limit: int, walked: int, *,
     """
     reach = walked * (1.0 + REWRITE_SPAN)
     out: list[Checkpoint] = []
-    for child in checkpoint.children:
-        if child.position > limit and (not continues or child.position - child.offset <= walked):
-            continue
+    for child in _left_children(checkpoint, limit, walked, continues):
         subtree, i = [child], 0
         while i < len(subtree) and not subtree[i].hits and subtree[i].position <= reach:
             subtree.extend(subtree[i].children)
@@ -224,6 +222,38 @@ def abandoned_branches(checkpoint: Checkpoint, limit: int, walked: int, *,
         if i == len(subtree):
             out.extend(subtree)
     return out
+
+
+def _left_children(checkpoint: Checkpoint, limit: int, walked: int, continues: bool) -> list[Checkpoint]:
+    """The children of a resumed checkpoint that the prompt left (:func:`abandoned_branches`)."""
+    return [c for c in checkpoint.children
+            if c.position <= limit or (continues and c.position - c.offset > walked)]
+
+
+def resume_back(checkpoint: Checkpoint, limit: int, walked: int, *, continues: bool,
+                horizon: int, visits: int = 256) -> int:
+    """How far before the deepest checkpoint of the trajectory it left a resume landed.
+
+    A prompt resumed at ``checkpoint`` whose KV walk ended at ``walked`` left the branches
+    :func:`abandoned_branches` finds (same arguments).  The result is the deepest
+    checkpoint position among them minus ``walked``: 0 when it left none (an append, or
+    the end of the trajectory), the tokens of the trajectory it rewrote otherwise, and
+    ``horizon + 1`` as soon as a checkpoint lies more than ``horizon`` tokens past
+    ``walked`` (or after ``visits`` checkpoints: a shared prefix many sessions continue
+    is not one trajectory being edited).  What :class:`~hybridstore.policy.learned.LearnedOffsets`
+    learns from.
+    """
+    deepest = walked
+    stack = _left_children(checkpoint, limit, walked, continues)
+    seen = 0
+    while stack and seen < visits:
+        ck = stack.pop()
+        seen += 1
+        deepest = max(deepest, ck.position)
+        if deepest - walked > horizon:
+            return horizon + 1
+        stack.extend(ck.children)
+    return horizon + 1 if stack else deepest - walked
 
 
 class AdmissionPolicy(ABC):
@@ -244,6 +274,14 @@ class PlacementPolicy(ABC):
     """Chooses where the engine captures checkpoints in a new segment."""
 
     name: str = "placement"
+
+    resume_horizon: int = 0
+    """Tokens of :func:`resume_back` the placement learns from (0: it learns nothing and the
+    store does not measure)."""
+
+    def on_resume(self, back: int) -> None:  # noqa: B027
+        """Called at each resume from a checkpoint with :func:`resume_back`'s distance
+        (placements that learn where resumes land use it)."""
 
     @abstractmethod
     def positions(self, *, cached: int, length: int, anchors: Sequence[int] = (),

@@ -127,6 +127,7 @@ class Compose(PlacementPolicy):
             raise ConfigError("Compose needs at least one placement policy")
         self.policies = policies
         self.name = "+".join(p.name for p in policies)
+        self.resume_horizon = max(p.resume_horizon for p in policies)
 
     def positions(self, *, cached: int, length: int, anchors: Sequence[int] = (),
                   stats: ResidenceStats | None = None) -> list[int]:
@@ -134,6 +135,10 @@ class Compose(PlacementPolicy):
         for policy in self.policies:
             picked.update(policy.positions(cached=cached, length=length, anchors=anchors, stats=stats))
         return sorted(picked)
+
+    def on_resume(self, back: int) -> None:
+        for policy in self.policies:
+            policy.on_resume(back)
 
 
 __all__ = ["BlockAligned", "BranchPoints", "Compose", "RequestEnd"]

@@ -56,10 +56,12 @@ preset              models
 ``hybridstore``     ours, the best composition measured (docs/replay.md): vLLM's
                     align-mode placement as calibrated (a state per prefill chunk,
                     at the last hybrid-block boundary and at aligned branch
-                    points), HiState's eq. 7 eviction and asymmetric tiering,
-                    plus abandoned-branch demotion (a branch the prompt rewrote,
-                    an edited turn's dead end, goes first; ``policy/histate.py``);
-                    the README default
+                    points) plus states at the resume offsets it learns where
+                    they pay (``policy/learned.py``), HiState's eq. 7 eviction
+                    (KV room priced by the pages freed under split pools) and
+                    asymmetric tiering, plus abandoned-branch demotion (a branch
+                    the prompt rewrote, an edited turn's dead end, goes first;
+                    ``policy/histate.py``); the README default
 ==================  ===========================================================
 
 Simplifications common to all: the GPU tier is a cache of the given budget
@@ -78,6 +80,7 @@ from hybridstore.errors import ConfigError
 from hybridstore.policy import admission_policy, eviction_policy, placement_policy
 from hybridstore.policy.base import AdmissionPolicy, EvictionPolicy, PlacementPolicy
 from hybridstore.policy.flashstates import FlashStatesEviction
+from hybridstore.policy.learned import LearnedOffsets
 from hybridstore.policy.placement import Compose
 from hybridstore.policy.units import PrefillCost
 from hybridstore.replay.model_presets import ModelPreset, vllm_hybrid_pages
@@ -164,6 +167,18 @@ def _flashstates(model: ModelPreset) -> dict[str, dict[str, Any]]:
             "admission": {"eviction": eviction, "tier": "device"}}
 
 
+def _learned(factory: PlacementFactory) -> PlacementFactory:
+    """``factory``'s placement plus states at the resume offsets learned online
+    (:class:`~hybridstore.policy.learned.LearnedOffsets`, on vLLM's hybrid-block grid,
+    priced with the model's ``N_s``)."""
+
+    def build(model: ModelPreset, block_size: int) -> PlacementPolicy:
+        return LearnedOffsets(factory(model, block_size), block_size=vllm_hybrid_pages(model).block_tokens,
+                              state_tokens=model.state_tokens())
+
+    return build
+
+
 VLLM_ALIGN = ("block-aligned", {"block_size": "$vB", "chunk": VLLM_MAX_BATCHED_TOKENS,
                                 "logits_token": True, "junctions": True})
 """vLLM's align-mode placement as calibrated (docs/replay.md): a state per prefill chunk, at
@@ -196,7 +211,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            placement=_place(("adaptive", {"state_tokens": "$Ns", "block_size": "$B"})),
            params=lambda model: {"eviction": {"kv_bytes_per_token": model.kv_bytes_per_token}}),
     Preset(name="hybridstore", eviction="hybridstore", tier_policy="asymmetric", branch=True,
-           placement=_place(VLLM_ALIGN),
+           placement=_learned(_place(VLLM_ALIGN)),
            params=lambda model: {"eviction": {"kv_bytes_per_token": model.kv_bytes_per_token}}),
 )}
 

@@ -60,7 +60,13 @@ from hybridstore.index.trie import HybridIndex, ResumePlan
 from hybridstore.layout import Layout, batch_row, batch_rows
 from hybridstore.objects import TIER_BITS, ObjectKey, ObjectKind
 from hybridstore.policy import admission_policy, eviction_policy
-from hybridstore.policy.base import AdmissionPolicy, EvictionPolicy, PlacementPolicy, abandoned_branches
+from hybridstore.policy.base import (
+    AdmissionPolicy,
+    EvictionPolicy,
+    PlacementPolicy,
+    abandoned_branches,
+    resume_back,
+)
 from hybridstore.policy.placement import RequestEnd
 from hybridstore.policy.tiering import TierPolicy, tier_policy
 from hybridstore.store import args, staged
@@ -582,11 +588,15 @@ class HybridStore:
                 ck = self.index.checkpoint(plan.state_key)
                 assert ck is not None
                 self._eviction.on_hit(self.index, ck)
+                limit = prompt.length if max_position is None else min(max_position, prompt.length)
+                continues = prompt.length - plan.kv_tokens >= prompt.block_size
                 if self._eviction.demotes_abandoned:
-                    limit = prompt.length if max_position is None else min(max_position, prompt.length)
-                    continues = prompt.length - plan.kv_tokens >= prompt.block_size
                     self._eviction.on_abandon(self.index, abandoned_branches(
                         ck, limit, plan.kv_tokens, continues=continues))
+                horizon = self._placement.resume_horizon
+                if horizon:
+                    self._placement.on_resume(resume_back(
+                        ck, limit, plan.kv_tokens, continues=continues, horizon=horizon))
             self._counters["matches"] += 1
             self._counters["hit_tokens"] += plan.position
             self._counters["query_tokens"] += prompt.length
