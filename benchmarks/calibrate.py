@@ -339,7 +339,8 @@ class VLLMPrefixCache:
     """
 
     def __init__(self, num_blocks: int, block_tokens: int, mamba_groups: int = 1,
-                 max_num_batched_tokens: int = VLLM_MAX_BATCHED_TOKENS) -> None:
+                 max_num_batched_tokens: int = VLLM_MAX_BATCHED_TOKENS,
+                 cpu_chunks: int | None = None) -> None:
         import tempfile
 
         import torch
@@ -377,12 +378,29 @@ class VLLMPrefixCache:
         cc = CacheConfig(block_size=block_tokens, enable_prefix_caching=True,
                          mamba_cache_mode="align")
         cc.num_gpu_blocks = num_blocks
-        vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc,
-                        device_config=DeviceConfig("cpu"))
         # Page bytes do not matter to the manager (it counts block ids); the Mamba page is
         # padded to the attention page as vLLM pads it.
         fa = FullAttentionSpec(block_size=block_tokens, num_kv_heads=1, head_size=8,
                                dtype=torch.float16)
+        ktc = None
+        if cpu_chunks is not None:
+            # --kv-offloading-size N --kv-offloading-backend native: the OffloadingConnector
+            # with CPUOffloadingSpec, cpu_bytes_to_use = N GiB, everything else default
+            # (one GPU block per chunk, offload_prompt_only, LRU).  One CPU chunk holds one
+            # block of one group (worker_kv_bytes_per_block: a block id's bytes, the groups
+            # overlaying one allocation); here a block id's bytes are the tiny pages', so
+            # cpu_bytes_to_use is chosen to give exactly ``cpu_chunks`` chunks.
+            from vllm.config import KVTransferConfig
+            from vllm.utils.math_utils import round_up
+            from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+            chunk = round_up(fa.page_size_bytes * (1 + mamba_groups),
+                             CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
+            ktc = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                   kv_connector_extra_config={
+                                       "cpu_bytes_to_use": max(1, cpu_chunks) * chunk})
+        vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc,
+                        device_config=DeviceConfig("cpu"), kv_transfer_config=ktc)
         groups = [KVCacheGroupSpec(["attn"], fa)]
         for g in range(mamba_groups):
             groups.append(KVCacheGroupSpec([f"mamba{g}"], MambaSpec(
@@ -393,6 +411,17 @@ class VLLMPrefixCache:
                                structured_output_manager=StructuredOutputManager(vc),
                                block_size=block_tokens)
         self.manager = self.sched.kv_cache_manager
+        self.offload = None
+        if cpu_chunks is not None:
+            from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+                OffloadingWorkerMetadata,
+            )
+            from vllm.v1.outputs import KVConnectorOutput
+
+            self._WorkerMeta, self._ConnectorOutput = OffloadingWorkerMetadata, KVConnectorOutput
+            self.offload = self.sched.connector.connector_scheduler.manager
+            assert self.offload._num_chunks == max(1, cpu_chunks), self.offload._num_chunks
+        self.cpu_hits: list[int] = []
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(self.sched.hash_block_size, sha256)
         self._params = SamplingParams(max_tokens=1)
@@ -402,46 +431,99 @@ class VLLMPrefixCache:
         self.skipped = 0
         self._n = 0
 
+    def _worker_output(self, out: Any) -> Any:
+        """The worker side of a step, with every transfer done at once: each load and store
+        job the connector scheduled is reported complete (and a load's request as received),
+        as the worker-role connector reports them (``get_finished``,
+        ``build_connector_worker_meta``); ``None`` without the connector."""
+        if self.offload is None:
+            return None
+        md = out.kv_connector_metadata
+        done: dict[int, int] = {}
+        recv: set[str] = set()
+        if md is not None:
+            for jid, job in md.load_jobs.items():
+                done[jid] = 1
+                recv.add(job.req_id)
+            done.update((jid, 1) for jid in md.store_jobs)
+        return self._ConnectorOutput(finished_sending=set(), finished_recving=recv,
+                                     kv_connector_worker_meta=self._WorkerMeta(
+                                         completed_jobs=done))
+
+    def _idle_step(self) -> None:
+        """A step with nothing to run: the connector builds the finished request's last store
+        jobs and tells its manager the request finished (the LRU commits its recency)."""
+        out = self.sched.schedule()
+        self.sched.update_from_output(out, self._Output(
+            req_ids=[], req_id_to_index={}, sampled_token_ids=[], logprobs=None,
+            prompt_logprobs_dict={}, pooler_output=None,
+            kv_connector_output=self._worker_output(out)))
+
     def serve(self, tokens: np.ndarray) -> int:
-        """One request (prefill and its one output token): its hit, in tokens."""
+        """One request (prefill and its one output token): its hit, in tokens (with the
+        offloading connector: the GPU hit plus what it loads from the CPU tier, that part
+        appended to :attr:`cpu_hits`)."""
         self._n += 1
-        req = self._Request(request_id=str(self._n), prompt_token_ids=tokens.tolist(),
+        rid = str(self._n)
+        req = self._Request(request_id=rid, prompt_token_ids=tokens.tolist(),
                             sampling_params=self._params, pooling_params=None,
                             block_hasher=self._hasher)
-        hit = self.manager.get_computed_blocks(req)[1]    # what the scheduler will reuse
+        local = hit = self.manager.get_computed_blocks(req)[1]    # the GPU prefix hit
         self.sched.add_request(req)
         first = True
+        waited = 0
         while self.sched.requests:
             out = self.sched.schedule()
-            n = out.num_scheduled_tokens.get(req.request_id, 0)
+            kco = self._worker_output(out)
+            n = out.num_scheduled_tokens.get(rid, 0)
+            if n == 0 and req.status == self._Status.WAITING_FOR_REMOTE_KVS and waited < 2:
+                waited += 1     # its CPU hit is loading (done at once: the next step runs it)
+                self.sched.update_from_output(out, self._Output(
+                    req_ids=[], req_id_to_index={}, sampled_token_ids=[], logprobs=None,
+                    prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kco))
+                continue
             if n == 0:     # more blocks than the pool has: vLLM cannot run it
-                self.sched.finish_requests(req.request_id, self._Status.FINISHED_ABORTED)
+                self.sched.finish_requests(rid, self._Status.FINISHED_ABORTED)
+                if self.offload is not None:
+                    self._idle_step()
                 self.skipped += 1
+                self.cpu_hits.append(0)
                 return hit
             if first:
                 hit, first = req.num_computed_tokens - n, False
             done = req.num_computed_tokens >= req.num_prompt_tokens
             self.sched.update_from_output(out, self._Output(
-                req_ids=[req.request_id], req_id_to_index={req.request_id: 0},
+                req_ids=[rid], req_id_to_index={rid: 0},
                 sampled_token_ids=[[7] if done else []], logprobs=None,
-                prompt_logprobs_dict={}, pooler_output=None))
+                prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kco))
+        if self.offload is not None:
+            self._idle_step()
+        self.cpu_hits.append(max(0, hit - local))
         return hit
 
 
-def vllm_run(trace: Trace, cfg: ReplayConfig,
-             max_num_batched_tokens: int = VLLM_MAX_BATCHED_TOKENS) -> tuple[list[int], int]:
-    """Per-request hits of vLLM's own prefix cache, in the sequential discipline's order, and
-    the number of requests it could not run (more blocks than its pool).
-
-    Its one pool gets the one-budget presets' bytes, ``budget x footprint x (1 +
-    mamba_ratio)``, in blocks of the model's hybrid page layout
-    (:func:`~hybridstore.replay.model_presets.vllm_hybrid_pages`)."""
+def vllm_cache(trace: Trace, cfg: ReplayConfig,
+               max_num_batched_tokens: int = VLLM_MAX_BATCHED_TOKENS) -> VLLMPrefixCache:
+    """vLLM's own cache sized for ``cfg``: its GPU pool gets the one-budget presets' bytes,
+    ``budget x footprint x (1 + mamba_ratio)``, in blocks of the model's hybrid page layout
+    (:func:`~hybridstore.replay.model_presets.vllm_hybrid_pages`); with ``cfg.host_ratio``
+    the offloading connector's CPU tier gets ``host_ratio`` times those bytes
+    (``--kv-offloading-size``), in chunks of one block."""
     assert cfg.budget is not None
     model = model_preset(cfg.model)
     pages = vllm_hybrid_pages(model)
     total = cfg.budget * kv_footprint(trace, cfg, model) * (1 + cfg.mamba_ratio)
-    cache = VLLMPrefixCache(max(1, int(total // pages.block_bytes)), pages.block_tokens,
-                            pages.mamba_groups, max_num_batched_tokens)
+    cpu = None if not cfg.host_ratio else int(cfg.host_ratio * total // pages.block_bytes)
+    return VLLMPrefixCache(max(1, int(total // pages.block_bytes)), pages.block_tokens,
+                           pages.mamba_groups, max_num_batched_tokens, cpu_chunks=cpu)
+
+
+def vllm_run(trace: Trace, cfg: ReplayConfig,
+             max_num_batched_tokens: int = VLLM_MAX_BATCHED_TOKENS) -> tuple[list[int], int]:
+    """Per-request hits of vLLM's own prefix cache (with ``cfg.host_ratio``: and of its CPU
+    offloading tier, :func:`vllm_cache`), in the sequential discipline's order, and the
+    number of requests it could not run (more blocks than its pool)."""
+    cache = vllm_cache(trace, cfg, max_num_batched_tokens)
     order = merged_requests(trace)
     if cfg.max_requests is not None:
         order = order[:cfg.max_requests]

@@ -127,6 +127,11 @@ class ReplayConfig:
             ``"unified"`` (every preset shares one pool), ``"split"`` (every
             preset gets SGLang's split pools: states ``mamba_ratio / (1 +
             mamba_ratio)`` of each tier, strictly).
+        host_ratio: with ``budget``, a host tier of ``host_ratio`` times the first tier's
+            bytes for presets that have one (vLLM's ``--kv-offloading-size`` as a multiple
+            of its GPU pool; ``vllm-cpu``, ``vllm-disk``), the first tier keeping the
+            whole ``budget``.  ``None``: the budget goes to the first tier only
+            (sequential) or is split in the GiB proportion (server).
     """
 
     model: str = "qwen3.5-9b"
@@ -146,6 +151,7 @@ class ReplayConfig:
     budget: float | None = None
     mamba_ratio: float = 0.9
     pools: str = "preset"
+    host_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if self.pools not in POOLS:
@@ -156,6 +162,9 @@ class ReplayConfig:
                                             and math.isfinite(self.budget) and self.budget > 0):
             raise ConfigError(f"budget is a positive fraction of the KV footprint (0.1 = 10 %), "
                               f"got {self.budget!r}")
+        if self.host_ratio is not None and not (math.isfinite(self.host_ratio)
+                                                and self.host_ratio >= 0):
+            raise ConfigError(f"host_ratio must be >= 0, got {self.host_ratio!r}")
         if not (math.isfinite(self.mamba_ratio) and self.mamba_ratio >= 0):
             raise ConfigError(f"mamba_ratio must be >= 0, got {self.mamba_ratio!r}")
         if self.live_sessions < 1:
@@ -282,8 +291,12 @@ def tier_budgets(p: Preset, cfg: ReplayConfig, scale: float = 1.0,
         total = cfg.budget * footprint * (1.0 + cfg.mamba_ratio)
         names = p.tiers[:1] if cfg.discipline == "sequential" else \
             tuple(n for n in p.tiers if budgets[n] > 0) or p.tiers[:1]
+        if cfg.host_ratio is not None:
+            names = p.tiers[:1]
         weight = sum(budgets[n] for n in names) or 1.0
         caps = {n: total * ((budgets[n] / weight) if len(names) > 1 else 1.0) for n in names}
+        if cfg.host_ratio and "host" in p.tiers and "host" not in caps:
+            caps["host"] = cfg.host_ratio * total
     out = []
     for name, cap in caps.items():
         nbytes = _UNLIMITED_BYTES if p.unlimited else int(cap / scale)
