@@ -26,17 +26,22 @@ def _index(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from benchmarks.calibrate import (
         DEFAULT_PRESETS,
+        DEFAULT_VLLM_CPU_PRESETS,
         DEFAULT_VLLM_PRESETS,
         run_calibration,
     )
     from hybridstore.replay.sweep import parse_budgets
 
-    policy = args.policy or ",".join(DEFAULT_VLLM_PRESETS if args.engine == "vllm"
-                                     else DEFAULT_PRESETS)
+    if args.offload_cpu is not None and args.engine != "vllm":
+        raise SystemExit("--offload-cpu drives vLLM's offloading connector: add --engine vllm")
+    policy = args.policy or ",".join(
+        DEFAULT_PRESETS if args.engine != "vllm" else
+        DEFAULT_VLLM_CPU_PRESETS if args.offload_cpu is not None else DEFAULT_VLLM_PRESETS)
     run_calibration(trace_spec=args.trace, budgets=parse_budgets(args.budgets),
                     presets=[p.strip() for p in policy.split(",") if p.strip()],
                     max_requests=args.max_requests, json_path=args.json, plot_path=args.plot,
-                    pools=args.pools, engine=args.engine, sglang_mode=args.sglang_mode)
+                    pools=args.pools, engine=args.engine, sglang_mode=args.sglang_mode,
+                    host_ratio=args.offload_cpu)
     return 0
 
 
@@ -82,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="SGLang's --mamba-radix-cache-strategy: no_buffer (page 1, a state at "
                           "each prompt's end) or extra_buffer (page 64, tracked states; what "
                           "auto resolves to with overlap scheduling); compare with sglang-extra")
+    cal.add_argument("--offload-cpu", type=float, default=None, metavar="RATIO",
+                     help="with --engine vllm: run vLLM's CPU offloading too (OffloadingConnector, "
+                          "CPUOffloadingSpec, its LRU; --kv-offloading-size) with a CPU tier of "
+                          "RATIO x the GPU pool, and give the presets a host tier of as much "
+                          "(default presets then: vllm-cpu,vllm-marconi)")
     cal.add_argument("--json", default=None, help="write the document here")
     cal.add_argument("--plot", default=None, help="write hit rate against budget here (PNG)")
     cal.set_defaults(func=_calibrate)

@@ -45,8 +45,8 @@ from __future__ import annotations
 import json
 import time
 from array import array
-from types import SimpleNamespace
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -539,40 +539,61 @@ and its label."""
 DEFAULT_VLLM_PRESETS = ("vllm-marconi",)
 
 
+DEFAULT_VLLM_CPU_PRESETS = ("vllm-cpu", "vllm-marconi")
+"""With ``--offload-cpu``: the preset that follows vLLM's CPU offloading, and the GPU-only
+one for contrast."""
+
+
 def engine_run(engine: str, trace: Trace, cfg: ReplayConfig,
-               sglang_mode: str = "no_buffer") -> tuple[list[int], int]:
-    """Per-request hits of ``engine``'s own cache and the requests it could not hold
-    (``sglang_mode``: SGLang's Mamba strategy, :class:`SGLangRadixCache`)."""
+               sglang_mode: str = "no_buffer") -> tuple[list[int], int, list[int] | None]:
+    """Per-request hits of ``engine``'s own cache, the requests it could not hold
+    (``sglang_mode``: SGLang's Mamba strategy, :class:`SGLangRadixCache`), and with vLLM's
+    CPU offloading (``cfg.host_ratio``) the part of each hit its CPU tier restored."""
     if engine == "sglang":
-        return sglang_run(trace, cfg, sglang_mode)
+        return (*sglang_run(trace, cfg, sglang_mode), None)
     if engine == "vllm":
-        return vllm_run(trace, cfg)
+        cache = vllm_cache(trace, cfg)
+        order = merged_requests(trace)
+        if cfg.max_requests is not None:
+            order = order[:cfg.max_requests]
+        tokens = {s.id: session_tokens(s) for s in trace.sessions}
+        hits = [cache.serve(next(tokens[r.session])) for r in order]
+        return hits, cache.skipped, (cache.cpu_hits if cache.offload is not None else None)
     raise ConfigError(f"engine must be one of {sorted(ENGINES)}, got {engine!r}")
 
 
 def calibrate(trace: Trace, budgets: Sequence[float], presets: Sequence[str] = DEFAULT_PRESETS,
               *, max_requests: int | None = None, mamba_ratio: float = 0.9,
               pools: str = "preset", engine: str = "sglang",
-              sglang_mode: str = "no_buffer") -> dict[str, Any]:
+              sglang_mode: str = "no_buffer", host_ratio: float | None = None
+              ) -> dict[str, Any]:
     """Token hit rates of an engine's own cache and of each preset at each budget (sequential).
 
     Each row has the hit rates (``sglang_radix_cache`` or ``vllm_prefix_cache``, and one
     per preset), and per preset ``diverging``: the requests whose hit differs from the
     engine's by a block or more, and ``refused``: requests the engine or the preset could
-    not hold (longer than the KV pool).
+    not hold (longer than the KV pool).  With ``host_ratio`` (vLLM only) the engine runs
+    its CPU offloading connector with a CPU tier of ``host_ratio`` x the GPU pool, the
+    presets a host tier of as much (``ReplayConfig.host_ratio``), and each row also has
+    ``cpu_hit_rate``: the tokens of vLLM's hits its CPU tier restored, per input token.
     """
     if engine not in ENGINES:
         raise ConfigError(f"engine must be one of {sorted(ENGINES)}, got {engine!r}")
+    if host_ratio is not None and engine != "vllm":
+        raise ConfigError("host_ratio (--offload-cpu) drives vLLM's offloading connector: "
+                          "use it with engine='vllm'")
     col = ENGINES[engine][0]
     rows = []
     for budget in budgets:
         cfg = ReplayConfig(discipline="sequential", budget=budget, max_requests=max_requests,
-                           mamba_ratio=mamba_ratio, pools=pools)
+                           mamba_ratio=mamba_ratio, pools=pools, host_ratio=host_ratio)
         t0 = time.perf_counter()
-        hits, skipped = engine_run(engine, trace, cfg, sglang_mode)
+        hits, skipped, cpu = engine_run(engine, trace, cfg, sglang_mode)
         runs = replay(trace, list(presets), cfg, progress=False)
         inp = sum(r.input_tokens for r in next(iter(runs.values())).results)
         row: dict[str, Any] = {"budget": budget, col: sum(hits) / inp}
+        if cpu is not None:
+            row["cpu_hit_rate"] = sum(cpu) / inp
         diverging: dict[str, int] = {}
         refused: dict[str, int] = {col: skipped}
         for name, run in runs.items():
@@ -585,7 +606,8 @@ def calibrate(trace: Trace, budgets: Sequence[float], presets: Sequence[str] = D
         rows.append(row)
     return {"trace": trace.name, "requests": max_requests or trace.n_requests,
             "discipline": "sequential", "mamba_ratio": mamba_ratio, "pools": pools,
-            "engine": engine, "sglang_mode": sglang_mode, "rows": rows}
+            "engine": engine, "sglang_mode": sglang_mode, "host_ratio": host_ratio,
+            "rows": rows}
 
 
 def _rate_columns(doc: dict[str, Any]) -> list[str]:
@@ -602,6 +624,8 @@ def print_calibration(doc: dict[str, Any]) -> None:
     table = Table(title=f"token hit rate, {doc['trace']} ({doc['requests']} requests, "
                         f"sequential, pools {doc.get('pools', 'preset')}"
                         + (f", SGLang {doc.get('sglang_mode', 'no_buffer')}" if engine == "SGLang" else "")
+                        + (f", CPU offloading {doc['host_ratio']:g}x the GPU pool"
+                           if doc.get("host_ratio") else "")
                         + f"; in brackets: requests whose hit differs from {engine}'s by a block "
                         "or more)")
     table.add_column("budget")
@@ -626,6 +650,10 @@ def plot_calibration(doc: dict[str, Any], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for c in _rate_columns(doc):
         own = c == col
+        if c == "cpu_hit_rate":     # the part of vLLM's hits its CPU tier restored
+            ax.plot(budgets, [r[c] for r in doc["rows"]], marker=".", color="gray",
+                    linestyle=":", label="vLLM: of which restored from its CPU tier")
+            continue
         ax.plot(budgets, [r[c] for r in doc["rows"]], marker="o",
                 label=f"{label} (its own code)" if own else c,
                 color="black" if own else None, linewidth=2.5 if own else 1.5,
@@ -646,13 +674,14 @@ def run_calibration(*, trace_spec: str | None, budgets: Sequence[float],
                     presets: Sequence[str], max_requests: int | None,
                     json_path: str | None, plot_path: str | None = None,
                     pools: str = "preset", engine: str = "sglang",
-                    sglang_mode: str = "no_buffer") -> dict[str, Any]:
+                    sglang_mode: str = "no_buffer",
+                    host_ratio: float | None = None) -> dict[str, Any]:
     from hybridstore.replay.loaders import load
     from hybridstore.replay.samples import weka_sample
 
     doc = calibrate(load(trace_spec or str(weka_sample())), budgets, presets,
                     max_requests=max_requests, pools=pools, engine=engine,
-                    sglang_mode=sglang_mode)
+                    sglang_mode=sglang_mode, host_ratio=host_ratio)
     print_calibration(doc)
     print(json.dumps(doc, indent=2))
     if json_path:

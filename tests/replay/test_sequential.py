@@ -119,8 +119,31 @@ def test_budgets_size_the_tiers_as_the_engines_split_them(trace):
     del model
 
 
+def test_a_host_ratio_adds_a_host_tier_behind_the_budget(trace):
+    """``host_ratio`` (vLLM's ``--kv-offloading-size`` as a multiple of its GPU pool): the
+    first tier keeps the whole budget, a host tier gets ``host_ratio`` times it, in either
+    discipline; presets without a host tier are unchanged; the host tier serves hits the
+    GPU-only budget loses."""
+    fp = 10 << 30
+    for discipline in ("sequential", "server"):
+        cfg = ReplayConfig(discipline=discipline, budget=0.1, host_ratio=2.0)
+        tiers = tier_budgets(preset("vllm-cpu"), cfg, 1.0, fp)
+        assert [(t.name, t.capacity_bytes) for t in tiers] == [
+            ("device", int(0.1 * fp * 1.9)), ("host", int(2 * 0.1 * fp * 1.9))]
+        assert [t.name for t in tier_budgets(preset("vllm-disk"), cfg, 1.0, fp)] == \
+            ["device", "host"]
+        (only,) = tier_budgets(preset("vllm-marconi"), cfg, 1.0, fp)
+        assert only.capacity_bytes == int(0.1 * fp * 1.9)
+    gpu = ReplayConfig(discipline="sequential", budget=0.1, max_requests=40)
+    cpu = ReplayConfig(discipline="sequential", budget=0.1, max_requests=40, host_ratio=2.0)
+    alone = replay(trace, ["vllm-cpu"], gpu, progress=False)["vllm-cpu"].summary()
+    behind = replay(trace, ["vllm-cpu"], cpu, progress=False)["vllm-cpu"].summary()
+    assert "host" not in alone["restored_bytes"] and behind["restored_bytes"]["host"] > 0
+    assert behind["token_hit_rate"] > alone["token_hit_rate"] + 0.05
+
+
 @pytest.mark.parametrize("bad", [{"discipline": "fifo"}, {"budget": 0}, {"budget": -1.0},
-                                 {"pools": "shared"},
+                                 {"pools": "shared"}, {"host_ratio": -1.0},
                                  {"budget": float("nan")}, {"mamba_ratio": -0.5}])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ConfigError):

@@ -169,16 +169,21 @@ VLLM_ALIGN = ("block-aligned", {"block_size": "$vB", "chunk": VLLM_MAX_BATCHED_T
 """vLLM's align-mode placement as calibrated (docs/replay.md): a state per prefill chunk, at
 the last hybrid-block boundary before the logits token and at aligned branch points."""
 
+_VLLM_OFFLOAD_LRU = {"running_state": True, "offload_tiers": ("host", "disk")}
+"""vLLM's GPU block pool order on the device, its offloading LRU's behind it."""
+
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset(name="unlimited", eviction="lru", unlimited=True, tiers=("device",),
            placement=_place(("interval", {"interval": "$B"}), ("request-end", {}))),
     Preset(name="vllm-marconi", eviction="lru-vllm", tiers=("device",), branch=True,
            params=lambda model: {"eviction": {"running_state": True}},
            placement=_place(VLLM_ALIGN)),
-    Preset(name="vllm-cpu", eviction="lru-vllm", tiers=("device", "host"),
-           placement=_place(("block-aligned", {"block_size": "$B"}))),
-    Preset(name="vllm-disk", eviction="lru-vllm", tiers=("device", "host", "disk"),
-           placement=_place(("block-aligned", {"block_size": "$B"}))),
+    Preset(name="vllm-cpu", eviction="lru-vllm", tiers=("device", "host"), branch=True,
+           params=lambda model: {"eviction": _VLLM_OFFLOAD_LRU},
+           placement=_place(VLLM_ALIGN)),
+    Preset(name="vllm-disk", eviction="lru-vllm", tiers=("device", "host", "disk"), branch=True,
+           params=lambda model: {"eviction": _VLLM_OFFLOAD_LRU},
+           placement=_place(VLLM_ALIGN)),
     Preset(name="sglang-hicache", eviction="lru-radix", tier_policy="partition",
            placement=_place(("request-end", {}))),
     Preset(name="sglang-extra", eviction="lru-radix", tier_policy="partition", branch=True,
