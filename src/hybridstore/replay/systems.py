@@ -21,10 +21,24 @@ preset              models
                     states without their KV.  Calibrated against vLLM's own
                     KVCacheManager (``python -m benchmarks calibrate --engine
                     vllm``, docs/replay.md)
-``vllm-cpu``        vLLM with CPU offloading: write-through to DRAM, plain LRU
-                    per tier, states at the last trace-block boundary (not
-                    calibrated yet: the offloading tiers are not driven)
-``vllm-disk``       vLLM CPU + disk offloading: write-through to DRAM and SSD
+``vllm-cpu``        vLLM 0.33 with CPU offloading (``--kv-offloading-size``:
+                    ``OffloadingConnector``, ``CPUOffloadingSpec``, its LRU): the
+                    GPU side as ``vllm-marconi``; the host tier write-through
+                    (vLLM offloads every full block of the prompt and every
+                    align-mode state the GPU caches), ranked as vLLM's
+                    offloading LRU ranks its chunks (``lru-vllm`` with
+                    ``offload_tiers``: by the request that last stored or used
+                    them, tail first, a state just before the KV block ending
+                    at it); a hit is the GPU prefix extended through the host
+                    tier to the deepest state.  Calibrated against vLLM's own
+                    connector and CPU manager (``python -m benchmarks calibrate
+                    --engine vllm --offload-cpu 2``, docs/replay.md); the host
+                    budget: ``ReplayConfig.host_ratio`` (``--host-ratio``)
+``vllm-disk``       ``vllm-cpu`` plus a disk tier behind the host tier (vLLM's
+                    ``TieringOffloadingSpec`` with its ``fs`` tier), write-
+                    through, ranked as the host tier.  Not calibrated: vLLM's
+                    ``fs`` tier has no capacity and never evicts, and was not
+                    driven (docs/replay.md)
 ``sglang-hicache``  SGLang 0.5.23's ``UnifiedRadixCache`` (FULL + MAMBA, no extra
                     buffer: one state at each prompt's end), its split KV and
                     Mamba pools (static partition; ``mamba_ratio / (1 + ratio)``
