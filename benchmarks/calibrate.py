@@ -43,6 +43,7 @@ concurrent requests, its offloading connectors.
 from __future__ import annotations
 
 import json
+import math
 import time
 from array import array
 from collections.abc import Sequence
@@ -340,7 +341,7 @@ class VLLMPrefixCache:
 
     def __init__(self, num_blocks: int, block_tokens: int, mamba_groups: int = 1,
                  max_num_batched_tokens: int = VLLM_MAX_BATCHED_TOKENS,
-                 cpu_chunks: int | None = None) -> None:
+                 cpu_chunks: int | None = None, disk_dir: str | None = None) -> None:
         import tempfile
 
         import torch
@@ -380,8 +381,8 @@ class VLLMPrefixCache:
         cc.num_gpu_blocks = num_blocks
         # Page bytes do not matter to the manager (it counts block ids); the Mamba page is
         # padded to the attention page as vLLM pads it.
-        fa = FullAttentionSpec(block_size=block_tokens, num_kv_heads=1, head_size=8,
-                               dtype=torch.float16)
+        fa = FullAttentionSpec(block_size=block_tokens, num_kv_heads=1,
+                               head_size=1 if disk_dir else 8, dtype=torch.float16)
         ktc = None
         if cpu_chunks is not None:
             # --kv-offloading-size N --kv-offloading-backend native: the OffloadingConnector
@@ -396,9 +397,15 @@ class VLLMPrefixCache:
 
             chunk = round_up(fa.page_size_bytes * (1 + mamba_groups),
                              CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
+            extra: dict[str, Any] = {"cpu_bytes_to_use": max(1, cpu_chunks) * chunk}
+            if disk_dir is not None:
+                # vLLM's disk tier: TieringOffloadingSpec (the same CPU tier as primary)
+                # with its file-system secondary tier, polled once per step
+                extra.update(spec_name="TieringOffloadingSpec", tier_poll_interval_s=0,
+                             secondary_tiers=[{"type": "fs", "root_dir": disk_dir,
+                                               "n_read_threads": 2, "n_write_threads": 2}])
             ktc = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                                   kv_connector_extra_config={
-                                       "cpu_bytes_to_use": max(1, cpu_chunks) * chunk})
+                                   kv_connector_extra_config=extra)
         vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc,
                         device_config=DeviceConfig("cpu"), kv_transfer_config=ktc)
         groups = [KVCacheGroupSpec(["attn"], fa)]
@@ -419,8 +426,10 @@ class VLLMPrefixCache:
             from vllm.v1.outputs import KVConnectorOutput
 
             self._WorkerMeta, self._ConnectorOutput = OffloadingWorkerMetadata, KVConnectorOutput
-            self.offload = self.sched.connector.connector_scheduler.manager
-            assert self.offload._num_chunks == max(1, cpu_chunks), self.offload._num_chunks
+            self._connector = self.sched.connector.connector_scheduler
+            self.offload = self._connector.manager
+            primary = getattr(self.offload, "primary_tier", self.offload)
+            assert primary._num_chunks == max(1, cpu_chunks), primary._num_chunks
         self.cpu_hits: list[int] = []
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(self.sched.hash_block_size, sha256)
@@ -451,13 +460,28 @@ class VLLMPrefixCache:
                                          completed_jobs=done))
 
     def _idle_step(self) -> None:
-        """A step with nothing to run: the connector builds the finished request's last store
-        jobs and tells its manager the request finished (the LRU commits its recency)."""
-        out = self.sched.schedule()
-        self.sched.update_from_output(out, self._Output(
-            req_ids=[], req_id_to_index={}, sampled_token_ids=[], logprobs=None,
-            prompt_logprobs_dict={}, pooler_output=None,
-            kv_connector_output=self._worker_output(out)))
+        """Steps with nothing to run: the connector builds the finished request's last store
+        jobs and tells its manager the request finished (the LRU commits its recency); with
+        a disk tier, until its writes have landed (the next request comes after them)."""
+        deadline = time.monotonic() + 60
+        while True:
+            out = self.sched.schedule()
+            self.sched.update_from_output(out, self._Output(
+                req_ids=[], req_id_to_index={}, sampled_token_ids=[], logprobs=None,
+                prompt_logprobs_dict={}, pooler_output=None,
+                kv_connector_output=self._worker_output(out)))
+            if not self.offload.has_pending_work() or time.monotonic() > deadline:
+                return
+            time.sleep(0.001)
+
+    def _deferred(self, rid: str) -> bool:
+        """The connector deferred the request's lookup (a disk-tier lookup or promotion is
+        under way): it is scheduled once they complete."""
+        if self.offload is None:
+            return False
+        st = self._connector._req_status.get(rid)
+        return st is not None and (st.deferred_lookup_start_time is not None
+                                   or self.offload.has_pending_work())
 
     def serve(self, tokens: np.ndarray) -> int:
         """One request (prefill and its one output token): its hit, in tokens (with the
@@ -472,15 +496,22 @@ class VLLMPrefixCache:
         self.sched.add_request(req)
         first = True
         waited = 0
+        deadline = time.monotonic() + 60
         while self.sched.requests:
             out = self.sched.schedule()
             kco = self._worker_output(out)
             n = out.num_scheduled_tokens.get(rid, 0)
-            if n == 0 and req.status == self._Status.WAITING_FOR_REMOTE_KVS and waited < 2:
-                waited += 1     # its CPU hit is loading (done at once: the next step runs it)
+            loading = req.status == self._Status.WAITING_FOR_REMOTE_KVS and waited < 2
+            if n == 0 and first and (loading or (self._deferred(rid)
+                                                 and time.monotonic() < deadline)):
+                # its CPU hit is loading (done at once: the next step runs it), or a
+                # disk-tier lookup / promotion into the CPU tier is under way
+                waited += loading
                 self.sched.update_from_output(out, self._Output(
                     req_ids=[], req_id_to_index={}, sampled_token_ids=[], logprobs=None,
                     prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kco))
+                if not loading:
+                    time.sleep(0.001)
                 continue
             if n == 0:     # more blocks than the pool has: vLLM cannot run it
                 self.sched.finish_requests(rid, self._Status.FINISHED_ABORTED)
@@ -503,19 +534,22 @@ class VLLMPrefixCache:
 
 
 def vllm_cache(trace: Trace, cfg: ReplayConfig,
-               max_num_batched_tokens: int = VLLM_MAX_BATCHED_TOKENS) -> VLLMPrefixCache:
+               max_num_batched_tokens: int = VLLM_MAX_BATCHED_TOKENS,
+               disk_dir: str | None = None) -> VLLMPrefixCache:
     """vLLM's own cache sized for ``cfg``: its GPU pool gets the one-budget presets' bytes,
     ``budget x footprint x (1 + mamba_ratio)``, in blocks of the model's hybrid page layout
     (:func:`~hybridstore.replay.model_presets.vllm_hybrid_pages`); with ``cfg.host_ratio``
     the offloading connector's CPU tier gets ``host_ratio`` times those bytes
-    (``--kv-offloading-size``), in chunks of one block."""
+    (``--kv-offloading-size``), in chunks of one block; with ``disk_dir`` as the primary
+    of vLLM's ``TieringOffloadingSpec`` with its ``fs`` tier writing there."""
     assert cfg.budget is not None
     model = model_preset(cfg.model)
     pages = vllm_hybrid_pages(model)
     total = cfg.budget * kv_footprint(trace, cfg, model) * (1 + cfg.mamba_ratio)
     cpu = None if not cfg.host_ratio else int(cfg.host_ratio * total // pages.block_bytes)
     return VLLMPrefixCache(max(1, int(total // pages.block_bytes)), pages.block_tokens,
-                           pages.mamba_groups, max_num_batched_tokens, cpu_chunks=cpu)
+                           pages.mamba_groups, max_num_batched_tokens, cpu_chunks=cpu,
+                           disk_dir=disk_dir)
 
 
 def vllm_run(trace: Trace, cfg: ReplayConfig,
@@ -540,6 +574,7 @@ DEFAULT_VLLM_PRESETS = ("vllm-marconi",)
 
 
 DEFAULT_VLLM_CPU_PRESETS = ("vllm-cpu", "vllm-marconi")
+DEFAULT_VLLM_DISK_PRESETS = ("vllm-disk", "vllm-cpu")
 """With ``--offload-cpu``: the preset that follows vLLM's CPU offloading, and the GPU-only
 one for contrast."""
 
@@ -552,12 +587,17 @@ def engine_run(engine: str, trace: Trace, cfg: ReplayConfig,
     if engine == "sglang":
         return (*sglang_run(trace, cfg, sglang_mode), None)
     if engine == "vllm":
-        cache = vllm_cache(trace, cfg)
+        import tempfile
+
         order = merged_requests(trace)
         if cfg.max_requests is not None:
             order = order[:cfg.max_requests]
         tokens = {s.id: session_tokens(s) for s in trace.sessions}
-        hits = [cache.serve(next(tokens[r.session])) for r in order]
+        with tempfile.TemporaryDirectory(prefix="calibrate-fs-") as tmp:
+            cache = vllm_cache(trace, cfg, disk_dir=tmp if cfg.disk_ratio else None)
+            hits = [cache.serve(next(tokens[r.session])) for r in order]
+            if cache.offload is not None:
+                cache.offload.shutdown()
         return hits, cache.skipped, (cache.cpu_hits if cache.offload is not None else None)
     raise ConfigError(f"engine must be one of {sorted(ENGINES)}, got {engine!r}")
 
@@ -565,8 +605,8 @@ def engine_run(engine: str, trace: Trace, cfg: ReplayConfig,
 def calibrate(trace: Trace, budgets: Sequence[float], presets: Sequence[str] = DEFAULT_PRESETS,
               *, max_requests: int | None = None, mamba_ratio: float = 0.9,
               pools: str = "preset", engine: str = "sglang",
-              sglang_mode: str = "no_buffer", host_ratio: float | None = None
-              ) -> dict[str, Any]:
+              sglang_mode: str = "no_buffer", host_ratio: float | None = None,
+              disk: bool = False) -> dict[str, Any]:
     """Token hit rates of an engine's own cache and of each preset at each budget (sequential).
 
     Each row has the hit rates (``sglang_radix_cache`` or ``vllm_prefix_cache``, and one
@@ -576,9 +616,15 @@ def calibrate(trace: Trace, budgets: Sequence[float], presets: Sequence[str] = D
     its CPU offloading connector with a CPU tier of ``host_ratio`` x the GPU pool, the
     presets a host tier of as much (``ReplayConfig.host_ratio``), and each row also has
     ``cpu_hit_rate``: the tokens of vLLM's hits its CPU tier restored, per input token.
+    With ``disk`` as well, vLLM's CPU tier is the primary of its ``TieringOffloadingSpec``
+    with the ``fs`` tier (no capacity: it never evicts) in a temporary directory, and the
+    presets get a disk tier without a limit (``ReplayConfig.disk_ratio = inf``).
     """
     if engine not in ENGINES:
         raise ConfigError(f"engine must be one of {sorted(ENGINES)}, got {engine!r}")
+    if disk and host_ratio is None:
+        raise ConfigError("disk (--offload-disk) needs host_ratio (--offload-cpu): vLLM's "
+                          "fs tier sits behind its CPU tier")
     if host_ratio is not None and engine != "vllm":
         raise ConfigError("host_ratio (--offload-cpu) drives vLLM's offloading connector: "
                           "use it with engine='vllm'")
@@ -586,7 +632,8 @@ def calibrate(trace: Trace, budgets: Sequence[float], presets: Sequence[str] = D
     rows = []
     for budget in budgets:
         cfg = ReplayConfig(discipline="sequential", budget=budget, max_requests=max_requests,
-                           mamba_ratio=mamba_ratio, pools=pools, host_ratio=host_ratio)
+                           mamba_ratio=mamba_ratio, pools=pools, host_ratio=host_ratio,
+                           disk_ratio=math.inf if disk else None)
         t0 = time.perf_counter()
         hits, skipped, cpu = engine_run(engine, trace, cfg, sglang_mode)
         runs = replay(trace, list(presets), cfg, progress=False)
@@ -607,7 +654,7 @@ def calibrate(trace: Trace, budgets: Sequence[float], presets: Sequence[str] = D
     return {"trace": trace.name, "requests": max_requests or trace.n_requests,
             "discipline": "sequential", "mamba_ratio": mamba_ratio, "pools": pools,
             "engine": engine, "sglang_mode": sglang_mode, "host_ratio": host_ratio,
-            "rows": rows}
+            "disk": disk, "rows": rows}
 
 
 def _rate_columns(doc: dict[str, Any]) -> list[str]:
@@ -626,6 +673,7 @@ def print_calibration(doc: dict[str, Any]) -> None:
                         + (f", SGLang {doc.get('sglang_mode', 'no_buffer')}" if engine == "SGLang" else "")
                         + (f", CPU offloading {doc['host_ratio']:g}x the GPU pool"
                            if doc.get("host_ratio") else "")
+                        + (" + vLLM's fs tier" if doc.get("disk") else "")
                         + f"; in brackets: requests whose hit differs from {engine}'s by a block "
                         "or more)")
     table.add_column("budget")
@@ -675,13 +723,13 @@ def run_calibration(*, trace_spec: str | None, budgets: Sequence[float],
                     json_path: str | None, plot_path: str | None = None,
                     pools: str = "preset", engine: str = "sglang",
                     sglang_mode: str = "no_buffer",
-                    host_ratio: float | None = None) -> dict[str, Any]:
+                    host_ratio: float | None = None, disk: bool = False) -> dict[str, Any]:
     from hybridstore.replay.loaders import load
     from hybridstore.replay.samples import weka_sample
 
     doc = calibrate(load(trace_spec or str(weka_sample())), budgets, presets,
                     max_requests=max_requests, pools=pools, engine=engine,
-                    sglang_mode=sglang_mode, host_ratio=host_ratio)
+                    sglang_mode=sglang_mode, host_ratio=host_ratio, disk=disk)
     print_calibration(doc)
     print(json.dumps(doc, indent=2))
     if json_path:

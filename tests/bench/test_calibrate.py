@@ -204,6 +204,26 @@ def test_vllm_cpu_follows_vllms_cpu_offloading(trace, vllm):
         assert row["diverging"]["vllm-cpu"] <= 1
 
 
+def test_vllm_disk_follows_vllms_fs_tier(trace, vllm):
+    """``vllm-disk`` (``vllm-cpu`` with a disk tier without a limit behind its host tier)
+    against vLLM's ``TieringOffloadingSpec``: its CPU tier as primary and its ``fs`` tier,
+    which never evicts, writing real files (promotions back into the CPU tier included).
+    Behind a CPU tier as large as the GPU pool at 20 %, vLLM's disk tier keeps every
+    request's hit as with room for everything, which its CPU tier alone does not; the
+    preset keeps the same, request for request."""
+    roomy, _ = vllm_run(trace, ReplayConfig(discipline="sequential", budget=50.0,
+                                            max_requests=N))
+    cpu, _ = vllm_run(trace, ReplayConfig(discipline="sequential", budget=0.2,
+                                          max_requests=N, host_ratio=1.0))
+    doc = calibrate(trace, [0.2], ["vllm-disk"], max_requests=N, engine="vllm",
+                    host_ratio=1.0, disk=True)
+    (row,) = doc["rows"]
+    inp = sum(r.input_tokens for r in merged_requests(trace)[:N])
+    assert doc["disk"] and sum(cpu) < sum(roomy) - 0.05 * inp
+    assert row["vllm_prefix_cache"] == pytest.approx(sum(roomy) / inp)
+    assert row["vllm-disk"] == row["vllm_prefix_cache"] and row["diverging"]["vllm-disk"] == 0
+
+
 @needs_sglang
 def test_extra_buffer_with_room_for_everything_hits_the_deepest_tracked_position(trace):
     """No eviction, SGLang with the Mamba extra buffer (page 64): a request hits the deepest

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from itertools import pairwise
 
 import numpy as np
@@ -134,6 +135,13 @@ def test_a_host_ratio_adds_a_host_tier_behind_the_budget(trace):
             ["device", "host"]
         (only,) = tier_budgets(preset("vllm-marconi"), cfg, 1.0, fp)
         assert only.capacity_bytes == int(0.1 * fp * 1.9)
+    # a disk tier behind it (vLLM's fs tier: no limit)
+    inf = ReplayConfig(discipline="sequential", budget=0.1, host_ratio=2.0, disk_ratio=math.inf)
+    *_, disk = tier_budgets(preset("vllm-disk"), inf, 1.0, fp)
+    assert disk.name == "disk" and disk.capacity_bytes >= 1 << 60
+    assert [t.name for t in tier_budgets(preset("vllm-cpu"), inf, 1.0, fp)] == ["device", "host"]
+    with pytest.raises(ConfigError):
+        ReplayConfig(discipline="sequential", budget=0.1, disk_ratio=1.0)   # no host tier
     gpu = ReplayConfig(discipline="sequential", budget=0.1, max_requests=40)
     cpu = ReplayConfig(discipline="sequential", budget=0.1, max_requests=40, host_ratio=2.0)
     alone = replay(trace, ["vllm-cpu"], gpu, progress=False)["vllm-cpu"].summary()
@@ -144,6 +152,7 @@ def test_a_host_ratio_adds_a_host_tier_behind_the_budget(trace):
 
 @pytest.mark.parametrize("bad", [{"discipline": "fifo"}, {"budget": 0}, {"budget": -1.0},
                                  {"pools": "shared"}, {"host_ratio": -1.0},
+                                 {"host_ratio": 1.0, "disk_ratio": -1.0},
                                  {"budget": float("nan")}, {"mamba_ratio": -0.5}])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ConfigError):

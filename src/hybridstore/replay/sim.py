@@ -132,6 +132,9 @@ class ReplayConfig:
             of its GPU pool; ``vllm-cpu``, ``vllm-disk``), the first tier keeping the
             whole ``budget``.  ``None``: the budget goes to the first tier only
             (sequential) or is split in the GiB proportion (server).
+        disk_ratio: with ``host_ratio``, a disk tier of ``disk_ratio`` times the first
+            tier's bytes for presets that have one (``vllm-disk``); ``math.inf``: no limit
+            (vLLM's ``fs`` tier never evicts).  ``None``: no disk tier.
     """
 
     model: str = "qwen3.5-9b"
@@ -152,6 +155,7 @@ class ReplayConfig:
     mamba_ratio: float = 0.9
     pools: str = "preset"
     host_ratio: float | None = None
+    disk_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if self.pools not in POOLS:
@@ -165,6 +169,11 @@ class ReplayConfig:
         if self.host_ratio is not None and not (math.isfinite(self.host_ratio)
                                                 and self.host_ratio >= 0):
             raise ConfigError(f"host_ratio must be >= 0, got {self.host_ratio!r}")
+        if self.disk_ratio is not None and not self.disk_ratio >= 0:
+            raise ConfigError(f"disk_ratio must be >= 0 (inf: no limit), got {self.disk_ratio!r}")
+        if self.disk_ratio is not None and self.host_ratio is None:
+            raise ConfigError("disk_ratio sizes a disk tier behind host_ratio's host tier: "
+                              "give host_ratio too")
         if not (math.isfinite(self.mamba_ratio) and self.mamba_ratio >= 0):
             raise ConfigError(f"mamba_ratio must be >= 0, got {self.mamba_ratio!r}")
         if self.live_sessions < 1:
@@ -297,9 +306,12 @@ def tier_budgets(p: Preset, cfg: ReplayConfig, scale: float = 1.0,
         caps = {n: total * ((budgets[n] / weight) if len(names) > 1 else 1.0) for n in names}
         if cfg.host_ratio and "host" in p.tiers and "host" not in caps:
             caps["host"] = cfg.host_ratio * total
+        if cfg.disk_ratio and "disk" in p.tiers and "disk" not in caps:
+            caps["disk"] = cfg.disk_ratio * total
     out = []
     for name, cap in caps.items():
-        nbytes = _UNLIMITED_BYTES if p.unlimited else int(cap / scale)
+        nbytes = _UNLIMITED_BYTES if p.unlimited or math.isinf(cap) \
+            else min(_UNLIMITED_BYTES, int(cap / scale))
         if nbytes > 0:
             out.append(TierBudget(name, nbytes, gbps[name]))
     if not out:
