@@ -35,10 +35,14 @@ preset              models
                     --engine vllm --offload-cpu 2``, docs/replay.md); the host
                     budget: ``ReplayConfig.host_ratio`` (``--host-ratio``)
 ``vllm-disk``       ``vllm-cpu`` plus a disk tier behind the host tier (vLLM's
-                    ``TieringOffloadingSpec`` with its ``fs`` tier), write-
-                    through, ranked as the host tier.  Not calibrated: vLLM's
-                    ``fs`` tier has no capacity and never evicts, and was not
-                    driven (docs/replay.md)
+                    ``TieringOffloadingSpec`` with its ``fs`` tier: every chunk
+                    the CPU tier stores cascades to it, a CPU miss it holds is
+                    promoted back), write-through, ranked as the host tier.
+                    vLLM's ``fs`` tier has no capacity and never evicts: give
+                    the preset ``ReplayConfig.disk_ratio = inf`` to match it.
+                    Calibrated against vLLM's own tiering manager and ``fs``
+                    tier (``python -m benchmarks calibrate --engine vllm
+                    --offload-cpu 2 --offload-disk``, docs/replay.md)
 ``sglang-hicache``  SGLang 0.5.23's ``UnifiedRadixCache`` (FULL + MAMBA, no extra
                     buffer: one state at each prompt's end), its split KV and
                     Mamba pools (static partition; ``mamba_ratio / (1 + ratio)``
