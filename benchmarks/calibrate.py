@@ -34,10 +34,20 @@ tracked per chunk by SGLang's own ``_mamba_radix_cache_v2_req_prepare_for_extend
 chunk's last 64-aligned position, or the branch point ``mamba_branching_seqlen`` inside
 it), inserted with the KV up to it; the preset that follows it is ``sglang-extra``.
 
+With ``--engine vllm --offload-cpu RATIO`` vLLM's CPU offloading runs too, as
+``--kv-offloading-size`` sets it up: the scheduler builds the real ``OffloadingConnector``
+(scheduler side) with ``CPUOffloadingSpec``'s ``CPUOffloadingManager`` and its LRU, a CPU
+tier of ``RATIO`` x the GPU pool's bytes; the worker side completes every transfer the
+step it is scheduled (:meth:`VLLMPrefixCache._worker_output`).  ``--offload-disk`` adds
+vLLM's ``TieringOffloadingSpec`` with its ``fs`` tier behind the CPU tier, writing real
+files into a temporary directory.  The presets get a host tier of as much
+(``ReplayConfig.host_ratio``) and a disk tier without a limit (``disk_ratio``); the
+presets that follow them are ``vllm-cpu`` and ``vllm-disk``.
+
 What it does not model of SGLang: decode-time states (every ``mamba_track_interval`` tokens
 of output: the sequential discipline has no decode), host and storage tiers, batches of
 several requests (one request at a time, as the discipline serves them); of vLLM: decode,
-concurrent requests, its offloading connectors.
+concurrent requests, transfer times (its workers' copies complete at once).
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ from tqdm import tqdm
 from hybridstore.config import StoreConfig
 from hybridstore.errors import CapacityError, ConfigError
 from hybridstore.index.prefix import PrefixKeys
-from hybridstore.objects import TIER_ORDER, ObjectKind
+from hybridstore.index.trie import ResumePlan
+from hybridstore.objects import TIER_BITS, TIER_ORDER, ObjectKey, ObjectKind, object_key
 from hybridstore.policy.tiering import TierPolicy, tier_policy
 from hybridstore.replay.model_presets import ModelPreset, model_preset
 from hybridstore.replay.planes import ObjectPlane, SizedObjects, TierBudget
@@ -439,7 +440,8 @@ def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPres
     try:
         measured = objects.restore(store, plan) if plan.position else None
         if kv_pool is not None and not refused:
-            _allocate(store, prompt, plan.position, page_bytes)
+            start = _device_prefix(store, plan) if p.loads_into_device else plan.position
+            _allocate(store, prompt, start, page_bytes)
     finally:
         store.release(plan)
     # The simulated clock runs on the modeled restore, in data mode too.
@@ -453,8 +455,70 @@ def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPres
     else:
         _put_segment(store, objects, prompt, plan.position, hints, page_bytes,
                      model.checkpoint_bytes, kv_to_last_state=p.kv_to_last_state)
+        if p.loads_into_device:
+            _land_in_device(store, prompt, plan, hints)
     return _Served(plan.position, restore_s, recompute_s,
                    {t: round(n * scale) for t, (n, _) in cost.items()}, measured)
+
+
+def _device_prefix(store: HybridStore, plan: ResumePlan) -> int:
+    """Tokens of the plan's resume prefix whose pages the fastest tier holds from the start
+    (the rest an engine loads into blocks it allocates there: ``Preset.loads_into_device``)."""
+    if not plan.position or not len(plan.pages):
+        return plan.position
+    bit = TIER_BITS[next(name for name in TIER_ORDER if name in store.tiers)]
+    held = (store.index.page_columns(plan.pages, ("tiers",))["tiers"] & bit) != 0
+    miss = np.flatnonzero(~held)
+    if not miss.size:
+        return plan.position
+    return min(plan.position, (plan.first_page + int(miss[0])) * plan.block_size)
+
+
+def _land_in_device(store: HybridStore, prompt: PrefixKeys, plan: ResumePlan,
+                    hints: list[int]) -> None:
+    """What the engine now holds in its GPU cache (``Preset.loads_into_device``): every page
+    of the prompt and its states at the resume point and at the placement's positions, so
+    copies of them held only behind the device (a hit it loaded, or a segment it recomputed
+    whose copies a lower tier still held: the store's put only touches those) are copied
+    into the device, as vLLM's GPU caches the blocks it loads and computes.  Best effort:
+    where the device is full of pinned objects a copy is skipped."""
+    index = store.index
+    first = next(name for name in TIER_ORDER if name in store.tiers)
+    bit = TIER_BITS[first]
+    copies = store._copies              # the store's tier copies (the put path's own)
+    ids = index._walk_ids(prompt)
+    if len(ids):
+        tiers = index.page_columns(ids, ("tiers", "nbytes"))
+        for k in np.flatnonzero((tiers["tiers"] & bit) == 0).tolist():
+            src = _holder(store, int(tiers["tiers"][k]))
+            if src is not None:
+                _copy(copies, object_key(ObjectKind.PAGE, prompt.block_key(k)), ObjectKind.PAGE,
+                      int(tiers["nbytes"][k]), src, first)
+    anchors = [a for a in hints if 0 < a <= prompt.length]
+    for pos in [plan.position, *store.checkpoint_positions(cached=plan.position,
+                                                           length=prompt.length,
+                                                           anchors=anchors)]:
+        key = prompt.key_at(pos) if pos else None
+        ck = index.checkpoint(key) if key is not None else None
+        if ck is not None and not ck.tiers & bit:
+            src = _holder(store, ck.tiers)
+            if src is not None:
+                _copy(copies, object_key(ObjectKind.STATE, ck.key), ObjectKind.STATE, ck.nbytes,
+                      src, first)
+
+
+def _holder(store: HybridStore, mask: int) -> str | None:
+    """The fastest tier of ``store`` in the tier mask ``mask``."""
+    return next((name for name in TIER_ORDER if name in store.tiers and mask & TIER_BITS[name]),
+                None)
+
+
+def _copy(copies: Any, okey: ObjectKey, kind: ObjectKind, nbytes: int, src: str,
+          dst: str) -> None:
+    try:
+        copies.copy(okey, kind, nbytes, b"", src, dst)
+    except CapacityError:
+        pass
 
 
 def _allocate(store: HybridStore, prompt: PrefixKeys, cached: int, page_bytes: int) -> None:

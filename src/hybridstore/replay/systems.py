@@ -142,6 +142,11 @@ class Preset:
         kv_to_last_state: the engine keeps a prompt's KV only up to its last
             checkpoint of the segment (SGLang's extra buffer: the radix insert
             stops at the last tracked state, the KV past it is freed).
+        loads_into_device: a hit restored from a tier behind the device takes
+            device room as the segment the engine computes does (vLLM's
+            offloading connector loads it into fresh GPU blocks, cached there
+            from then on): the engine's KV allocation counts from the end of
+            the device-resident prefix, not from the resume point.
     """
 
     name: str
@@ -155,6 +160,7 @@ class Preset:
     branch: bool = False
     unlimited: bool = False
     kv_to_last_state: bool = False
+    loads_into_device: bool = False
 
     def policies(self, model: ModelPreset) -> tuple[EvictionPolicy, AdmissionPolicy]:
         """The eviction and admission policy instances for ``model``."""
@@ -197,9 +203,11 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            params=lambda model: {"eviction": {"running_state": True}},
            placement=_place(VLLM_ALIGN)),
     Preset(name="vllm-cpu", eviction="lru-vllm", tiers=("device", "host"), branch=True,
+           loads_into_device=True,
            params=lambda model: {"eviction": _VLLM_OFFLOAD_LRU},
            placement=_place(VLLM_ALIGN)),
     Preset(name="vllm-disk", eviction="lru-vllm", tiers=("device", "host", "disk"), branch=True,
+           loads_into_device=True,
            params=lambda model: {"eviction": _VLLM_OFFLOAD_LRU},
            placement=_place(VLLM_ALIGN)),
     Preset(name="sglang-hicache", eviction="lru-radix", tier_policy="partition",
