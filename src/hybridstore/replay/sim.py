@@ -481,9 +481,12 @@ def _land_in_device(store: HybridStore, prompt: PrefixKeys, plan: ResumePlan,
     copies of them held only behind the device (a hit it loaded, or a segment it recomputed
     whose copies a lower tier still held: the store's put only touches those) are copied
     into the device, as vLLM's GPU caches the blocks it loads and computes.  Best effort:
-    where the device is full of pinned objects a copy is skipped."""
+    where the device is full of pinned objects a copy is skipped.  Only into a ``device``
+    tier (the GPU cache; without one, as with ``--gpu-gib 0``, nothing is copied)."""
     index = store.index
     first = next(name for name in TIER_ORDER if name in store.tiers)
+    if first != "device":               # no GPU cache modeled (--gpu-gib 0): nothing to do
+        return
     bit = TIER_BITS[first]
     copies = store._copies              # the store's tier copies (the put path's own)
     ids = index._walk_ids(prompt)
@@ -508,9 +511,12 @@ def _land_in_device(store: HybridStore, prompt: PrefixKeys, plan: ResumePlan,
 
 
 def _holder(store: HybridStore, mask: int) -> str | None:
-    """The fastest tier of ``store`` in the tier mask ``mask``."""
-    return next((name for name in TIER_ORDER if name in store.tiers and mask & TIER_BITS[name]),
-                None)
+    """The fastest tier of ``store`` in the tier mask ``mask`` to copy from into the device:
+    not the disk tier (vLLM promotes a disk hit into its CPU tier before it loads it, and an
+    object the host tier has evicted while the disk keeps it is rarely recomputed; in data
+    mode a copy from disk would also read bytes that no restore charged)."""
+    return next((name for name in TIER_ORDER if name in store.tiers and name != "disk"
+                 and mask & TIER_BITS[name]), None)
 
 
 def _copy(copies: Any, okey: ObjectKey, kind: ObjectKind, nbytes: int, src: str,
