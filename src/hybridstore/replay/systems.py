@@ -30,7 +30,8 @@ preset              models
                     ``offload_tiers``: by the request that last stored or used
                     them, tail first, a state just before the KV block ending
                     at it); a hit is the GPU prefix extended through the host
-                    tier to the deepest state.  Calibrated against vLLM's own
+                    tier to the deepest state, and what it loads or computes
+                    is then in the GPU cache (``loads_into_device``).  Calibrated against vLLM's own
                     connector and CPU manager (``python -m benchmarks calibrate
                     --engine vllm --offload-cpu 2``, docs/replay.md); the host
                     budget: ``ReplayConfig.host_ratio`` (``--host-ratio``)
