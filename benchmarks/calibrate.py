@@ -705,6 +705,9 @@ def plot_calibration(doc: dict[str, Any], path: str) -> None:
 
     budgets = [100 * r["budget"] for r in doc["rows"]]
     col, label = ENGINES[doc.get("engine", "sglang")]
+    if doc.get("host_ratio"):
+        label += (f" + CPU offloading {doc['host_ratio']:g}x"
+                  + (" + fs tier" if doc.get("disk") else ""))
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for c in _rate_columns(doc):
         own = c == col
