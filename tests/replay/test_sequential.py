@@ -150,6 +150,18 @@ def test_a_host_ratio_adds_a_host_tier_behind_the_budget(trace):
     assert behind["token_hit_rate"] > alone["token_hit_rate"] + 0.05
 
 
+def test_the_cli_takes_host_and_disk_ratios(tmp_path):
+    out = tmp_path / "r.json"
+    assert main(["replay", "--discipline", "sequential", "--budget", "10%", "--host-ratio", "1",
+                 "--disk-ratio", "inf", "--policy", "vllm-disk,vllm-cpu", "--max-requests", "20",
+                 "--json", str(out), "--no-progress"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["host_ratio"] == 1.0 and doc["config"]["disk_ratio"] == math.inf
+    for bad in (["--host-ratio", "-1"], ["--disk-ratio", "x"]):
+        with pytest.raises(SystemExit):
+            main(["replay", "--budget", "10%", *bad])
+
+
 @pytest.mark.parametrize("bad", [{"discipline": "fifo"}, {"budget": 0}, {"budget": -1.0},
                                  {"pools": "shared"}, {"host_ratio": -1.0},
                                  {"host_ratio": 1.0, "disk_ratio": -1.0},
