@@ -31,16 +31,17 @@ preset              models
                     them, tail first, a state just before the KV block ending
                     at it); a hit is the GPU prefix extended through the host
                     tier to the deepest state, and what it loads or computes
-                    is then in the GPU cache (``loads_into_device``).  Calibrated against vLLM's own
-                    connector and CPU manager (``python -m benchmarks calibrate
-                    --engine vllm --offload-cpu 2``, docs/replay.md); the host
-                    budget: ``ReplayConfig.host_ratio`` (``--host-ratio``)
+                    is then in the GPU cache (``loads_into_device``).
+                    Calibrated against vLLM's own connector and CPU manager
+                    (``python -m benchmarks calibrate --engine vllm
+                    --offload-cpu 2``, docs/replay.md); the host budget:
+                    ``ReplayConfig.host_ratio`` (``--host-ratio``)
 ``vllm-disk``       ``vllm-cpu`` plus a disk tier behind the host tier (vLLM's
                     ``TieringOffloadingSpec`` with its ``fs`` tier: every chunk
                     the CPU tier stores cascades to it, a CPU miss it holds is
                     promoted back), write-through, ranked as the host tier.
                     vLLM's ``fs`` tier has no capacity and never evicts: give
-                    the preset ``ReplayConfig.disk_ratio = inf`` to match it.
+                    the preset ``disk_ratio = inf`` (``--disk-ratio inf``).
                     Calibrated against vLLM's own tiering manager and ``fs``
                     tier (``python -m benchmarks calibrate --engine vllm
                     --offload-cpu 2 --offload-disk``, docs/replay.md)
