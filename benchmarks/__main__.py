@@ -26,17 +26,26 @@ def _index(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from benchmarks.calibrate import (
         DEFAULT_PRESETS,
+        DEFAULT_VLLM_CPU_PRESETS,
+        DEFAULT_VLLM_DISK_PRESETS,
         DEFAULT_VLLM_PRESETS,
         run_calibration,
     )
     from hybridstore.replay.sweep import parse_budgets
 
-    policy = args.policy or ",".join(DEFAULT_VLLM_PRESETS if args.engine == "vllm"
-                                     else DEFAULT_PRESETS)
+    if args.offload_cpu is not None and args.engine != "vllm":
+        raise SystemExit("--offload-cpu drives vLLM's offloading connector: add --engine vllm")
+    if args.offload_disk and args.offload_cpu is None:
+        raise SystemExit("--offload-disk sits behind vLLM's CPU tier: add --offload-cpu RATIO")
+    policy = args.policy or ",".join(
+        DEFAULT_PRESETS if args.engine != "vllm" else
+        DEFAULT_VLLM_DISK_PRESETS if args.offload_disk else
+        DEFAULT_VLLM_CPU_PRESETS if args.offload_cpu is not None else DEFAULT_VLLM_PRESETS)
     run_calibration(trace_spec=args.trace, budgets=parse_budgets(args.budgets),
                     presets=[p.strip() for p in policy.split(",") if p.strip()],
                     max_requests=args.max_requests, json_path=args.json, plot_path=args.plot,
-                    pools=args.pools, engine=args.engine, sglang_mode=args.sglang_mode)
+                    pools=args.pools, engine=args.engine, sglang_mode=args.sglang_mode,
+                    host_ratio=args.offload_cpu, disk=args.offload_disk)
     return 0
 
 
@@ -82,6 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="SGLang's --mamba-radix-cache-strategy: no_buffer (page 1, a state at "
                           "each prompt's end) or extra_buffer (page 64, tracked states; what "
                           "auto resolves to with overlap scheduling); compare with sglang-extra")
+    cal.add_argument("--offload-cpu", type=float, default=None, metavar="RATIO",
+                     help="with --engine vllm: run vLLM's CPU offloading too (OffloadingConnector, "
+                          "CPUOffloadingSpec, its LRU; --kv-offloading-size) with a CPU tier of "
+                          "RATIO x the GPU pool, and give the presets a host tier of as much "
+                          "(default presets then: vllm-cpu,vllm-marconi)")
+    cal.add_argument("--offload-disk", action="store_true",
+                     help="with --offload-cpu: vLLM's TieringOffloadingSpec, its CPU tier as "
+                          "primary and its fs tier (no capacity, never evicts) in a temporary "
+                          "directory; the presets get a disk tier without a limit (default "
+                          "presets then: vllm-disk,vllm-cpu)")
     cal.add_argument("--json", default=None, help="write the document here")
     cal.add_argument("--plot", default=None, help="write hit rate against budget here (PNG)")
     cal.set_defaults(func=_calibrate)

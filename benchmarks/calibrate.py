@@ -34,19 +34,30 @@ tracked per chunk by SGLang's own ``_mamba_radix_cache_v2_req_prepare_for_extend
 chunk's last 64-aligned position, or the branch point ``mamba_branching_seqlen`` inside
 it), inserted with the KV up to it; the preset that follows it is ``sglang-extra``.
 
+With ``--engine vllm --offload-cpu RATIO`` vLLM's CPU offloading runs too, as
+``--kv-offloading-size`` sets it up: the scheduler builds the real ``OffloadingConnector``
+(scheduler side) with ``CPUOffloadingSpec``'s ``CPUOffloadingManager`` and its LRU, a CPU
+tier of ``RATIO`` x the GPU pool's bytes; the worker side completes every transfer the
+step it is scheduled (:meth:`VLLMPrefixCache._worker_output`).  ``--offload-disk`` adds
+vLLM's ``TieringOffloadingSpec`` with its ``fs`` tier behind the CPU tier, writing real
+files into a temporary directory.  The presets get a host tier of as much
+(``ReplayConfig.host_ratio``) and a disk tier without a limit (``disk_ratio``); the
+presets that follow them are ``vllm-cpu`` and ``vllm-disk``.
+
 What it does not model of SGLang: decode-time states (every ``mamba_track_interval`` tokens
 of output: the sequential discipline has no decode), host and storage tiers, batches of
 several requests (one request at a time, as the discipline serves them); of vLLM: decode,
-concurrent requests, its offloading connectors.
+concurrent requests, transfer times (its workers' copies complete at once).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from array import array
-from types import SimpleNamespace
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -339,7 +350,8 @@ class VLLMPrefixCache:
     """
 
     def __init__(self, num_blocks: int, block_tokens: int, mamba_groups: int = 1,
-                 max_num_batched_tokens: int = VLLM_MAX_BATCHED_TOKENS) -> None:
+                 max_num_batched_tokens: int = VLLM_MAX_BATCHED_TOKENS,
+                 cpu_chunks: int | None = None, disk_dir: str | None = None) -> None:
         import tempfile
 
         import torch
@@ -377,12 +389,35 @@ class VLLMPrefixCache:
         cc = CacheConfig(block_size=block_tokens, enable_prefix_caching=True,
                          mamba_cache_mode="align")
         cc.num_gpu_blocks = num_blocks
-        vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc,
-                        device_config=DeviceConfig("cpu"))
         # Page bytes do not matter to the manager (it counts block ids); the Mamba page is
         # padded to the attention page as vLLM pads it.
-        fa = FullAttentionSpec(block_size=block_tokens, num_kv_heads=1, head_size=8,
-                               dtype=torch.float16)
+        fa = FullAttentionSpec(block_size=block_tokens, num_kv_heads=1,
+                               head_size=1 if disk_dir else 8, dtype=torch.float16)
+        ktc = None
+        if cpu_chunks is not None:
+            # --kv-offloading-size N --kv-offloading-backend native: the OffloadingConnector
+            # with CPUOffloadingSpec, cpu_bytes_to_use = N GiB, everything else default
+            # (one GPU block per chunk, offload_prompt_only, LRU).  One CPU chunk holds one
+            # block of one group (worker_kv_bytes_per_block: a block id's bytes, the groups
+            # overlaying one allocation); here a block id's bytes are the tiny pages', so
+            # cpu_bytes_to_use is chosen to give exactly ``cpu_chunks`` chunks.
+            from vllm.config import KVTransferConfig
+            from vllm.utils.math_utils import round_up
+            from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+            chunk = round_up(fa.page_size_bytes * (1 + mamba_groups),
+                             CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
+            extra: dict[str, Any] = {"cpu_bytes_to_use": max(1, cpu_chunks) * chunk}
+            if disk_dir is not None:
+                # vLLM's disk tier: TieringOffloadingSpec (the same CPU tier as primary)
+                # with its file-system secondary tier, polled once per step
+                extra.update(spec_name="TieringOffloadingSpec", tier_poll_interval_s=0,
+                             secondary_tiers=[{"type": "fs", "root_dir": disk_dir,
+                                               "n_read_threads": 2, "n_write_threads": 2}])
+            ktc = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                   kv_connector_extra_config=extra)
+        vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc,
+                        device_config=DeviceConfig("cpu"), kv_transfer_config=ktc)
         groups = [KVCacheGroupSpec(["attn"], fa)]
         for g in range(mamba_groups):
             groups.append(KVCacheGroupSpec([f"mamba{g}"], MambaSpec(
@@ -393,6 +428,19 @@ class VLLMPrefixCache:
                                structured_output_manager=StructuredOutputManager(vc),
                                block_size=block_tokens)
         self.manager = self.sched.kv_cache_manager
+        self.offload = None
+        if cpu_chunks is not None:
+            from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+                OffloadingWorkerMetadata,
+            )
+            from vllm.v1.outputs import KVConnectorOutput
+
+            self._WorkerMeta, self._ConnectorOutput = OffloadingWorkerMetadata, KVConnectorOutput
+            self._connector = self.sched.connector.connector_scheduler
+            self.offload = self._connector.manager
+            primary = getattr(self.offload, "primary_tier", self.offload)
+            assert primary._num_chunks == max(1, cpu_chunks), primary._num_chunks
+        self.cpu_hits: list[int] = []
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(self.sched.hash_block_size, sha256)
         self._params = SamplingParams(max_tokens=1)
@@ -402,46 +450,124 @@ class VLLMPrefixCache:
         self.skipped = 0
         self._n = 0
 
+    def _worker_output(self, out: Any) -> Any:
+        """The worker side of a step, with every transfer done at once: each load and store
+        job the connector scheduled is reported complete (and a load's request as received),
+        as the worker-role connector reports them (``get_finished``,
+        ``build_connector_worker_meta``); ``None`` without the connector."""
+        if self.offload is None:
+            return None
+        md = out.kv_connector_metadata
+        done: dict[int, int] = {}
+        recv: set[str] = set()
+        if md is not None:
+            for jid, job in md.load_jobs.items():
+                done[jid] = 1
+                recv.add(job.req_id)
+            done.update((jid, 1) for jid in md.store_jobs)
+        return self._ConnectorOutput(finished_sending=set(), finished_recving=recv,
+                                     kv_connector_worker_meta=self._WorkerMeta(
+                                         completed_jobs=done))
+
+    def _idle_step(self) -> None:
+        """Steps with nothing to run: the connector builds the finished request's last store
+        jobs and tells its manager the request finished (the LRU commits its recency); with
+        a disk tier, until its writes have landed (the next request comes after them)."""
+        deadline = time.monotonic() + 60
+        while True:
+            out = self.sched.schedule()
+            self.sched.update_from_output(out, self._Output(
+                req_ids=[], req_id_to_index={}, sampled_token_ids=[], logprobs=None,
+                prompt_logprobs_dict={}, pooler_output=None,
+                kv_connector_output=self._worker_output(out)))
+            if not self.offload.has_pending_work() or time.monotonic() > deadline:
+                return
+            time.sleep(0.001)
+
+    def _deferred(self, rid: str) -> bool:
+        """The connector deferred the request's lookup (a disk-tier lookup or promotion is
+        under way): it is scheduled once they complete."""
+        if self.offload is None:
+            return False
+        st = self._connector._req_status.get(rid)
+        return st is not None and (st.deferred_lookup_start_time is not None
+                                   or self.offload.has_pending_work())
+
     def serve(self, tokens: np.ndarray) -> int:
-        """One request (prefill and its one output token): its hit, in tokens."""
+        """One request (prefill and its one output token): its hit, in tokens (with the
+        offloading connector: the GPU hit plus what it loads from the CPU tier, that part
+        appended to :attr:`cpu_hits`)."""
         self._n += 1
-        req = self._Request(request_id=str(self._n), prompt_token_ids=tokens.tolist(),
+        rid = str(self._n)
+        req = self._Request(request_id=rid, prompt_token_ids=tokens.tolist(),
                             sampling_params=self._params, pooling_params=None,
                             block_hasher=self._hasher)
-        hit = self.manager.get_computed_blocks(req)[1]    # what the scheduler will reuse
+        local = hit = self.manager.get_computed_blocks(req)[1]    # the GPU prefix hit
         self.sched.add_request(req)
         first = True
+        waited = 0
+        deadline = time.monotonic() + 60
         while self.sched.requests:
             out = self.sched.schedule()
-            n = out.num_scheduled_tokens.get(req.request_id, 0)
+            kco = self._worker_output(out)
+            n = out.num_scheduled_tokens.get(rid, 0)
+            loading = req.status == self._Status.WAITING_FOR_REMOTE_KVS and waited < 2
+            if n == 0 and first and (loading or (self._deferred(rid)
+                                                 and time.monotonic() < deadline)):
+                # its CPU hit is loading (done at once: the next step runs it), or a
+                # disk-tier lookup / promotion into the CPU tier is under way
+                waited += loading
+                self.sched.update_from_output(out, self._Output(
+                    req_ids=[], req_id_to_index={}, sampled_token_ids=[], logprobs=None,
+                    prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kco))
+                if not loading:
+                    time.sleep(0.001)
+                continue
             if n == 0:     # more blocks than the pool has: vLLM cannot run it
-                self.sched.finish_requests(req.request_id, self._Status.FINISHED_ABORTED)
+                self.sched.finish_requests(rid, self._Status.FINISHED_ABORTED)
+                if self.offload is not None:
+                    self._idle_step()
                 self.skipped += 1
+                self.cpu_hits.append(0)
                 return hit
             if first:
                 hit, first = req.num_computed_tokens - n, False
             done = req.num_computed_tokens >= req.num_prompt_tokens
             self.sched.update_from_output(out, self._Output(
-                req_ids=[req.request_id], req_id_to_index={req.request_id: 0},
+                req_ids=[rid], req_id_to_index={rid: 0},
                 sampled_token_ids=[[7] if done else []], logprobs=None,
-                prompt_logprobs_dict={}, pooler_output=None))
+                prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kco))
+        if self.offload is not None:
+            self._idle_step()
+        self.cpu_hits.append(max(0, hit - local))
         return hit
 
 
-def vllm_run(trace: Trace, cfg: ReplayConfig,
-             max_num_batched_tokens: int = VLLM_MAX_BATCHED_TOKENS) -> tuple[list[int], int]:
-    """Per-request hits of vLLM's own prefix cache, in the sequential discipline's order, and
-    the number of requests it could not run (more blocks than its pool).
-
-    Its one pool gets the one-budget presets' bytes, ``budget x footprint x (1 +
-    mamba_ratio)``, in blocks of the model's hybrid page layout
-    (:func:`~hybridstore.replay.model_presets.vllm_hybrid_pages`)."""
+def vllm_cache(trace: Trace, cfg: ReplayConfig,
+               max_num_batched_tokens: int = VLLM_MAX_BATCHED_TOKENS,
+               disk_dir: str | None = None) -> VLLMPrefixCache:
+    """vLLM's own cache sized for ``cfg``: its GPU pool gets the one-budget presets' bytes,
+    ``budget x footprint x (1 + mamba_ratio)``, in blocks of the model's hybrid page layout
+    (:func:`~hybridstore.replay.model_presets.vllm_hybrid_pages`); with ``cfg.host_ratio``
+    the offloading connector's CPU tier gets ``host_ratio`` times those bytes
+    (``--kv-offloading-size``), in chunks of one block; with ``disk_dir`` as the primary
+    of vLLM's ``TieringOffloadingSpec`` with its ``fs`` tier writing there."""
     assert cfg.budget is not None
     model = model_preset(cfg.model)
     pages = vllm_hybrid_pages(model)
     total = cfg.budget * kv_footprint(trace, cfg, model) * (1 + cfg.mamba_ratio)
-    cache = VLLMPrefixCache(max(1, int(total // pages.block_bytes)), pages.block_tokens,
-                            pages.mamba_groups, max_num_batched_tokens)
+    cpu = None if not cfg.host_ratio else int(cfg.host_ratio * total // pages.block_bytes)
+    return VLLMPrefixCache(max(1, int(total // pages.block_bytes)), pages.block_tokens,
+                           pages.mamba_groups, max_num_batched_tokens, cpu_chunks=cpu,
+                           disk_dir=disk_dir)
+
+
+def vllm_run(trace: Trace, cfg: ReplayConfig,
+             max_num_batched_tokens: int = VLLM_MAX_BATCHED_TOKENS) -> tuple[list[int], int]:
+    """Per-request hits of vLLM's own prefix cache (with ``cfg.host_ratio``: and of its CPU
+    offloading tier, :func:`vllm_cache`), in the sequential discipline's order, and the
+    number of requests it could not run (more blocks than its pool)."""
+    cache = vllm_cache(trace, cfg, max_num_batched_tokens)
     order = merged_requests(trace)
     if cfg.max_requests is not None:
         order = order[:cfg.max_requests]
@@ -457,40 +583,74 @@ and its label."""
 DEFAULT_VLLM_PRESETS = ("vllm-marconi",)
 
 
+DEFAULT_VLLM_CPU_PRESETS = ("vllm-cpu", "vllm-marconi")
+DEFAULT_VLLM_DISK_PRESETS = ("vllm-disk", "vllm-cpu")
+"""With ``--offload-cpu``: the preset that follows vLLM's CPU offloading, and the GPU-only
+one for contrast."""
+
+
 def engine_run(engine: str, trace: Trace, cfg: ReplayConfig,
-               sglang_mode: str = "no_buffer") -> tuple[list[int], int]:
-    """Per-request hits of ``engine``'s own cache and the requests it could not hold
-    (``sglang_mode``: SGLang's Mamba strategy, :class:`SGLangRadixCache`)."""
+               sglang_mode: str = "no_buffer") -> tuple[list[int], int, list[int] | None]:
+    """Per-request hits of ``engine``'s own cache, the requests it could not hold
+    (``sglang_mode``: SGLang's Mamba strategy, :class:`SGLangRadixCache`), and with vLLM's
+    CPU offloading (``cfg.host_ratio``) the part of each hit its CPU tier restored."""
     if engine == "sglang":
-        return sglang_run(trace, cfg, sglang_mode)
+        return (*sglang_run(trace, cfg, sglang_mode), None)
     if engine == "vllm":
-        return vllm_run(trace, cfg)
+        import tempfile
+
+        order = merged_requests(trace)
+        if cfg.max_requests is not None:
+            order = order[:cfg.max_requests]
+        tokens = {s.id: session_tokens(s) for s in trace.sessions}
+        with tempfile.TemporaryDirectory(prefix="calibrate-fs-") as tmp:
+            cache = vllm_cache(trace, cfg, disk_dir=tmp if cfg.disk_ratio else None)
+            hits = [cache.serve(next(tokens[r.session])) for r in order]
+            if cache.offload is not None:
+                cache.offload.shutdown()
+        return hits, cache.skipped, (cache.cpu_hits if cache.offload is not None else None)
     raise ConfigError(f"engine must be one of {sorted(ENGINES)}, got {engine!r}")
 
 
 def calibrate(trace: Trace, budgets: Sequence[float], presets: Sequence[str] = DEFAULT_PRESETS,
               *, max_requests: int | None = None, mamba_ratio: float = 0.9,
               pools: str = "preset", engine: str = "sglang",
-              sglang_mode: str = "no_buffer") -> dict[str, Any]:
+              sglang_mode: str = "no_buffer", host_ratio: float | None = None,
+              disk: bool = False) -> dict[str, Any]:
     """Token hit rates of an engine's own cache and of each preset at each budget (sequential).
 
     Each row has the hit rates (``sglang_radix_cache`` or ``vllm_prefix_cache``, and one
     per preset), and per preset ``diverging``: the requests whose hit differs from the
     engine's by a block or more, and ``refused``: requests the engine or the preset could
-    not hold (longer than the KV pool).
+    not hold (longer than the KV pool).  With ``host_ratio`` (vLLM only) the engine runs
+    its CPU offloading connector with a CPU tier of ``host_ratio`` x the GPU pool, the
+    presets a host tier of as much (``ReplayConfig.host_ratio``), and each row also has
+    ``cpu_hit_rate``: the tokens of vLLM's hits its CPU tier restored, per input token.
+    With ``disk`` as well, vLLM's CPU tier is the primary of its ``TieringOffloadingSpec``
+    with the ``fs`` tier (no capacity: it never evicts) in a temporary directory, and the
+    presets get a disk tier without a limit (``ReplayConfig.disk_ratio = inf``).
     """
     if engine not in ENGINES:
         raise ConfigError(f"engine must be one of {sorted(ENGINES)}, got {engine!r}")
+    if disk and host_ratio is None:
+        raise ConfigError("disk (--offload-disk) needs host_ratio (--offload-cpu): vLLM's "
+                          "fs tier sits behind its CPU tier")
+    if host_ratio is not None and engine != "vllm":
+        raise ConfigError("host_ratio (--offload-cpu) drives vLLM's offloading connector: "
+                          "use it with engine='vllm'")
     col = ENGINES[engine][0]
     rows = []
     for budget in budgets:
         cfg = ReplayConfig(discipline="sequential", budget=budget, max_requests=max_requests,
-                           mamba_ratio=mamba_ratio, pools=pools)
+                           mamba_ratio=mamba_ratio, pools=pools, host_ratio=host_ratio,
+                           disk_ratio=math.inf if disk else None)
         t0 = time.perf_counter()
-        hits, skipped = engine_run(engine, trace, cfg, sglang_mode)
+        hits, skipped, cpu = engine_run(engine, trace, cfg, sglang_mode)
         runs = replay(trace, list(presets), cfg, progress=False)
         inp = sum(r.input_tokens for r in next(iter(runs.values())).results)
         row: dict[str, Any] = {"budget": budget, col: sum(hits) / inp}
+        if cpu is not None:
+            row["cpu_hit_rate"] = sum(cpu) / inp
         diverging: dict[str, int] = {}
         refused: dict[str, int] = {col: skipped}
         for name, run in runs.items():
@@ -503,7 +663,8 @@ def calibrate(trace: Trace, budgets: Sequence[float], presets: Sequence[str] = D
         rows.append(row)
     return {"trace": trace.name, "requests": max_requests or trace.n_requests,
             "discipline": "sequential", "mamba_ratio": mamba_ratio, "pools": pools,
-            "engine": engine, "sglang_mode": sglang_mode, "rows": rows}
+            "engine": engine, "sglang_mode": sglang_mode, "host_ratio": host_ratio,
+            "disk": disk, "rows": rows}
 
 
 def _rate_columns(doc: dict[str, Any]) -> list[str]:
@@ -520,6 +681,9 @@ def print_calibration(doc: dict[str, Any]) -> None:
     table = Table(title=f"token hit rate, {doc['trace']} ({doc['requests']} requests, "
                         f"sequential, pools {doc.get('pools', 'preset')}"
                         + (f", SGLang {doc.get('sglang_mode', 'no_buffer')}" if engine == "SGLang" else "")
+                        + (f", CPU offloading {doc['host_ratio']:g}x the GPU pool"
+                           if doc.get("host_ratio") else "")
+                        + (" + vLLM's fs tier" if doc.get("disk") else "")
                         + f"; in brackets: requests whose hit differs from {engine}'s by a block "
                         "or more)")
     table.add_column("budget")
@@ -541,9 +705,16 @@ def plot_calibration(doc: dict[str, Any], path: str) -> None:
 
     budgets = [100 * r["budget"] for r in doc["rows"]]
     col, label = ENGINES[doc.get("engine", "sglang")]
+    if doc.get("host_ratio"):
+        label += (f" + CPU offloading {doc['host_ratio']:g}x"
+                  + (" + fs tier" if doc.get("disk") else ""))
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for c in _rate_columns(doc):
         own = c == col
+        if c == "cpu_hit_rate":     # the part of vLLM's hits its CPU tier restored
+            ax.plot(budgets, [r[c] for r in doc["rows"]], marker=".", color="gray",
+                    linestyle=":", label="vLLM: of which restored from its CPU tier")
+            continue
         ax.plot(budgets, [r[c] for r in doc["rows"]], marker="o",
                 label=f"{label} (its own code)" if own else c,
                 color="black" if own else None, linewidth=2.5 if own else 1.5,
@@ -564,13 +735,14 @@ def run_calibration(*, trace_spec: str | None, budgets: Sequence[float],
                     presets: Sequence[str], max_requests: int | None,
                     json_path: str | None, plot_path: str | None = None,
                     pools: str = "preset", engine: str = "sglang",
-                    sglang_mode: str = "no_buffer") -> dict[str, Any]:
+                    sglang_mode: str = "no_buffer",
+                    host_ratio: float | None = None, disk: bool = False) -> dict[str, Any]:
     from hybridstore.replay.loaders import load
     from hybridstore.replay.samples import weka_sample
 
     doc = calibrate(load(trace_spec or str(weka_sample())), budgets, presets,
                     max_requests=max_requests, pools=pools, engine=engine,
-                    sglang_mode=sglang_mode)
+                    sglang_mode=sglang_mode, host_ratio=host_ratio, disk=disk)
     print_calibration(doc)
     print(json.dumps(doc, indent=2))
     if json_path:

@@ -37,6 +37,11 @@ def _number(kind: type, *, low: float, strict: bool) -> Callable[[str], float]:
 
 _POSITIVE = _number(float, low=0, strict=True)
 _NON_NEGATIVE = _number(float, low=0, strict=False)
+
+
+def _ratio_or_inf(text: str) -> float:
+    """An argparse type: a number >= 0, or ``inf`` (no limit)."""
+    return math.inf if text.strip().lower() in ("inf", "unlimited") else _NON_NEGATIVE(text)
 _COUNT = _number(int, low=1, strict=False)
 
 
@@ -102,7 +107,8 @@ def _replay(args: argparse.Namespace) -> int:
                        token_level=not args.block_level, max_requests=args.max_requests,
                        scale=scale, data=args.data, data_dir=args.data_dir,
                        discipline=args.discipline, budget=budget, mamba_ratio=args.mamba_ratio,
-                       pools=args.pools)
+                       pools=args.pools, host_ratio=args.host_ratio,
+                       disk_ratio=args.disk_ratio)
     specs = args.trace or [str(weka_sample())]
     traces = [load(spec) for spec in specs]
     if args.divergence:
@@ -284,6 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="under --budget, how KV and states share it: as each preset does "
                           "(sglang-hicache splits), one pool for all, or SGLang's split KV and "
                           "Mamba pools for every preset")
+    rep.add_argument("--host-ratio", type=_NON_NEGATIVE, default=None,
+                     help="under --budget, a host tier of this many times the budget behind "
+                          "it for presets that have one (vllm-cpu, vllm-disk: vLLM's "
+                          "--kv-offloading-size as a multiple of its GPU pool); default: the "
+                          "budget goes to the first tier only (sequential)")
+    rep.add_argument("--disk-ratio", type=_ratio_or_inf, default=None,
+                     help="with --host-ratio, a disk tier of this many times the budget behind "
+                          "the host tier (vllm-disk), or inf: no limit, as vLLM's fs tier")
     rep.add_argument("--sweep", default=None,
                      help="a capacity curve instead of one replay: comma-separated budgets, e.g. "
                           "5%%,10%%,20%%,40%%,80%% (--json/--plot get the sweep's document/figure)")

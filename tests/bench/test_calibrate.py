@@ -9,7 +9,13 @@ import importlib.util
 import numpy as np
 import pytest
 
-from benchmarks.calibrate import calibrate, plot_calibration, sglang_hits, vllm_run
+from benchmarks.calibrate import (
+    calibrate,
+    plot_calibration,
+    sglang_hits,
+    vllm_cache,
+    vllm_run,
+)
 from hybridstore.replay.loaders import load
 from hybridstore.replay.model_presets import model_preset, vllm_hybrid_pages
 from hybridstore.replay.samples import weka_sample
@@ -152,6 +158,70 @@ def test_the_vllm_preset_is_within_one_point_of_vllms_own_cache(trace, vllm, tmp
     assert roomy["vllm-marconi"] == roomy["vllm_prefix_cache"]
     plot_calibration(doc, str(tmp_path / "cal.png"))
     assert (tmp_path / "cal.png").stat().st_size > 10_000
+
+
+def _serve_all(cache, trace, n=N):
+    its = {s.id: session_tokens(s) for s in trace.sessions}
+    return [cache.serve(next(its[r.session])) for r in merged_requests(trace)[:n]]
+
+
+def test_vllms_cpu_offloading_restores_what_its_gpu_pool_lost(trace, vllm):
+    """vLLM's OffloadingConnector (its real scheduler side and ``CPUOffloadingManager``,
+    driven by the real scheduler; the worker's transfers done at once): behind a GPU pool
+    that loses hits at 20 %, a CPU tier with room for everything gives every request the
+    hit it has with room for everything, the rest restored from the CPU tier; a small CPU
+    tier restores less."""
+    roomy, _ = vllm_run(trace, ReplayConfig(discipline="sequential", budget=50.0,
+                                            max_requests=N))
+    gpu, _ = vllm_run(trace, ReplayConfig(discipline="sequential", budget=0.2, max_requests=N))
+    big = vllm_cache(trace, ReplayConfig(discipline="sequential", budget=0.2, max_requests=N,
+                                         host_ratio=100.0))
+    hits = _serve_all(big, trace)
+    assert big.offload is not None and big.skipped == 0
+    assert sum(gpu) < sum(roomy) and hits == roomy
+    assert all(0 <= c <= h for c, h in zip(big.cpu_hits, hits))
+    assert sum(big.cpu_hits) > 0
+    small = vllm_cache(trace, ReplayConfig(discipline="sequential", budget=0.2, max_requests=N,
+                                           host_ratio=1.0))
+    assert small.offload._num_chunks < big.offload._num_chunks
+    _serve_all(small, trace)
+    assert 0 < sum(small.cpu_hits) < sum(big.cpu_hits)
+
+
+def test_vllm_cpu_follows_vllms_cpu_offloading(trace, vllm):
+    """``vllm-cpu`` (the GPU side as ``vllm-marconi``, a host tier of as much as vLLM's CPU
+    tier, ranked as vLLM's offloading LRU ranks it) against vLLM with its CPU offloading
+    connector, CPU tier 2 x the GPU pool: within a point, request for request but one, at
+    budgets where the CPU tier holds what the GPU pool lost (the GPU-only preset is far
+    below)."""
+    doc = calibrate(trace, [0.1, 0.2], ["vllm-cpu", "vllm-marconi"], max_requests=N,
+                    engine="vllm", host_ratio=2.0)
+    assert doc["host_ratio"] == 2.0
+    for row in doc["rows"]:
+        assert row["cpu_hit_rate"] > 0.01                               # the CPU tier serves
+        assert row["vllm-marconi"] < row["vllm_prefix_cache"] - 0.05    # and matters
+        assert abs(row["vllm-cpu"] - row["vllm_prefix_cache"]) <= 0.01
+        assert row["diverging"]["vllm-cpu"] <= 1
+
+
+def test_vllm_disk_follows_vllms_fs_tier(trace, vllm):
+    """``vllm-disk`` (``vllm-cpu`` with a disk tier without a limit behind its host tier)
+    against vLLM's ``TieringOffloadingSpec``: its CPU tier as primary and its ``fs`` tier,
+    which never evicts, writing real files (promotions back into the CPU tier included).
+    Behind a CPU tier as large as the GPU pool at 20 %, vLLM's disk tier keeps every
+    request's hit as with room for everything, which its CPU tier alone does not; the
+    preset keeps the same, request for request."""
+    roomy, _ = vllm_run(trace, ReplayConfig(discipline="sequential", budget=50.0,
+                                            max_requests=N))
+    cpu, _ = vllm_run(trace, ReplayConfig(discipline="sequential", budget=0.2,
+                                          max_requests=N, host_ratio=1.0))
+    doc = calibrate(trace, [0.2], ["vllm-disk"], max_requests=N, engine="vllm",
+                    host_ratio=1.0, disk=True)
+    (row,) = doc["rows"]
+    inp = sum(r.input_tokens for r in merged_requests(trace)[:N])
+    assert doc["disk"] and sum(cpu) < sum(roomy) - 0.05 * inp
+    assert row["vllm_prefix_cache"] == pytest.approx(sum(roomy) / inp)
+    assert row["vllm-disk"] == row["vllm_prefix_cache"] and row["diverging"]["vllm-disk"] == 0
 
 
 @needs_sglang

@@ -336,3 +336,43 @@ def test_vllm_running_state_order():
             assert mine == pages[:3] + states[:1] + pages[3:] + states[1:]
         else:
             assert mine == pages + states
+
+
+def test_vllm_offload_tier_order():
+    """In an offloading tier (``offload_tiers``) ``running_state`` ranks as vLLM's CPU
+    offloading LRU: what one request stored goes tail first, a state just before the KV
+    block ending at it (KV no state needs first, as on the device); a state that a later
+    request passed without using it keeps its older rank while the KV it shares moves on."""
+    from hybridstore.policy.lru_vllm import PlainLRUEviction
+
+    store = HybridStore(StoreConfig(block_size=16),
+                        eviction=PlainLRUEviction(running_state=True, offload_tiers=("host",)),
+                        tiers={"host": AccountingTier("host", 1 << 30, read_gbps=64)})
+    toks = np.arange(7_000_000, 7_000_200)
+    prompt = store.prefix(toks)                                    # 200 tokens, 13 pages
+    store.put_kv_sized(prompt, nbytes=PAGE)
+    for p in (64, 160):
+        store.put_state_sized(prompt, nbytes=STATE, position=p)
+    ids = store.index._walk_ids(prompt).tolist()
+
+    def order() -> list[tuple[ObjectKind, int]]:
+        got = [(v.kind, v.ref if v.kind == ObjectKind.PAGE
+                else store.index.checkpoint(v.ref).position)
+               for v in store._eviction.victims(store.index, "host")]
+        return [g for g in got if g[0] == ObjectKind.STATE or g[1] in ids]
+
+    page = {b: (ObjectKind.PAGE, ids[b]) for b in range(13)}
+    s64, s160 = (ObjectKind.STATE, 64), (ObjectKind.STATE, 160)
+    other = store.prefix(np.arange(8_000_000, 8_000_040))          # a later prompt's put
+    store.put_kv_sized(other, nbytes=PAGE)
+    assert order() == ([page[12], page[11], page[10], s160] + [page[b] for b in range(9, 3, -1)]
+                       + [s64, page[3], page[2], page[1], page[0]])
+    # a later prompt shares the first 128 tokens (pages 0-7) without using either state
+    later = store.prefix(np.concatenate([toks[:128], np.arange(9_000_000, 9_000_072)]))
+    store.put_kv_sized(later, nbytes=PAGE)
+    assert order() == ([page[12], page[11], page[10], s160, page[9], page[8], s64]
+                       + [page[b] for b in range(7, -1, -1)])
+    # the GPU block pool's order is unchanged on a tier not named
+    gpu = PlainLRUEviction(running_state=True)
+    assert [v for v in gpu.victims(store.index, "host")] != \
+        [v for v in store._eviction.victims(store.index, "host")]

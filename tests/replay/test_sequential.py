@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from itertools import pairwise
 
 import numpy as np
@@ -119,8 +120,51 @@ def test_budgets_size_the_tiers_as_the_engines_split_them(trace):
     del model
 
 
+def test_a_host_ratio_adds_a_host_tier_behind_the_budget(trace):
+    """``host_ratio`` (vLLM's ``--kv-offloading-size`` as a multiple of its GPU pool): the
+    first tier keeps the whole budget, a host tier gets ``host_ratio`` times it, in either
+    discipline; presets without a host tier are unchanged; the host tier serves hits the
+    GPU-only budget loses."""
+    fp = 10 << 30
+    for discipline in ("sequential", "server"):
+        cfg = ReplayConfig(discipline=discipline, budget=0.1, host_ratio=2.0)
+        tiers = tier_budgets(preset("vllm-cpu"), cfg, 1.0, fp)
+        assert [(t.name, t.capacity_bytes) for t in tiers] == [
+            ("device", int(0.1 * fp * 1.9)), ("host", int(2 * 0.1 * fp * 1.9))]
+        assert [t.name for t in tier_budgets(preset("vllm-disk"), cfg, 1.0, fp)] == \
+            ["device", "host"]
+        (only,) = tier_budgets(preset("vllm-marconi"), cfg, 1.0, fp)
+        assert only.capacity_bytes == int(0.1 * fp * 1.9)
+    # a disk tier behind it (vLLM's fs tier: no limit)
+    inf = ReplayConfig(discipline="sequential", budget=0.1, host_ratio=2.0, disk_ratio=math.inf)
+    *_, disk = tier_budgets(preset("vllm-disk"), inf, 1.0, fp)
+    assert disk.name == "disk" and disk.capacity_bytes >= 1 << 60
+    assert [t.name for t in tier_budgets(preset("vllm-cpu"), inf, 1.0, fp)] == ["device", "host"]
+    with pytest.raises(ConfigError):
+        ReplayConfig(discipline="sequential", budget=0.1, disk_ratio=1.0)   # no host tier
+    gpu = ReplayConfig(discipline="sequential", budget=0.1, max_requests=40)
+    cpu = ReplayConfig(discipline="sequential", budget=0.1, max_requests=40, host_ratio=2.0)
+    alone = replay(trace, ["vllm-cpu"], gpu, progress=False)["vllm-cpu"].summary()
+    behind = replay(trace, ["vllm-cpu"], cpu, progress=False)["vllm-cpu"].summary()
+    assert "host" not in alone["restored_bytes"] and behind["restored_bytes"]["host"] > 0
+    assert behind["token_hit_rate"] > alone["token_hit_rate"] + 0.05
+
+
+def test_the_cli_takes_host_and_disk_ratios(tmp_path):
+    out = tmp_path / "r.json"
+    assert main(["replay", "--discipline", "sequential", "--budget", "10%", "--host-ratio", "1",
+                 "--disk-ratio", "inf", "--policy", "vllm-disk,vllm-cpu", "--max-requests", "20",
+                 "--json", str(out), "--no-progress"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["host_ratio"] == 1.0 and doc["config"]["disk_ratio"] == math.inf
+    for bad in (["--host-ratio", "-1"], ["--disk-ratio", "x"]):
+        with pytest.raises(SystemExit):
+            main(["replay", "--budget", "10%", *bad])
+
+
 @pytest.mark.parametrize("bad", [{"discipline": "fifo"}, {"budget": 0}, {"budget": -1.0},
-                                 {"pools": "shared"},
+                                 {"pools": "shared"}, {"host_ratio": -1.0},
+                                 {"host_ratio": 1.0, "disk_ratio": -1.0},
                                  {"budget": float("nan")}, {"mamba_ratio": -0.5}])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ConfigError):

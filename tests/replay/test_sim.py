@@ -92,14 +92,20 @@ def _mutation_hit_rate(run):
     return sum(r.hit_tokens for r in cut) / max(1, sum(r.input_tokens for r in cut)), len(cut)
 
 
-def test_histate_beats_vllm_disk_on_mutation_requests():
+def test_histate_resumes_mutation_requests_about_as_well_as_vllms_placement():
+    """Mutation requests (a rewritten turn) resume from a state before the edit.  HiState's
+    adaptive interval keeps most of what vLLM's align-mode placement keeps there (its
+    aligned branch points: ``vllm-disk`` is calibrated against vLLM since issue 15; before,
+    the preset placed states at every trace block and HiState beat it), and both far more
+    than the GPU alone at this budget."""
     trace = load("synthetic:agent?sessions=12&turns=12&new=4096&mutation=0.2&seed=3")
     cfg = ReplayConfig(gpu_gib=4, host_gib=16, disk_gib=32, live_sessions=12)
-    runs = replay(trace, ["histate", "vllm-disk"], cfg, progress=False)
+    runs = replay(trace, ["histate", "vllm-disk", "vllm-marconi"], cfg, progress=False)
     histate, n = _mutation_hit_rate(runs["histate"])
     vllm, _ = _mutation_hit_rate(runs["vllm-disk"])
+    gpu, _ = _mutation_hit_rate(runs["vllm-marconi"])
     assert n >= 10
-    assert histate > vllm
+    assert histate > 0.5 and histate >= vllm - 0.05 and min(histate, vllm) > gpu + 0.3
 
 
 def test_replay_is_deterministic():

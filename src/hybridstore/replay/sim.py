@@ -57,7 +57,8 @@ from tqdm import tqdm
 from hybridstore.config import StoreConfig
 from hybridstore.errors import CapacityError, ConfigError
 from hybridstore.index.prefix import PrefixKeys
-from hybridstore.objects import TIER_ORDER, ObjectKind
+from hybridstore.index.trie import ResumePlan
+from hybridstore.objects import TIER_BITS, TIER_ORDER, ObjectKey, ObjectKind, object_key
 from hybridstore.policy.tiering import TierPolicy, tier_policy
 from hybridstore.replay.model_presets import ModelPreset, model_preset
 from hybridstore.replay.planes import ObjectPlane, SizedObjects, TierBudget
@@ -127,6 +128,14 @@ class ReplayConfig:
             ``"unified"`` (every preset shares one pool), ``"split"`` (every
             preset gets SGLang's split pools: states ``mamba_ratio / (1 +
             mamba_ratio)`` of each tier, strictly).
+        host_ratio: with ``budget``, a host tier of ``host_ratio`` times the first tier's
+            bytes for presets that have one (vLLM's ``--kv-offloading-size`` as a multiple
+            of its GPU pool; ``vllm-cpu``, ``vllm-disk``), the first tier keeping the
+            whole ``budget``.  ``None``: the budget goes to the first tier only
+            (sequential) or is split in the GiB proportion (server).
+        disk_ratio: with ``host_ratio``, a disk tier of ``disk_ratio`` times the first
+            tier's bytes for presets that have one (``vllm-disk``); ``math.inf``: no limit
+            (vLLM's ``fs`` tier never evicts).  ``None``: no disk tier.
     """
 
     model: str = "qwen3.5-9b"
@@ -146,6 +155,8 @@ class ReplayConfig:
     budget: float | None = None
     mamba_ratio: float = 0.9
     pools: str = "preset"
+    host_ratio: float | None = None
+    disk_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if self.pools not in POOLS:
@@ -156,6 +167,14 @@ class ReplayConfig:
                                             and math.isfinite(self.budget) and self.budget > 0):
             raise ConfigError(f"budget is a positive fraction of the KV footprint (0.1 = 10 %), "
                               f"got {self.budget!r}")
+        if self.host_ratio is not None and not (math.isfinite(self.host_ratio)
+                                                and self.host_ratio >= 0):
+            raise ConfigError(f"host_ratio must be >= 0, got {self.host_ratio!r}")
+        if self.disk_ratio is not None and not self.disk_ratio >= 0:
+            raise ConfigError(f"disk_ratio must be >= 0 (inf: no limit), got {self.disk_ratio!r}")
+        if self.disk_ratio is not None and self.host_ratio is None:
+            raise ConfigError("disk_ratio sizes a disk tier behind host_ratio's host tier: "
+                              "give host_ratio too")
         if not (math.isfinite(self.mamba_ratio) and self.mamba_ratio >= 0):
             raise ConfigError(f"mamba_ratio must be >= 0, got {self.mamba_ratio!r}")
         if self.live_sessions < 1:
@@ -282,11 +301,18 @@ def tier_budgets(p: Preset, cfg: ReplayConfig, scale: float = 1.0,
         total = cfg.budget * footprint * (1.0 + cfg.mamba_ratio)
         names = p.tiers[:1] if cfg.discipline == "sequential" else \
             tuple(n for n in p.tiers if budgets[n] > 0) or p.tiers[:1]
+        if cfg.host_ratio is not None:
+            names = p.tiers[:1]
         weight = sum(budgets[n] for n in names) or 1.0
         caps = {n: total * ((budgets[n] / weight) if len(names) > 1 else 1.0) for n in names}
+        if cfg.host_ratio and "host" in p.tiers and "host" not in caps:
+            caps["host"] = cfg.host_ratio * total
+        if cfg.disk_ratio and "disk" in p.tiers and "disk" not in caps:
+            caps["disk"] = cfg.disk_ratio * total
     out = []
     for name, cap in caps.items():
-        nbytes = _UNLIMITED_BYTES if p.unlimited else int(cap / scale)
+        nbytes = _UNLIMITED_BYTES if p.unlimited or math.isinf(cap) \
+            else min(_UNLIMITED_BYTES, int(cap / scale))
         if nbytes > 0:
             out.append(TierBudget(name, nbytes, gbps[name]))
     if not out:
@@ -414,7 +440,8 @@ def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPres
     try:
         measured = objects.restore(store, plan) if plan.position else None
         if kv_pool is not None and not refused:
-            _allocate(store, prompt, plan.position, page_bytes)
+            start = _device_prefix(store, plan) if p.loads_into_device else plan.position
+            _allocate(store, prompt, start, page_bytes)
     finally:
         store.release(plan)
     # The simulated clock runs on the modeled restore, in data mode too.
@@ -428,8 +455,76 @@ def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPres
     else:
         _put_segment(store, objects, prompt, plan.position, hints, page_bytes,
                      model.checkpoint_bytes, kv_to_last_state=p.kv_to_last_state)
+        if p.loads_into_device:
+            _land_in_device(store, prompt, plan, hints)
     return _Served(plan.position, restore_s, recompute_s,
                    {t: round(n * scale) for t, (n, _) in cost.items()}, measured)
+
+
+def _device_prefix(store: HybridStore, plan: ResumePlan) -> int:
+    """Tokens of the plan's resume prefix whose pages the fastest tier holds from the start
+    (the rest an engine loads into blocks it allocates there: ``Preset.loads_into_device``)."""
+    if not plan.position or not len(plan.pages):
+        return plan.position
+    bit = TIER_BITS[next(name for name in TIER_ORDER if name in store.tiers)]
+    held = (store.index.page_columns(plan.pages, ("tiers",))["tiers"] & bit) != 0
+    miss = np.flatnonzero(~held)
+    if not miss.size:
+        return plan.position
+    return min(plan.position, (plan.first_page + int(miss[0])) * plan.block_size)
+
+
+def _land_in_device(store: HybridStore, prompt: PrefixKeys, plan: ResumePlan,
+                    hints: list[int]) -> None:
+    """What the engine now holds in its GPU cache (``Preset.loads_into_device``): every page
+    of the prompt and its states at the resume point and at the placement's positions, so
+    copies of them held only behind the device (a hit it loaded, or a segment it recomputed
+    whose copies a lower tier still held: the store's put only touches those) are copied
+    into the device, as vLLM's GPU caches the blocks it loads and computes.  Best effort:
+    where the device is full of pinned objects a copy is skipped.  Only into a ``device``
+    tier (the GPU cache; without one, as with ``--gpu-gib 0``, nothing is copied)."""
+    index = store.index
+    first = next(name for name in TIER_ORDER if name in store.tiers)
+    if first != "device":               # no GPU cache modeled (--gpu-gib 0): nothing to do
+        return
+    bit = TIER_BITS[first]
+    copies = store._copies              # the store's tier copies (the put path's own)
+    ids = index._walk_ids(prompt)
+    if len(ids):
+        tiers = index.page_columns(ids, ("tiers", "nbytes"))
+        for k in np.flatnonzero((tiers["tiers"] & bit) == 0).tolist():
+            src = _holder(store, int(tiers["tiers"][k]))
+            if src is not None:
+                _copy(copies, object_key(ObjectKind.PAGE, prompt.block_key(k)), ObjectKind.PAGE,
+                      int(tiers["nbytes"][k]), src, first)
+    anchors = [a for a in hints if 0 < a <= prompt.length]
+    for pos in [plan.position, *store.checkpoint_positions(cached=plan.position,
+                                                           length=prompt.length,
+                                                           anchors=anchors)]:
+        key = prompt.key_at(pos) if pos else None
+        ck = index.checkpoint(key) if key is not None else None
+        if ck is not None and not ck.tiers & bit:
+            src = _holder(store, ck.tiers)
+            if src is not None:
+                _copy(copies, object_key(ObjectKind.STATE, ck.key), ObjectKind.STATE, ck.nbytes,
+                      src, first)
+
+
+def _holder(store: HybridStore, mask: int) -> str | None:
+    """The fastest tier of ``store`` in the tier mask ``mask`` to copy from into the device:
+    not the disk tier (vLLM promotes a disk hit into its CPU tier before it loads it, and an
+    object the host tier has evicted while the disk keeps it is rarely recomputed; in data
+    mode a copy from disk would also read bytes that no restore charged)."""
+    return next((name for name in TIER_ORDER if name in store.tiers and name != "disk"
+                 and mask & TIER_BITS[name]), None)
+
+
+def _copy(copies: Any, okey: ObjectKey, kind: ObjectKind, nbytes: int, src: str,
+          dst: str) -> None:
+    try:
+        copies.copy(okey, kind, nbytes, b"", src, dst)
+    except CapacityError:
+        pass
 
 
 def _allocate(store: HybridStore, prompt: PrefixKeys, cached: int, page_bytes: int) -> None:

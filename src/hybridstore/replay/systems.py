@@ -21,10 +21,30 @@ preset              models
                     states without their KV.  Calibrated against vLLM's own
                     KVCacheManager (``python -m benchmarks calibrate --engine
                     vllm``, docs/replay.md)
-``vllm-cpu``        vLLM with CPU offloading: write-through to DRAM, plain LRU
-                    per tier, states at the last trace-block boundary (not
-                    calibrated yet: the offloading tiers are not driven)
-``vllm-disk``       vLLM CPU + disk offloading: write-through to DRAM and SSD
+``vllm-cpu``        vLLM 0.33 with CPU offloading (``--kv-offloading-size``:
+                    ``OffloadingConnector``, ``CPUOffloadingSpec``, its LRU): the
+                    GPU side as ``vllm-marconi``; the host tier write-through
+                    (vLLM offloads every full block of the prompt and every
+                    align-mode state the GPU caches), ranked as vLLM's
+                    offloading LRU ranks its chunks (``lru-vllm`` with
+                    ``offload_tiers``: by the request that last stored or used
+                    them, tail first, a state just before the KV block ending
+                    at it); a hit is the GPU prefix extended through the host
+                    tier to the deepest state, and what it loads or computes
+                    is then in the GPU cache (``loads_into_device``).
+                    Calibrated against vLLM's own connector and CPU manager
+                    (``python -m benchmarks calibrate --engine vllm
+                    --offload-cpu 2``, docs/replay.md); the host budget:
+                    ``ReplayConfig.host_ratio`` (``--host-ratio``)
+``vllm-disk``       ``vllm-cpu`` plus a disk tier behind the host tier (vLLM's
+                    ``TieringOffloadingSpec`` with its ``fs`` tier: every chunk
+                    the CPU tier stores cascades to it, a CPU miss it holds is
+                    promoted back), write-through, ranked as the host tier.
+                    vLLM's ``fs`` tier has no capacity and never evicts: give
+                    the preset ``disk_ratio = inf`` (``--disk-ratio inf``).
+                    Calibrated against vLLM's own tiering manager and ``fs``
+                    tier (``python -m benchmarks calibrate --engine vllm
+                    --offload-cpu 2 --offload-disk``, docs/replay.md)
 ``sglang-hicache``  SGLang 0.5.23's ``UnifiedRadixCache`` (FULL + MAMBA, no extra
                     buffer: one state at each prompt's end), its split KV and
                     Mamba pools (static partition; ``mamba_ratio / (1 + ratio)``
@@ -127,6 +147,11 @@ class Preset:
         kv_to_last_state: the engine keeps a prompt's KV only up to its last
             checkpoint of the segment (SGLang's extra buffer: the radix insert
             stops at the last tracked state, the KV past it is freed).
+        loads_into_device: a hit restored from a tier behind the device takes
+            device room as the segment the engine computes does (vLLM's
+            offloading connector loads it into fresh GPU blocks, cached there
+            from then on): the engine's KV allocation counts from the end of
+            the device-resident prefix, not from the resume point.
     """
 
     name: str
@@ -140,6 +165,7 @@ class Preset:
     branch: bool = False
     unlimited: bool = False
     kv_to_last_state: bool = False
+    loads_into_device: bool = False
 
     def policies(self, model: ModelPreset) -> tuple[EvictionPolicy, AdmissionPolicy]:
         """The eviction and admission policy instances for ``model``."""
@@ -184,16 +210,23 @@ VLLM_ALIGN = ("block-aligned", {"block_size": "$vB", "chunk": VLLM_MAX_BATCHED_T
 """vLLM's align-mode placement as calibrated (docs/replay.md): a state per prefill chunk, at
 the last hybrid-block boundary before the logits token and at aligned branch points."""
 
+_VLLM_OFFLOAD_LRU = {"running_state": True, "offload_tiers": ("host", "disk")}
+"""vLLM's GPU block pool order on the device, its offloading LRU's behind it."""
+
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset(name="unlimited", eviction="lru", unlimited=True, tiers=("device",),
            placement=_place(("interval", {"interval": "$B"}), ("request-end", {}))),
     Preset(name="vllm-marconi", eviction="lru-vllm", tiers=("device",), branch=True,
            params=lambda model: {"eviction": {"running_state": True}},
            placement=_place(VLLM_ALIGN)),
-    Preset(name="vllm-cpu", eviction="lru-vllm", tiers=("device", "host"),
-           placement=_place(("block-aligned", {"block_size": "$B"}))),
-    Preset(name="vllm-disk", eviction="lru-vllm", tiers=("device", "host", "disk"),
-           placement=_place(("block-aligned", {"block_size": "$B"}))),
+    Preset(name="vllm-cpu", eviction="lru-vllm", tiers=("device", "host"), branch=True,
+           loads_into_device=True,
+           params=lambda model: {"eviction": _VLLM_OFFLOAD_LRU},
+           placement=_place(VLLM_ALIGN)),
+    Preset(name="vllm-disk", eviction="lru-vllm", tiers=("device", "host", "disk"), branch=True,
+           loads_into_device=True,
+           params=lambda model: {"eviction": _VLLM_OFFLOAD_LRU},
+           placement=_place(VLLM_ALIGN)),
     Preset(name="sglang-hicache", eviction="lru-radix", tier_policy="partition",
            placement=_place(("request-end", {}))),
     Preset(name="sglang-extra", eviction="lru-radix", tier_policy="partition", branch=True,
