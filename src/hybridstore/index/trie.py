@@ -833,6 +833,10 @@ class HybridIndex:
         """Block number of page node ``nid``."""
         return int(self._block[nid])
 
+    def known_ids(self, prompt: PrefixKeys) -> np.ndarray:
+        """Node ids of the prompt's leading blocks the index knows (held or not), in order."""
+        return self._walk_ids(prompt)
+
     def _walk_ids(self, prompt: PrefixKeys) -> np.ndarray:
         """Ids of the prompt's leading blocks the index knows, an int64 array (one
         :meth:`~hybridstore.index.u64map.U64Map.prefix_many` probe of the low key

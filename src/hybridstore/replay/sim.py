@@ -58,7 +58,7 @@ from hybridstore.config import StoreConfig
 from hybridstore.errors import CapacityError, ConfigError
 from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import ResumePlan
-from hybridstore.objects import TIER_BITS, TIER_ORDER, ObjectKey, ObjectKind, object_key
+from hybridstore.objects import TIER_BITS, TIER_ORDER, ObjectKind
 from hybridstore.policy.tiering import TierPolicy, tier_policy
 from hybridstore.replay.model_presets import ModelPreset, model_preset
 from hybridstore.replay.planes import ObjectPlane, SizedObjects, TierBudget
@@ -480,51 +480,18 @@ def _land_in_device(store: HybridStore, prompt: PrefixKeys, plan: ResumePlan,
     of the prompt and its states at the resume point and at the placement's positions, so
     copies of them held only behind the device (a hit it loaded, or a segment it recomputed
     whose copies a lower tier still held: the store's put only touches those) are copied
-    into the device, as vLLM's GPU caches the blocks it loads and computes.  Best effort:
-    where the device is full of pinned objects a copy is skipped.  Only into a ``device``
-    tier (the GPU cache; without one, as with ``--gpu-gib 0``, nothing is copied)."""
-    index = store.index
-    first = next(name for name in TIER_ORDER if name in store.tiers)
-    if first != "device":               # no GPU cache modeled (--gpu-gib 0): nothing to do
+    into the device (:meth:`HybridStore.promote`), as vLLM's GPU caches the blocks it loads
+    and computes.  Only into a ``device`` tier (the GPU cache; without one, as with
+    ``--gpu-gib 0``, nothing is copied), and only from the host tier: vLLM promotes a disk
+    hit into its CPU tier before it loads it, an object the host tier has evicted while the
+    disk keeps it is rarely recomputed, and in data mode a copy from disk would read bytes
+    that no restore charged."""
+    if "device" not in store.tiers or "host" not in store.tiers:
         return
-    bit = TIER_BITS[first]
-    copies = store._copies              # the store's tier copies (the put path's own)
-    ids = index._walk_ids(prompt)
-    if len(ids):
-        tiers = index.page_columns(ids, ("tiers", "nbytes"))
-        for k in np.flatnonzero((tiers["tiers"] & bit) == 0).tolist():
-            src = _holder(store, int(tiers["tiers"][k]))
-            if src is not None:
-                _copy(copies, object_key(ObjectKind.PAGE, prompt.block_key(k)), ObjectKind.PAGE,
-                      int(tiers["nbytes"][k]), src, first)
     anchors = [a for a in hints if 0 < a <= prompt.length]
-    for pos in [plan.position, *store.checkpoint_positions(cached=plan.position,
-                                                           length=prompt.length,
-                                                           anchors=anchors)]:
-        key = prompt.key_at(pos) if pos else None
-        ck = index.checkpoint(key) if key is not None else None
-        if ck is not None and not ck.tiers & bit:
-            src = _holder(store, ck.tiers)
-            if src is not None:
-                _copy(copies, object_key(ObjectKind.STATE, ck.key), ObjectKind.STATE, ck.nbytes,
-                      src, first)
-
-
-def _holder(store: HybridStore, mask: int) -> str | None:
-    """The fastest tier of ``store`` in the tier mask ``mask`` to copy from into the device:
-    not the disk tier (vLLM promotes a disk hit into its CPU tier before it loads it, and an
-    object the host tier has evicted while the disk keeps it is rarely recomputed; in data
-    mode a copy from disk would also read bytes that no restore charged)."""
-    return next((name for name in TIER_ORDER if name in store.tiers and name != "disk"
-                 and mask & TIER_BITS[name]), None)
-
-
-def _copy(copies: Any, okey: ObjectKey, kind: ObjectKind, nbytes: int, src: str,
-          dst: str) -> None:
-    try:
-        copies.copy(okey, kind, nbytes, b"", src, dst)
-    except CapacityError:
-        pass
+    positions = [plan.position, *store.checkpoint_positions(cached=plan.position,
+                                                            length=prompt.length, anchors=anchors)]
+    store.promote(prompt, positions=positions, tier="device", sources=("host",))
 
 
 def _allocate(store: HybridStore, prompt: PrefixKeys, cached: int, page_bytes: int) -> None:

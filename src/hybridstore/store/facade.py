@@ -43,6 +43,7 @@ from hybridstore.backends.base import Tier
 from hybridstore.backends.host import HostPool
 from hybridstore.config import StoreConfig
 from hybridstore.errors import (
+    CapacityError,
     CatalogError,
     InvalidArgumentError,
     InvalidTokensError,
@@ -58,7 +59,7 @@ from hybridstore.index import keys as hashing
 from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import HybridIndex, ResumePlan
 from hybridstore.layout import Layout, batch_row, batch_rows
-from hybridstore.objects import TIER_BITS, ObjectKey, ObjectKind
+from hybridstore.objects import TIER_BITS, ObjectKey, ObjectKind, object_key
 from hybridstore.policy import admission_policy, eviction_policy
 from hybridstore.policy.base import (
     AdmissionPolicy,
@@ -825,6 +826,59 @@ class HybridStore:
             self._check_open()
             self._copies.drain()
             self._evictor.make_room(self._res.chain[0], nbytes, ObjectKind(kind))
+
+    def promote(self, tokens: Any, *, positions: Sequence[int] = (), tier: str | None = None,
+                sources: Sequence[str] | None = None) -> int:
+        """Copy into ``tier`` what it lacks of a prompt: the pages of its leading blocks the
+        index knows and its checkpoints at ``positions``, each from the fastest of
+        ``sources`` that holds it.  What an engine whose own cache is the fastest tier holds
+        after it loaded or recomputed the prompt (vLLM caches the blocks it loads from its
+        CPU offloading tier in its GPU block pool).  Best effort: a copy that finds ``tier``
+        full of pinned or needed objects is skipped.
+
+        Args:
+            tokens: the prompt (token ids or :class:`PrefixKeys`).
+            positions: checkpoint positions to bring up too (those the index lacks are skipped).
+            tier: the tier copied into; ``None``: the fastest.
+            sources: tiers copied from, fastest first; ``None``: every other tier.
+
+        Returns:
+            Objects copied.
+        """
+        prompt = self.prefix(tokens)
+        positions = args.positions(positions, "positions")
+        chain = self._res.chain
+        dst = chain[0] if tier is None else args.tier_name(tier, list(self.tiers))
+        allowed = set(chain) if sources is None else set(args.tier_names(sources, "sources"))
+        srcs = [t for t in chain if t != dst and t in allowed]
+        copied = 0
+        with self._lock:
+            self._check_open()
+            self._refresh(prompt)
+            bit = TIER_BITS[dst]
+
+            def copy(okey: ObjectKey, kind: ObjectKind, mask: int, nbytes: int) -> None:
+                nonlocal copied
+                src = next((t for t in srcs if mask & TIER_BITS[t]), None)
+                if src is None:
+                    return
+                try:
+                    self._copies.copy(okey, kind, nbytes, b"", src, dst)
+                    copied += 1
+                except CapacityError:
+                    pass
+
+            ids = self.index.known_ids(prompt)
+            cols = self.index.page_columns(ids, ("tiers", "nbytes"))
+            for k in np.flatnonzero((cols["tiers"] & bit) == 0).tolist():
+                copy(object_key(ObjectKind.PAGE, prompt.block_key(k)), ObjectKind.PAGE,
+                     int(cols["tiers"][k]), int(cols["nbytes"][k]))
+            for pos in positions:
+                key = prompt.key_at(pos) if pos else None
+                ck = self.index.checkpoint(key) if key is not None else None
+                if ck is not None and not ck.tiers & bit:
+                    copy(object_key(ObjectKind.STATE, ck.key), ObjectKind.STATE, ck.tiers, ck.nbytes)
+        return copied
 
     # -- engine helpers -------------------------------------------------------------
     def checkpoint_positions(self, *, cached: int, length: int, anchors: Sequence[int] = ()) -> list[int]:
