@@ -126,6 +126,11 @@ class Tier(ABC):
     #: True when :meth:`put_many` of a run costs less than a :meth:`put` of each (the
     #: disk tier writes neighbours in one I/O), so copies to it go a run at a time.
     coalesces_writes: bool = False
+    #: True when :meth:`put_many` takes ``written=`` futures, each completed as soon as
+    #: the tier no longer reads its data buffer (the write returned), before the object
+    #: is durable and visible (the disk tier); otherwise a buffer is in use until its
+    #: put's future completes.
+    reports_written: bool = False
 
     def __init__(self) -> None:
         self._lock = threading.RLock()

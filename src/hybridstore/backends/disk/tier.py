@@ -75,6 +75,7 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
     name = "disk"
     durable = True
     coalesces_writes = True
+    reports_written = True
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *,
                  engine: str | Engine = "auto", segment_bytes: int = 256 << 20,
@@ -102,6 +103,7 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
         self._files: dict[int, Any] = {}  # segment id -> engine handle; under the allocator lock
         self._objects: dict[bytes, _Object] = {}
         self._latest: dict[bytes, int] = {}  # key -> seq of its newest uncommitted put
+        self._writing = 0                    # writes submitted and not landed nor failed
         self._pins: dict[Extent, int] = {}
         self._deferred: set[Extent] = set()
         self._seq = itertools.count(1)
