@@ -37,7 +37,7 @@ COMMIT_GATHER_S = 0.5
 Each commit is an ``fdatasync`` of the segments plus an lmdb transaction, each a
 device cache flush: O_DIRECT writes in flight stall behind it.  Measured on the
 2-core VM (virtio disk): 16 threads writing 1.5 MiB pieces ran at 1.0-1.8 GB/s
-alone and 0.4-0.6 GB/s while another thread ``fdatasync``\ ed a 4 KiB file every
+alone and 0.4-0.6 GB/s while another thread ``fdatasync``-ed a 4 KiB file every
 30 ms; a burst of 16-chunk store jobs wrote at 1.3-1.5 GB/s one job at a time
 (each committed before the next) and 0.4-0.5 GB/s with a commit per landed run.
 So while other writes are in flight, a commit waits for them, up to this long: a
