@@ -171,7 +171,7 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
         restart.append({"engine": engine, "geometry": geometry, "batch": batch, **run.restart})
 
     steps = (3 + len(tps) * len(plan) * 2 * (reps + warmup + 1)
-             + len(budgets) * (1 + 2 * (len(sgl_names) > 1)) * (n_requests // 25 + 1) + 2)
+             + len(budgets) * (1 + 3 * (len(sgl_names) > 1)) * (n_requests // 25 + 1) + 2)
     device: dict[str, Any] = {}
     wl = None
     phases: dict[str, float] = {}
@@ -223,8 +223,8 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
             step("policy: page keys of the trace")
             wl = policy.make_workload(QWEN3_NEXT, trace_spec, n_requests)
             phase("policy_keys")
-            systems = [(S.BUILTIN, None)] + ([(S.OURS, "histate"), (S.OURS, "lru")]
-                                              if S.OURS in sgl_names else [])
+            systems = [(S.BUILTIN, None)] + ([(S.OURS, "hybridstore"), (S.OURS, "histate"),
+                                               (S.OURS, "lru")] if S.OURS in sgl_names else [])
             for share in budgets:
                 for backend, pol in systems:
                     policy_runs.append(policy.replay_system(
