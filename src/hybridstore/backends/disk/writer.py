@@ -66,6 +66,7 @@ class _WritePath(_TierState):
         key = _check_key(key)
         view = byte_view(data, nbytes, what="data")
         extents = self._alloc_run(nbytes, 1)
+        self._maybe_grow_ahead()
         if extents is None:
             raise CapacityError(f"the disk tier at {self.path} has no room for {nbytes} bytes "
                                 f"(a {self.charge(nbytes)}-byte slot; {self.free_bytes} of "
@@ -111,6 +112,7 @@ class _WritePath(_TierState):
         metas = [b""] * len(keys) if metas is None else [bytes(m) for m in metas]
         views = [byte_view(data, nbytes, what="data") for data in datas]
         extents = self._alloc_run(nbytes, len(keys))
+        self._maybe_grow_ahead()
         if extents is None:
             raise CapacityError(f"the disk tier at {self.path} has no room for {len(keys)} x "
                                 f"{nbytes} bytes ({self.free_bytes} of {self._capacity} bytes "
