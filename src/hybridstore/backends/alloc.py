@@ -49,6 +49,17 @@ SLAB_BYTES = 1 << 20
 CLASS_STEPS = 8
 """Size classes per power of two (so internal waste is below 1/CLASS_STEPS)."""
 
+SLABS_PER_ARENA = 64
+"""A slab is at most this fraction of the largest arena (and at most ``slab_bytes``).
+
+A slab returns to the free runs only once every slot in it is free, so one live
+page keeps a whole slab from larger objects.  With slabs of 1/8 of a small tier
+(1 MiB slabs in the 12-25 MiB disk tiers of the engines bench's policy replay: 4 KiB
+pages, 196.5 KiB states) the stranded slabs made the tier refuse states and new
+slabs at ~85 % fill, and evict in the policy's order from there; at 1/64 the tier
+filled to ~94 %, as a file-per-object store does (docs/bench/engines.md).  Tiers of
+64 MiB and more keep ``slab_bytes`` (1 MiB)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Extent:
@@ -140,8 +151,10 @@ class SlabAllocator:
         self._budget = budget_bytes
         self._arena_bytes = arena_bytes // alignment * alignment
         self._max_regular = min(self._arena_bytes, budget_bytes // alignment * alignment)
-        # Slabs stay small next to the largest arena, so a few classes can coexist.
-        slab = min(slab_bytes, self._max_regular // CLASS_STEPS)
+        # Slabs stay small next to the largest arena (at most 1/SLABS_PER_ARENA of it), so
+        # that many classes coexist and a slab that one live slot keeps stranded is a
+        # small share of a small tier.
+        slab = min(slab_bytes, self._max_regular // SLABS_PER_ARENA)
         self._slab = max(alignment, slab // alignment * alignment)
         self._small_max = self._slab // CLASS_STEPS
         full, rest = divmod(budget_bytes, self._arena_bytes)
