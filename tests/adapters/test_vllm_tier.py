@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from hybridstore.bench.engines import vtier as V  # noqa: E402
+from hybridstore.bench.engines import vtier as V
 
 CHUNK = 64 << 10
 BLOCK = 16

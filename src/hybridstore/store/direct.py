@@ -32,7 +32,13 @@ from hybridstore.errors import CapacityError
 from hybridstore.index.meta import encode_page
 from hybridstore.index.prefix import PrefixKeys
 from hybridstore.layout import Layout
-from hybridstore.objects import TIER_BITS, ObjectKey, ObjectKind, aligned_empty, object_key
+from hybridstore.objects import (
+    TIER_BITS,
+    ObjectKey,
+    ObjectKind,
+    aligned_empty,
+    object_key,
+)
 from hybridstore.store.landing import Landing
 from hybridstore.store.staged import Staging
 
@@ -205,6 +211,6 @@ class DirectWrites:
         for fut in list(self.pending.values()):
             try:
                 fut.result()
-            except Exception:  # noqa: BLE001 - counted and logged by drain
+            except Exception:  # noqa: BLE001, S110 - counted and logged by drain
                 pass
         self.drain()

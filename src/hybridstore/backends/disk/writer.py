@@ -22,10 +22,10 @@ from hybridstore.backends.alloc import Extent
 from hybridstore.backends.catalog import CatalogRecord
 from hybridstore.backends.disk.objects import (
     _COMMIT_BATCH,
-    COMMIT_GATHER_S,
     _EMPTY,
     _STOP,
     COALESCE_BYTES,
+    COMMIT_GATHER_S,
     _check_key,
     _full_error,
     _Object,
