@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
@@ -214,7 +215,7 @@ class HybridStoreTier(SecondaryTierManager):
         for i, written, durable in zip(put.new, put.written, put.durable):
             key = keys[i]
             later.append(key)
-            durable.add_done_callback(lambda _f, key=key: self._stored([key]))
+            durable.add_done_callback(partial(self._durable, key))
             if written.exception() is None:       # waits for the write
                 done.append(key)
             else:
@@ -222,6 +223,10 @@ class HybridStoreTier(SecondaryTierManager):
         if put.refused:
             log.warning("HybridStoreTier: no room on the SSD for %d chunks", len(put.refused))
         return done, len(done) * chunk
+
+    def _durable(self, key: OffloadKey, _fut: Future) -> None:
+        """A direct store's chunk is durable (or its write failed): :meth:`_stored`."""
+        self._stored([key])
 
     def _stored(self, keys: list[OffloadKey]) -> None:
         """Stores of ``keys`` ended (durable, or failed): lookups answer again."""

@@ -240,6 +240,7 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
             systems = [(S.BUILTIN, None)] + ([(S.OURS, "hybridstore"), (S.OURS, "histate"),
                                                (S.OURS, "lru")] if S.OURS in sgl_names else [])
             for share in (budgets if wl is not None else ()):
+                assert wl is not None
                 for backend, pol in systems:
                     policy_runs.append(policy.replay_system(
                         wl, backend=backend, policy=pol, budget=int(share * wl.footprint_bytes),
