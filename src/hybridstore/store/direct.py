@@ -208,9 +208,10 @@ class DirectWrites:
     def wait(self) -> None:
         """Wait for every direct write in flight, then index them (under the store lock:
         completions never take it)."""
-        for fut in list(self.pending.values()):
-            try:
-                fut.result()
-            except Exception:  # noqa: BLE001, S110 - counted and logged by drain
-                pass
+        with self.landing.copies.urgent():
+            for fut in list(self.pending.values()):
+                try:
+                    fut.result()
+                except Exception:  # noqa: BLE001, S110 - counted and logged by drain
+                    pass
         self.drain()

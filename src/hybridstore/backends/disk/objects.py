@@ -97,6 +97,7 @@ class _TierState:
     _objects: dict[bytes, _Object]
     _latest: dict[bytes, int]
     _writing: int
+    _urgent: int
     _pins: dict[Extent, int]
     _deferred: set[Extent]
     _seq: itertools.count[int]

@@ -8,6 +8,7 @@ states the directory layout and the durability order.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
@@ -104,6 +105,7 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
         self._objects: dict[bytes, _Object] = {}
         self._latest: dict[bytes, int] = {}  # key -> seq of its newest uncommitted put
         self._writing = 0                    # writes submitted and not landed nor failed
+        self._urgent = 0                     # callers waiting for a write to be durable
         self._pins: dict[Extent, int] = {}
         self._deferred: set[Extent] = set()
         self._seq = itertools.count(1)
@@ -271,6 +273,19 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
                     self._release(obj.extent, seq)
         self._reclaim()
         return sum(obj.extent.length for _, obj in found)
+
+    @contextlib.contextmanager
+    def urgent(self) -> Iterator[None]:
+        """While held, the committer commits what landed at once instead of gathering
+        the writes still in flight (:data:`~hybridstore.backends.disk.objects.COMMIT_GATHER_S`):
+        a caller is waiting for durability."""
+        with self._lock:
+            self._urgent += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._urgent -= 1
 
     # -- a shared directory --------------------------------------------------------
     def sync(self) -> None:

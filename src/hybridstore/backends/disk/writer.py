@@ -228,8 +228,8 @@ class _WritePath(_TierState):
                 except queue.Empty:
                     pass
                 wait = deadline - time.monotonic()
-                if self._writing <= 0 or wait <= 0:
-                    break          # nothing else in flight: commit now (see COMMIT_GATHER_S)
+                if self._writing <= 0 or wait <= 0 or self._urgent:
+                    break          # nothing else in flight, or a caller waits: commit now
                 try:
                     batch.append(self._commits.get(timeout=min(wait, 0.005)))
                 except queue.Empty:
