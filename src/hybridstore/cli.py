@@ -217,9 +217,11 @@ def _bench_engines(args: argparse.Namespace) -> int:
     from hybridstore.bench.engines import run_engines_bench
 
     tp = tuple(int(x) for x in args.tp.split(",")) if args.tp else None
+    only = tuple(x.strip() for x in args.only.split(",") if x.strip()) if args.only else None
     run_engines_bench(json_path=args.json, plot_path=args.plot, disk_dir=args.dir, quick=args.quick,
                       use_fio=not args.no_fio, tp=tp, policy_trace=args.trace,
-                      policy_requests=args.requests, print_json=not args.no_json_stdout)
+                      policy_requests=args.requests, print_json=not args.no_json_stdout,
+                      only=only)
     return 0
 
 
@@ -375,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--no-fio", action="store_true", help="measure the SSD with the built-in "
                                                            "O_DIRECT pool, not fio")
     eng.add_argument("--no-json-stdout", action="store_true", help="print only the table")
+    eng.add_argument("--only", default=None, help="sections to run, comma-separated: sglang, "
+                                                  "vllm, policy (default: all)")
     eng.set_defaults(func=_bench_engines)
     for name in MOVED_BENCHES:
         moved = bsub.add_parser(name, help=f"moved: python -m benchmarks {name} (from a clone)",

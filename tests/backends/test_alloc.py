@@ -168,3 +168,50 @@ def test_errors() -> None:
         small.reserve(Extent(arena, 0, quarter))
     with pytest.raises(CapacityError, match="budget"):
         small.reserve(Extent(4, 0, 2 * quarter))
+
+
+def test_grow_ahead_creates_the_next_arena_without_holding_allocations_up() -> None:
+    import threading
+
+    MiB = 1 << 20
+    started, release = threading.Event(), threading.Event()
+    created: list[int] = []
+
+    def on_new(arena: int, n: int) -> None:
+        if arena == 1:                   # the arena grown ahead: slow, like a new segment
+            started.set()
+            assert release.wait(5)
+        created.append(arena)
+
+    alloc = SlabAllocator(budget_bytes=3 * MiB, arena_bytes=MiB, on_new_arena=on_new)
+    first = alloc.alloc_many(256 << 10, 3)          # arena 0, 3/4 full
+    assert first is not None and created == [0]
+    assert not alloc.grow_ahead(128 << 10)          # 256 KiB free: enough headroom
+    t = threading.Thread(target=alloc.grow_ahead, args=(512 << 10,))
+    t.start()
+    assert started.wait(5)
+    # while arena 1 is being created, allocations go on (and do not take arena 1)
+    more = alloc.alloc_many(256 << 10, 1)
+    assert more is not None and more[0].arena == 0
+    big = alloc.alloc(MiB)                          # needs a fresh arena: arena 2, not 1
+    assert big is not None and big.arena == 2
+    release.set()
+    t.join()
+    assert created == [0, 2, 1] and alloc.committed_bytes == 3 * MiB
+    x = alloc.alloc(256 << 10)
+    assert x is not None and x.arena == 1           # the arena grown ahead serves now
+    assert not alloc.grow_ahead(10 * MiB)           # the budget is all committed
+
+
+def test_grow_ahead_failure_commits_nothing() -> None:
+    MiB = 1 << 20
+
+    def on_new(arena: int, n: int) -> None:
+        if arena == 1:
+            raise OSError("no room for the file")
+
+    alloc = SlabAllocator(budget_bytes=2 * MiB, arena_bytes=MiB, on_new_arena=on_new)
+    assert alloc.alloc(MiB) is not None
+    with pytest.raises(OSError):
+        alloc.grow_ahead(MiB)
+    assert alloc.committed_bytes == MiB and alloc.arena_count == 1

@@ -13,29 +13,32 @@ from hybridstore.objects import ObjectKind, object_key
 
 B = 16
 PAGE = 4096
-SLAB_PAGES = 32          # a 1 MiB tier has 128 KiB slabs: 32 pages of 4 KiB each
+SLAB_PAGES = 32          # an 8 MiB tier has 128 KiB slabs (1/64): 32 pages of 4 KiB each
+SLABS = 64
+FULL = SLABS - 1         # slabs filled with pages; one left free (128 KiB: no 200 KiB slot)
+PAGES = FULL * SLAB_PAGES
 
 
 def cfg(tmp_path) -> StoreConfig:
-    return StoreConfig(block_size=B, host_bytes=8 << 20, disk_path=str(tmp_path / "ssd"),
-                       disk_bytes=1 << 20, disk_segment_bytes=1 << 20, disk_engine="posix",
+    return StoreConfig(block_size=B, host_bytes=16 << 20, disk_path=str(tmp_path / "ssd"),
+                       disk_bytes=8 << 20, disk_segment_bytes=8 << 20, disk_engine="posix",
                        policy="lru")
 
 
 def _fragmented(store: HybridStore, pinned_slabs: range):
-    """224 pages in slabs 0-6 of the disk tier; one page of each slab in ``pinned_slabs``
-    pinned by a live plan."""
+    """PAGES pages in slabs 0..FULL-1 of the disk tier; one page of each slab in
+    ``pinned_slabs`` pinned by a live plan."""
     rng = np.random.default_rng(1)
-    tokens = rng.integers(0, 1000, 224 * B)
+    tokens = rng.integers(0, 1000, PAGES * B)
     prompt = store.prefix(tokens)
-    store.put_kv(prompt, [rng.integers(0, 255, PAGE, dtype=np.uint8) for _ in range(224)])
+    store.put_kv(prompt, [rng.integers(0, 255, PAGE, dtype=np.uint8) for _ in range(PAGES)])
     store.flush()
     plans = [store.match_pages(prompt, first=k * SLAB_PAGES, stop=k * SLAB_PAGES + 1)
              for k in pinned_slabs]
     return prompt, plans
 
 
-@pytest.mark.parametrize("pinned", [range(4), range(7)])
+@pytest.mark.parametrize("pinned", [range(4), range(FULL)])
 def test_state_put_into_a_fragmented_disk_tier(tmp_path, pinned):
     with HybridStore(cfg(tmp_path)) as store:
         prompt, plans = _fragmented(store, pinned)
@@ -47,16 +50,16 @@ def test_state_put_into_a_fragmented_disk_tier(tmp_path, pinned):
         on_disk = disk.contains(object_key(ObjectKind.STATE, prompt.key_at(prompt.length)))
         evicted = store._evictor.evictions - before
         if len(pinned) == 4:
-            # slabs 4-6 are free to go: after one pass in the policy's order, one window
-            # (a slab of pages) is enough; the policy's order alone emptied the tier
+            # slabs 4.. are free to go: after one pass in the policy's order, one window
+            # (two slabs of pages) is enough; the policy's order alone emptied the tier
             assert on_disk and store._copies.skipped_copies == 0
-            assert evicted <= 4 * SLAB_PAGES
+            assert evicted <= PAGES // 4          # far from emptying the tier
         else:
             # a pinned page in every slab: no window can be freed; the copy is skipped
             # without emptying the tier for nothing
             assert not on_disk and store._copies.skipped_copies == 1
-            assert evicted <= 4 * SLAB_PAGES
-            assert len(list(disk.entries())) >= 224 - 4 * SLAB_PAGES
+            assert evicted <= PAGES // 4          # far from emptying the tier
+            assert len(list(disk.entries())) >= PAGES - PAGES // 4
         for plan in plans:
             store.release(plan)
         out = store.match(prompt)            # the state is held (in DRAM at least)
@@ -67,19 +70,19 @@ def test_state_put_into_a_fragmented_disk_tier(tmp_path, pinned):
 
 
 def test_allocator_window_is_the_cheapest_movable_one():
-    a = SlabAllocator(budget_bytes=1 << 20, arena_bytes=1 << 20, alignment=4096)
-    small = [a.alloc(4096) for _ in range(7 * 32)]       # slabs 0-6, slab 7 free
+    a = SlabAllocator(budget_bytes=8 << 20, arena_bytes=8 << 20, alignment=4096)  # 128 KiB slabs
+    small = [a.alloc(4096) for _ in range(FULL * 32)]    # slabs 0-62, slab 63 free
     assert all(e is not None for e in small)
     assert a.alloc(200 << 10) is None                    # 128 KiB free: not enough bytes
-    for e in small[32 * 6:]:
-        a.free(e)                                        # slabs 6 and 7 free: a window
+    for e in small[32 * (FULL - 1):]:
+        a.free(e)                                        # slabs 62 and 63 free: a window
     assert a.window(200 << 10, lambda e: True) == []
-    for e in small[32 * 6:]:
+    for e in small[32 * (FULL - 1):]:
         a.reserve(e)
     keep = {e for e in small if e.offset % (128 << 10) == 0 and e.offset < (4 << 17)}
     got = a.window(200 << 10, lambda e: e not in keep)
     assert got is not None and not set(got) & keep
-    assert sum(e.length for e in got) == 32 * 4096      # one slab of pages, next to slab 7
+    assert sum(e.length for e in got) == 32 * 4096      # one slab of pages, next to slab 63
     for e in got:
         a.free(e)
     big = a.alloc(200 << 10)

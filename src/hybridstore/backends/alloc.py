@@ -49,6 +49,17 @@ SLAB_BYTES = 1 << 20
 CLASS_STEPS = 8
 """Size classes per power of two (so internal waste is below 1/CLASS_STEPS)."""
 
+SLABS_PER_ARENA = 64
+"""A slab is at most this fraction of the largest arena (and at most ``slab_bytes``).
+
+A slab returns to the free runs only once every slot in it is free, so one live
+page keeps a whole slab from larger objects.  With slabs of 1/8 of a small tier
+(1 MiB slabs in the 12-25 MiB disk tiers of the engines bench's policy replay: 4 KiB
+pages, 196.5 KiB states) the stranded slabs made the tier refuse states and new
+slabs at ~85 % fill, and evict in the policy's order from there; at 1/64 the tier
+filled to ~94 %, as a file-per-object store does (docs/bench/engines.md).  Tiers of
+64 MiB and more keep ``slab_bytes`` (1 MiB)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Extent:
@@ -140,8 +151,10 @@ class SlabAllocator:
         self._budget = budget_bytes
         self._arena_bytes = arena_bytes // alignment * alignment
         self._max_regular = min(self._arena_bytes, budget_bytes // alignment * alignment)
-        # Slabs stay small next to the largest arena, so a few classes can coexist.
-        slab = min(slab_bytes, self._max_regular // CLASS_STEPS)
+        # Slabs stay small next to the largest arena (at most 1/SLABS_PER_ARENA of it), so
+        # that many classes coexist and a slab that one live slot keeps stranded is a
+        # small share of a small tier.
+        slab = min(slab_bytes, self._max_regular // SLABS_PER_ARENA)
         self._slab = max(alignment, slab // alignment * alignment)
         self._small_max = self._slab // CLASS_STEPS
         full, rest = divmod(budget_bytes, self._arena_bytes)
@@ -150,6 +163,7 @@ class SlabAllocator:
         self._on_new_arena = on_new_arena
         self._on_release_arena = on_release_arena
         self._arenas: dict[int, _Arena] = {}
+        self._creating: set[int] = set()  # regular arenas grow_ahead is creating
         self._empty: dict[int, None] = {}  # regular arenas with no spans
         self._committed = 0
         self._used = 0
@@ -297,6 +311,50 @@ class SlabAllocator:
             if found is not None and (best is None or found[0] < best[0]):
                 best = found
         return None if best is None else best[1]
+
+    def grow_ahead(self, headroom: int) -> bool:
+        """Commit the next regular arena now if the free bytes of the committed arenas are
+        below ``headroom`` and the budget allows.
+
+        The owner's ``on_new_arena`` (the disk tier: a segment file and its catalog
+        record, a synchronous transaction) runs *without* the allocator's lock, so the
+        allocations of other threads go on meanwhile instead of waiting for it inside
+        the allocation that found no room.  Its budget is held from the start.
+
+        Returns:
+            Whether an arena was added.
+
+        Raises:
+            Whatever ``on_new_arena`` raises (nothing is committed then).
+        """
+        with self._lock:
+            if self._committed - self._used >= headroom:
+                return False
+            left = self._budget - self._committed
+            for arena_id in range(self._n_regular):
+                size = self._regular_size(arena_id)
+                if (arena_id not in self._arenas and arena_id not in self._creating
+                        and 0 < size <= left):
+                    break
+            else:
+                return False
+            self._creating.add(arena_id)
+            self._committed += size
+        try:
+            if self._on_new_arena is not None:
+                self._on_new_arena(arena_id, size)
+        except BaseException:
+            with self._lock:
+                self._creating.discard(arena_id)
+                self._committed -= size
+            raise
+        with self._lock:
+            self._creating.discard(arena_id)
+            arena = _Arena(arena_id, size, False)
+            self._arenas[arena_id] = arena
+            self._add_run(arena, 0, size)
+            self._empty[arena_id] = None
+        return True
 
     def trim(self) -> int:
         """Drop every empty regular arena now (its budget goes back to the owner, e.g. to a
@@ -447,7 +505,8 @@ class SlabAllocator:
         left = self._budget - self._committed
         for arena_id in range(self._n_regular):
             size = self._regular_size(arena_id)
-            if arena_id not in self._arenas and need <= size <= left:
+            if (arena_id not in self._arenas and arena_id not in self._creating
+                    and need <= size <= left):
                 self._commit(arena_id, size, dedicated=False)
                 return True
         return False

@@ -83,6 +83,7 @@ All methods are thread-safe.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -126,6 +127,11 @@ class Tier(ABC):
     #: True when :meth:`put_many` of a run costs less than a :meth:`put` of each (the
     #: disk tier writes neighbours in one I/O), so copies to it go a run at a time.
     coalesces_writes: bool = False
+    #: True when :meth:`put_many` takes ``written=`` futures, each completed as soon as
+    #: the tier no longer reads its data buffer (the write returned), before the object
+    #: is durable and visible (the disk tier); otherwise a buffer is in use until its
+    #: put's future completes.
+    reports_written: bool = False
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -183,6 +189,12 @@ class Tier(ABC):
     def delete_many(self, keys: Iterable[ObjectKey]) -> int:
         """:meth:`delete` of several keys (a batch of evictions); returns the bytes freed."""
         return sum(self.delete(key) for key in keys)
+
+    def urgent(self) -> contextlib.AbstractContextManager[None]:
+        """While held, the tier makes pending writes durable as soon as they land (a
+        caller waits for one); tiers that batch their commits (the disk tier) otherwise
+        let them gather.  A no-op by default."""
+        return contextlib.nullcontext()
 
     # -- batch and paired verbs (working defaults; see the module docstring) -------
     def put_many(self, keys: Sequence[ObjectKey], datas: Sequence[Any] | None, *, nbytes: int,

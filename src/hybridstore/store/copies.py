@@ -17,6 +17,7 @@ import logging
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import ExitStack
 from functools import partial
 
 import numpy as np
@@ -193,13 +194,24 @@ class TierCopies:
                 # The object was forgotten while its copy was in flight.
                 self.res.tiers[dst].delete(okey)
 
+    def urgent(self) -> ExitStack:
+        """Every tier's :meth:`~hybridstore.backends.base.Tier.urgent` at once: a caller
+        is about to wait for copies to become durable."""
+        stack = ExitStack()
+        for tier in self.res.tiers.values():
+            urgent = getattr(tier, "urgent", None)     # tiers outside Tier's hierarchy: none
+            if urgent is not None:
+                stack.enter_context(urgent())
+        return stack
+
     def wait_pending(self) -> None:
         """Wait for every in-flight copy, then apply them."""
-        for fut in list(self.pending.values()):
-            try:
-                fut.result()
-            except Exception:  # reported by drain
-                pass
+        with self.urgent():
+            for fut in list(self.pending.values()):
+                try:
+                    fut.result()
+                except Exception:  # reported by drain
+                    pass
         self.drain()
 
     def spill(self, okey: ObjectKey, kind: ObjectKind, nbytes: int, src: str, dst: str) -> None:
@@ -217,7 +229,9 @@ class TierCopies:
             ck = self.res.index.checkpoint(okey[1:])
             assert ck is not None
             meta = self.res.state_meta(ck)
-        self.copy(okey, kind, nbytes, meta, src, dst).result()
+        fut = self.copy(okey, kind, nbytes, meta, src, dst)
+        with self.urgent():
+            fut.result()
         self.drain()
 
     def to_ssd(self, ck: Checkpoint) -> None:
@@ -232,7 +246,8 @@ class TierCopies:
                 fut = self.pending.get((okey, "disk")) or self.copy(
                     okey, ObjectKind.STATE, ck.nbytes, res.state_meta(ck), res.holder(ck.tiers),
                     "disk")
-                fut.result()
+                with self.urgent():
+                    fut.result()
             except COPY_FAILURES:
                 return               # it stays in fast memory (drain counts or logs why)
             finally:

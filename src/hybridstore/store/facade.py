@@ -72,6 +72,7 @@ from hybridstore.policy.placement import RequestEnd
 from hybridstore.policy.tiering import TierPolicy, tier_policy
 from hybridstore.store import args, staged
 from hybridstore.store.copies import TierCopies
+from hybridstore.store.direct import DirectPut, DirectWrites, page_bytes
 from hybridstore.store.evictor import Evictor
 from hybridstore.store.landing import LAYOUT_INFO, Landing
 from hybridstore.store.loader import Loader
@@ -165,6 +166,7 @@ class HybridStore:
         self._evictor = Evictor(res, self._copies, self._eviction)
         self._landing = Landing(res, self._copies, self._evictor, self._admission, self._layouts)
         self._staging = staged.Staging(self._landing.reserved)
+        self._direct = DirectWrites(self._landing, self._staging)
         self._loader = Loader(res, self._layouts, self._lock)
         self._remote = RemoteSync(res, self._layouts, self._copies.pending) \
             if "remote" in self.tiers and self.tiers["remote"].stores_bytes else None
@@ -297,6 +299,7 @@ class HybridStore:
         copies, take in what the processes sharing the disk directory changed, and ask the
         remote tier about ``prompt``."""
         self._copies.drain()
+        self._direct.drain()
         if self._follower is not None:
             self._follower.pull()
         if prompt is not None and self._remote is not None:
@@ -495,6 +498,58 @@ class HybridStore:
                 self._check_open()
                 stored += staged.commit(self._landing, self._staging, new, part)
         return stored
+
+    def write_kv_many(self, prompts: Sequence[Any], pages: Sequence[Any], *,
+                      tier: str = "disk") -> DirectPut:
+        """Store the last page of each of several prompts straight into a slower tier.
+
+        For engines that keep the bytes in DRAM of their own and want the store as the
+        tier beneath it (vLLM's ``HybridStoreTier`` under vLLM's CPU primary tier): each
+        page is written from the caller's buffer to ``tier`` (neighbouring slots in one
+        I/O), without a copy into the pinned pool, which it does not fill.  Pages some
+        tier already holds are touched.  The index learns of a page once it is durable
+        (``durable``), from the next store call on; the caller's buffer is free once
+        ``written`` completes (:mod:`~hybridstore.store.direct`).  :meth:`flush` waits
+        for them all.
+
+        Args:
+            prompts: token ids or :class:`PrefixKeys`, one per page (e.g.
+                ``engine_prefix([key], prefix=())`` of a chunk).
+            pages: the page that ends each prompt (tensor/array or dict of them); a
+                contiguous host tensor is written from in place.
+            tier: the tier written to (a byte tier below the fastest one).
+
+        Returns:
+            A :class:`~hybridstore.store.direct.DirectPut`: which pages were held,
+            are being written (with their ``written`` and ``durable`` futures) or
+            found no room.
+
+        Raises:
+            UnknownTierError: the store has no such tier.
+            InvalidArgumentError: ``tier`` is the fastest tier (use :meth:`put_kv_many`)
+                or keeps no bytes.
+            LayoutMismatchError: a page does not have the store's page layout.
+        """
+        if len(prompts) != len(pages):
+            raise InvalidArgumentError(f"write_kv_many got {len(prompts)} prompts and "
+                                       f"{len(pages)} pages; pass one page per prompt")
+        tier = args.tier_name(tier, list(self.tiers))
+        if tier == self._res.chain[0] or not self.tiers[tier].stores_bytes:
+            raise InvalidArgumentError(f"write_kv_many writes to a byte tier below the fastest "
+                                       f"one; {tier!r} is not (use put_kv_many)")
+        if not len(prompts):
+            return DirectPut()
+        keyed = [self.prefix(t) for t in prompts]
+        for p in keyed:
+            self._landing.first_block(p, 1)
+        with self._lock:
+            self._check_open()
+            layout = self._landing.layout(ObjectKind.PAGE, pages[0], "page")
+        datas = [page_bytes(layout, page) for page in pages]     # views; packed if need be
+        with self._lock:
+            self._check_open()
+            self._refresh()
+            return self._direct.submit(keyed, datas, layout.nbytes, tier)
 
     def put_kv_sized(self, tokens: Any, *, nbytes: int, first_block: int = 0) -> int:
         """Record pages by size only (accounting tiers: the trace simulator).
@@ -893,6 +948,7 @@ class HybridStore:
         """Wait until every disk write has completed and is recorded in the index."""
         with self._lock:
             self._copies.wait_pending()
+            self._direct.wait()
 
     def stats(self) -> dict[str, Any]:
         """Counters of the index, each tier and the store's calls."""
@@ -902,6 +958,7 @@ class HybridStore:
             out["evictions"] = self._evictor.evictions
             out["corrupt"] = self._loader.corrupt
             out["skipped_copies"] = self._copies.skipped_copies
+            out["direct_write_failures"] = self._direct.failed
             out["pages"] = self.index.n_pages
             out["checkpoints"] = self.index.n_checkpoints
             out["token_hit_rate"] = (self._counters["hit_tokens"] / self._counters["query_tokens"]
@@ -920,6 +977,7 @@ class HybridStore:
         with self._lock:
             self._closed = True
             self._copies.closed = True
+            self._direct.closed = True
         self._io.shutdown(wait=True)
         for tier in self.tiers.values():
             tier.close()

@@ -22,6 +22,15 @@ in order, and the primary tier decides what is stored and promoted, so the
 store here is a durable, checksummed, size-bounded chunk store (eviction by
 ``policy`` over pages); Mamba states and dependency-aware eviction apply through
 :class:`~hybridstore.adapters.vllm.HybridStoreSpec` only.
+
+Stores go straight from vLLM's primary rows to the SSD
+(:meth:`~hybridstore.HybridStore.write_kv_many`; ``direct_store``, on by
+default): the bytes already sit in vLLM's DRAM tier, so they are not copied into
+the store's pinned pool first.  A store job completes once its writes returned
+(vLLM may reuse the primary slots then); a chunk is found by :meth:`lookup`
+once durable (``fdatasync`` + catalog commit), ``RETRY`` until then.  With
+``direct_store: false`` a job copies its chunks into the store's DRAM tier and
+the SSD write-through follows in the background.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import threading
 import time
 from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
@@ -50,6 +60,9 @@ from hybridstore.errors import ConfigError, HybridStoreError
 log = logging.getLogger(__name__)
 
 _STORE_KEYS = ("disk_bytes", "host_bytes", "policy", "tier_policy", "disk_engine", "io_threads")
+_DIRECT_HOST_BYTES = 64 << 20
+"""The store's DRAM tier when stores go straight to the SSD and ``host_bytes`` is not
+given: loads read into vLLM's primary rows in place, so it holds next to nothing."""
 
 
 class HybridStoreTier(SecondaryTierManager):
@@ -63,7 +76,8 @@ class HybridStoreTier(SecondaryTierManager):
         disk_path: the store's SSD directory (required).
         **store_settings: ``disk_bytes``, ``host_bytes``, ``policy``,
             ``tier_policy``, ``disk_engine``, ``io_threads``, ``namespace``,
-            ``threads`` (jobs run in parallel, 4).
+            ``threads`` (jobs run in parallel, 4), ``direct_store`` (stores
+            written from the primary rows straight to the SSD; default true).
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -83,6 +97,10 @@ class HybridStoreTier(SecondaryTierManager):
             f"tp{par.tp_size}", f"pp{par.pp_size}", f"chunk{chunk}",
             f"bytes{self._primary.shape[1]}", store_settings.pop("namespace", "")))
         threads = int(store_settings.pop("threads", 4))
+        direct = store_settings.pop("direct_store", True)
+        if isinstance(direct, str):
+            direct = direct.strip().lower() not in ("0", "false", "no", "off")
+        self._direct = bool(direct)
         kwargs: dict[str, Any] = {}
         for key in _STORE_KEYS:
             if key in store_settings:
@@ -90,7 +108,10 @@ class HybridStoreTier(SecondaryTierManager):
                 kwargs[key] = parse_bytes(value) if key.endswith("_bytes") else value
         if store_settings:
             raise ConfigError(f"HybridStoreTier does not know {sorted(store_settings)}; it takes "
-                              f"disk_path, namespace, threads and {list(_STORE_KEYS)}")
+                              f"disk_path, namespace, threads, direct_store and "
+                              f"{list(_STORE_KEYS)}")
+        if self._direct:
+            kwargs.setdefault("host_bytes", _DIRECT_HOST_BYTES)
         self.store = HybridStore(StoreConfig(block_size=chunk, namespace=namespace,
                                              disk_path=str(disk_path), **kwargs))
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hybridstore-tier")
@@ -151,12 +172,20 @@ class HybridStoreTier(SecondaryTierManager):
             self._jobs[job.job_id] = self._pool.submit(run)
 
     def _store(self, job: TransferJob, keys: list[OffloadKey]) -> tuple[list[OffloadKey], int]:
-        """A job's chunks in one :meth:`~hybridstore.HybridStore.put_kv_many` (one lock hold,
-        one coalesced write-through); chunk by chunk only if that fails."""
+        """A job's chunks straight to the SSD (:meth:`_store_direct`), or in one
+        :meth:`~hybridstore.HybridStore.put_kv_many` (one lock hold, one coalesced
+        write-through); chunk by chunk only if that fails."""
         chunk = self._primary.shape[1]
+        later: list[OffloadKey] = []      # released from _storing once durable
         try:
             prompts = [self._prompt(key) for key in keys]
             pages = [self._primary[c] for c in job.chunk_ids.tolist()]
+            if self._direct:
+                try:
+                    return self._store_direct(keys, prompts, pages, later)
+                except HybridStoreError:
+                    log.warning("HybridStoreTier: a direct store job failed; storing its chunks "
+                                "through the DRAM tier", exc_info=True)
             try:
                 return list(keys), self.store.put_kv_many(prompts, pages) * chunk
             except HybridStoreError:
@@ -171,13 +200,43 @@ class HybridStoreTier(SecondaryTierManager):
                     log.exception("HybridStoreTier: cannot store a chunk")
             return done, nbytes
         finally:
-            with self._mu:
-                for key in keys:
-                    left = self._storing[key] - 1
-                    if left:
-                        self._storing[key] = left
-                    else:
-                        del self._storing[key]
+            pending = set(later)
+            self._stored([k for k in keys if k not in pending])
+
+    def _store_direct(self, keys: list[OffloadKey], prompts: list[PrefixKeys],
+                      pages: list[np.ndarray], later: list[OffloadKey]
+                      ) -> tuple[list[OffloadKey], int]:
+        """:meth:`~hybridstore.HybridStore.write_kv_many` of a job: returns once every
+        write returned (the primary rows are free again).  The keys being written go to
+        ``later``: they stay ``RETRY`` for :meth:`lookup` until durable (then indexed)."""
+        chunk = self._primary.shape[1]
+        put = self.store.write_kv_many(prompts, pages)
+        done = [keys[i] for i in put.held]
+        for i, written, durable in zip(put.new, put.written, put.durable):
+            key = keys[i]
+            later.append(key)
+            durable.add_done_callback(partial(self._durable, key))
+            if written.exception() is None:       # waits for the write
+                done.append(key)
+            else:
+                log.warning("HybridStoreTier: cannot store a chunk: %s", written.exception())
+        if put.refused:
+            log.warning("HybridStoreTier: no room on the SSD for %d chunks", len(put.refused))
+        return done, len(done) * chunk
+
+    def _durable(self, key: OffloadKey, _fut: Future) -> None:
+        """A direct store's chunk is durable (or its write failed): :meth:`_stored`."""
+        self._stored([key])
+
+    def _stored(self, keys: list[OffloadKey]) -> None:
+        """Stores of ``keys`` ended (durable, or failed): lookups answer again."""
+        with self._mu:
+            for key in keys:
+                left = self._storing[key] - 1
+                if left:
+                    self._storing[key] = left
+                else:
+                    del self._storing[key]
 
     def _load(self, job: TransferJob, plans: list[ResumePlan | None]
               ) -> tuple[list[OffloadKey], int]:
@@ -225,9 +284,10 @@ class HybridStoreTier(SecondaryTierManager):
         return done
 
     def has_pending_work(self) -> bool:
-        """Copies in flight: vLLM keeps polling :meth:`get_finished_jobs` while True."""
+        """Copies in flight, or stored chunks not durable yet: vLLM keeps polling
+        :meth:`get_finished_jobs` while True."""
         with self._mu:
-            return bool(self._jobs or self._finished)
+            return bool(self._jobs or self._finished or self._storing)
 
     def drain_jobs(self) -> None:
         with self._mu:

@@ -31,6 +31,17 @@ if TYPE_CHECKING:
 LOCK_NAME = "LOCK"
 CATALOG_DIR = "catalog"
 _COMMIT_BATCH = 256
+COMMIT_GATHER_S = 0.5
+"""How long the committer waits for writes still in flight to join a commit.
+
+Each commit is an ``fdatasync`` of the segments plus an lmdb transaction, each a
+device cache flush: O_DIRECT writes in flight stall behind it.  Measured on the
+2-core VM (virtio disk): 16 threads writing 1.5 MiB pieces ran at 1.0-1.8 GB/s
+alone and 0.4-0.6 GB/s while another thread ``fdatasync``-ed a 4 KiB file every
+30 ms; a burst of 16-chunk store jobs wrote at 1.3-1.5 GB/s one job at a time
+(each committed before the next) and 0.4-0.5 GB/s with a commit per landed run.
+So while other writes are in flight, a commit waits for them, up to this long: a
+lone write is committed at once, a steady stream about twice a second."""
 COALESCE_BYTES = 8 << 20
 """Longest I/O :meth:`DiskTier.read_many_into` makes of neighbouring objects."""
 _STOP = object()
@@ -68,6 +79,8 @@ class _PendingWrite:
     meta: bytes
     future: Future = field(default_factory=Future)
     checksum: int = 0
+    written: Future | None = None
+    """Set once ``view`` is no longer read (the write returned, or the put failed)."""
 
 
 class _TierState:
@@ -83,6 +96,8 @@ class _TierState:
     _files: dict[int, Any]
     _objects: dict[bytes, _Object]
     _latest: dict[bytes, int]
+    _writing: int
+    _urgent: int
     _pins: dict[Extent, int]
     _deferred: set[Extent]
     _seq: itertools.count[int]
@@ -120,6 +135,8 @@ class _TierState:
         def _file(self, segment: int) -> Any: ...
 
         def _log(self) -> int | None: ...
+
+        def _maybe_grow_ahead(self) -> None: ...
 
         def sync(self) -> None: ...
 

@@ -10,6 +10,7 @@ transaction, and only then completes the futures (the durability order of
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -24,6 +25,7 @@ from hybridstore.backends.disk.objects import (
     _EMPTY,
     _STOP,
     COALESCE_BYTES,
+    COMMIT_GATHER_S,
     _check_key,
     _full_error,
     _Object,
@@ -64,6 +66,7 @@ class _WritePath(_TierState):
         key = _check_key(key)
         view = byte_view(data, nbytes, what="data")
         extents = self._alloc_run(nbytes, 1)
+        self._maybe_grow_ahead()
         if extents is None:
             raise CapacityError(f"the disk tier at {self.path} has no room for {nbytes} bytes "
                                 f"(a {self.charge(nbytes)}-byte slot; {self.free_bytes} of "
@@ -75,11 +78,13 @@ class _WritePath(_TierState):
                 self._check_open()
             pending = _PendingWrite(key, next(self._seq), extent, view, nbytes, bytes(meta))
             self._latest[key] = pending.seq
+            self._writing += 1
         self._jobs.submit(self._write_job, pending)
         return pending.future
 
     def put_many(self, keys: Sequence[ObjectKey], datas: Sequence[Any] | None, *, nbytes: int,
-                 metas: Sequence[bytes] | None = None) -> list[Future]:
+                 metas: Sequence[bytes] | None = None,
+                 written: Sequence[Future] | None = None) -> list[Future]:
         """:meth:`put` of a run of objects of one size, neighbours in one write.
 
         The slots are allocated together (adjacent where the allocator's slabs
@@ -89,6 +94,11 @@ class _WritePath(_TierState):
         large writes instead of one per page).  Each object keeps its own
         checksum, catalog record and future.
 
+        ``written``: one future per key, completed (``None``) as soon as the tier no
+        longer reads that object's data buffer, i.e. when its write returned, before
+        it is durable (or with the put's error when it failed first): a caller that
+        writes from memory it must give back (vLLM's primary tier) frees it then.
+
         Raises:
             ObjectTooLargeError: an object can never fit.
             CapacityError: the budget is short for all of them (none is written).
@@ -97,9 +107,12 @@ class _WritePath(_TierState):
         keys = [_check_key(key) for key in keys]
         if datas is None or len(set(keys)) != len(keys) or len(datas) != len(keys):
             raise ValueError("put_many needs distinct keys and one data buffer per key")
+        if written is not None and len(written) != len(keys):
+            raise ValueError("put_many needs one written future per key")
         metas = [b""] * len(keys) if metas is None else [bytes(m) for m in metas]
         views = [byte_view(data, nbytes, what="data") for data in datas]
         extents = self._alloc_run(nbytes, len(keys))
+        self._maybe_grow_ahead()
         if extents is None:
             raise CapacityError(f"the disk tier at {self.path} has no room for {len(keys)} x "
                                 f"{nbytes} bytes ({self.free_bytes} of {self._capacity} bytes "
@@ -111,8 +124,12 @@ class _WritePath(_TierState):
                 self._check_open()
             pending = [_PendingWrite(key, next(self._seq), extent, view, nbytes, meta)
                        for key, extent, view, meta in zip(keys, extents, views, metas)]
+            if written is not None:
+                for p, w in zip(pending, written):
+                    p.written = w
             for p in pending:
                 self._latest[p.key] = p.seq
+            self._writing += len(pending)
         runs: list[list[_PendingWrite]] = []
         for p in sorted(pending, key=lambda p: (p.extent.arena, p.extent.offset)):
             if runs:
@@ -157,8 +174,11 @@ class _WritePath(_TierState):
                     written.exception()  # wait for the write whatever happened here
                 written.result()
         except BaseException as e:  # noqa: BLE001 - reported through the future
+            self._landed(1)
             self._abandon([p], _full_error(_with_key(e, p.key), self.path, "a write"))
             return
+        _released([p])
+        self._landed(1)
         self._commits.put(p)
 
     def _write_run(self, run: list[_PendingWrite]) -> None:
@@ -183,20 +203,37 @@ class _WritePath(_TierState):
                 p.checksum = xxhash.xxh3_64_intdigest(p.view)
             self.engine.write(self._files[first.arena], buf, span, first.offset)
         except BaseException as e:  # noqa: BLE001 - reported through the futures
+            self._landed(len(run))
             self._abandon(run, _full_error(_with_key(e, run[0].key), self.path, "a write"))
             return
+        _released(run)
+        self._landed(len(run))
         for p in run:
             self._commits.put(p)
+
+    def _landed(self, n: int) -> None:
+        """``n`` writes returned (or failed): no longer in flight for the committer."""
+        with self._lock:
+            self._writing -= n
 
     def _commit_loop(self) -> None:
         stop = False
         while not stop:
             batch = [self._commits.get()]
-            while len(batch) < _COMMIT_BATCH:
+            deadline = time.monotonic() + COMMIT_GATHER_S
+            while len(batch) < _COMMIT_BATCH and _STOP not in batch:
                 try:
                     batch.append(self._commits.get_nowait())
+                    continue
                 except queue.Empty:
-                    break
+                    pass
+                wait = deadline - time.monotonic()
+                if self._writing <= 0 or wait <= 0 or self._urgent:
+                    break          # nothing else in flight, or a caller waits: commit now
+                try:
+                    batch.append(self._commits.get(timeout=min(wait, 0.005)))
+                except queue.Empty:
+                    pass
             stop = _STOP in batch
             pending = [p for p in batch if p is not _STOP]
             if pending:
@@ -261,7 +298,16 @@ class _WritePath(_TierState):
                 self._release(p.extent)
         for p in batch:
             p.view = _EMPTY
+            if p.written is not None and not p.written.done():
+                p.written.set_exception(exc)
             p.future.set_exception(exc)
+
+
+def _released(run: list[_PendingWrite]) -> None:
+    """The writes of ``run`` returned: their data buffers are free (``written``)."""
+    for p in run:
+        if p.written is not None and not p.written.done():
+            p.written.set_result(None)
 
 
 def _spanning_view(views: list[np.ndarray], at: list[int], span: int) -> np.ndarray | None:
@@ -270,8 +316,10 @@ def _spanning_view(views: list[np.ndarray], at: list[int], span: int) -> np.ndar
     root = views[0]
     while isinstance(root.base, np.ndarray):
         root = root.base
-    if root.dtype != np.uint8 or root.ndim != 1 or not root.flags.c_contiguous:
+    if not root.flags.c_contiguous:
         return None
+    if root.dtype != np.uint8 or root.ndim != 1:     # e.g. vLLM's (chunks, bytes) int8 rows
+        root = root.reshape(-1).view(np.uint8)
     base = buffer_address(root)
     start = buffer_address(views[0]) - base
     if start < 0 or start + span > root.nbytes:

@@ -51,6 +51,15 @@ class PosixFile:
     path: str
 
 
+WRITE_PIECE_BYTES = 2 << 20
+"""Pieces of a large in-place write are at least this long (or the whole write).
+
+A write's checksum is taken before it starts, so nothing overlaps with its pieces
+and more of them only cut the requests the device sees: on the 2-core VM's virtio
+disk O_DIRECT writes of 256 KiB pieces (8 threads) ran at 0.76-0.86 GB/s, of
+1.5-6 MiB pieces at 1.06-1.44 GB/s (the raw-write probe of docs/bench/engines.md)."""
+
+
 class AlignedBufferPool:
     """A free list of page-aligned (mmap-backed) bounce buffers of one size."""
 
@@ -292,7 +301,10 @@ class PosixEngine(Engine):
             task: Callable[..., None] = self._write_in_place if write else self._read_in_place
         else:
             task = self._write_bounced if write else self._read_bounced
-        op = _Striped(task, file, view, offset, self.piece_bytes(nbytes, in_place=in_place))
+        piece = self.piece_bytes(nbytes, in_place=in_place)
+        if write and in_place:
+            piece = max(piece, min(max(round_up(nbytes), ALIGN), WRITE_PIECE_BYTES))
+        op = _Striped(task, file, view, offset, piece)
         for _ in range(min(op.count - caller_works, self.io_threads)):
             self._pool.submit(op.work)
         return op

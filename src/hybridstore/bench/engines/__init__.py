@@ -54,6 +54,9 @@ from hybridstore.bench.odirect import IoJob
 
 __all__ = ["run_engines_bench"]
 
+SECTIONS = ("sglang", "vllm", "policy")
+"""The bench's sections, in the order they run (``only=`` picks some)."""
+
 QUICK_POLICY_TRACE = "synthetic:agent?sessions=4&turns=8&new=2048&out=128&mutation=0.2&gap=20"
 
 
@@ -78,7 +81,8 @@ def run_engines_bench(json_path: str | None = None, *, plot_path: str | None = N
                       disk_dir: str | None = None, quick: bool = False, use_fio: bool = True,
                       tp: tuple[int, ...] | None = None, policy_trace: str | None = None,
                       policy_requests: int | None = None, print_json: bool = True,
-                      torch_threads: int = 1) -> dict[str, Any]:
+                      torch_threads: int = 1,
+                      only: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Run the engine benchmark; print a table (and the JSON), return the document.
 
     Args:
@@ -97,6 +101,8 @@ def run_engines_bench(json_path: str | None = None, *, plot_path: str | None = N
         policy_requests: first arrivals replayed (default 20 quick, 40 full).
         print_json: also print the JSON document to stdout.
         torch_threads: torch intra-op threads while measuring (see the code).
+        only: the sections to run, of ``("sglang", "vllm", "policy")`` (default:
+            all); the SSD limit is always measured.
 
     Returns:
         ``{"machine", "versions", "config", "disk", "device_limit", "rows",
@@ -113,14 +119,15 @@ def run_engines_bench(json_path: str | None = None, *, plot_path: str | None = N
     torch.set_num_threads(torch_threads)
     try:
         return _run(json_path, plot_path, disk_dir, quick, use_fio, tp, policy_trace,
-                    policy_requests, print_json)
+                    policy_requests, print_json, only)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, quick: bool,
          use_fio: bool, tp: tuple[int, ...] | None, policy_trace: str | None,
-         policy_requests: int | None, print_json: bool) -> dict[str, Any]:
+         policy_requests: int | None, print_json: bool,
+         only: tuple[str, ...] | None = None) -> dict[str, Any]:
     import torch
 
     from hybridstore.bench.engines import jobs, pages, policy, report
@@ -128,6 +135,11 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
     from hybridstore.bench.engines import vtier as V
     from hybridstore.bench.engines.geometry import QWEN3_NEXT
 
+    sections = SECTIONS if only is None else tuple(only)
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown bench engines sections {sorted(unknown)}; pick from "
+                         f"{list(SECTIONS)}")
     tps = tp or ((4,) if quick else (1, 4))
     reps = 2 if quick else 3
     warmup = 0 if quick else 1
@@ -171,7 +183,7 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
         restart.append({"engine": engine, "geometry": geometry, "batch": batch, **run.restart})
 
     steps = (3 + len(tps) * len(plan) * 2 * (reps + warmup + 1)
-             + len(budgets) * (1 + 2 * (len(sgl_names) > 1)) * (n_requests // 25 + 1) + 2)
+             + len(budgets) * (1 + 3 * (len(sgl_names) > 1)) * (n_requests // 25 + 1) + 2)
     device: dict[str, Any] = {}
     wl = None
     phases: dict[str, float] = {}
@@ -195,9 +207,10 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
             ref_job = IoJob("read", ref["block_bytes"], ref["iodepth"])
             phase("ssd_limit")
             step("importing SGLang")
-            S.sgl()
+            if {"sglang", "policy"} & set(sections):
+                S.sgl()
             phase("import_sglang")
-            for t in tps:
+            for t in (tps if "sglang" in sections else ()):
                 g = QWEN3_NEXT.geometry(t)
                 for batch, n_pages, n_states in plan:
                     run = pages.SglPageRun(g, batch=batch, n_pages=n_pages, n_states=n_states,
@@ -210,7 +223,7 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
             step("importing vLLM")
             V.vllm()
             phase("import_vllm")
-            for t in tps:
+            for t in (tps if "vllm" in sections else ()):
                 g = QWEN3_NEXT.geometry(t)
                 for batch, n_pages, _ in plan:
                     vrun = jobs.VllmJobRun(g, job_chunks=batch, n_chunks=n_pages, root=root,
@@ -221,11 +234,13 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
                     gc.collect()
             phase("vllm")
             step("policy: page keys of the trace")
-            wl = policy.make_workload(QWEN3_NEXT, trace_spec, n_requests)
+            wl = policy.make_workload(QWEN3_NEXT, trace_spec, n_requests) \
+                if "policy" in sections else None
             phase("policy_keys")
-            systems = [(S.BUILTIN, None)] + ([(S.OURS, "histate"), (S.OURS, "lru")]
-                                              if S.OURS in sgl_names else [])
-            for share in budgets:
+            systems = [(S.BUILTIN, None)] + ([(S.OURS, "hybridstore"), (S.OURS, "histate"),
+                                               (S.OURS, "lru")] if S.OURS in sgl_names else [])
+            for share in (budgets if wl is not None else ()):
+                assert wl is not None
                 for backend, pol in systems:
                     policy_runs.append(policy.replay_system(
                         wl, backend=backend, policy=pol, budget=int(share * wl.footprint_bytes),
@@ -243,7 +258,7 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
         "machine": machine_info(),
         "versions": {"sglang": S.sglang_version(), "vllm": V.vllm_version(),
                      "vllm_fs_io_c": V.vllm().fs_io_c},
-        "config": {"quick": quick, "reps": reps, "warmup_reps": warmup, "tp": list(tps),
+        "config": {"quick": quick, "sections": list(sections), "reps": reps, "warmup_reps": warmup, "tp": list(tps),
                    "plan": [{"batch": b, "pages_per_rep": p, "states_per_rep": s_}
                             for b, p, s_ in plan],
                    "geometries": [QWEN3_NEXT.geometry(t).as_dict() for t in tps],
