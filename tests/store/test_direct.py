@@ -9,23 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridstore import HybridStore, StoreConfig
+from hybridstore import HybridStore
 from hybridstore.errors import BackendIOError, InvalidArgumentError, UnknownTierError
-
-B = 16
-PAGE = 64 << 10
-
-
-def cfg(tmp_path, **kw) -> StoreConfig:
-    base = {"block_size": B, "host_bytes": 4 << 20, "disk_path": str(tmp_path / "ssd"),
-            "disk_bytes": 64 << 20, "disk_segment_bytes": 8 << 20, "disk_engine": "posix"}
-    base.update(kw)
-    return StoreConfig(**base)
-
-
-def chunks(n: int, seed: int = 0) -> tuple[list[bytes], np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.bytes(32) for _ in range(n)], rng.integers(-128, 128, (n, PAGE), dtype=np.int8)
+from tests.store.test_many import PAGE, cfg, chunks
 
 
 def load_rows(store: HybridStore, prompts, n: int) -> np.ndarray:
