@@ -72,7 +72,7 @@ class _Pass:
     bytes_per_token: float
     q: float
     weight: dict[bytes, float]   # W: internal access mass of the trajectories through a checkpoint
-    kind: ObjectKind | None      # the partition the pass makes room in (None: the whole tier)
+    priced: ObjectKind | None    # M_x counts this kind's bytes (PAGE: KV room in a split tier)
 
 
 class HiStateEviction(UnitEviction):
@@ -147,7 +147,9 @@ class HiStateEviction(UnitEviction):
         held = len(pages["ids"]) + sum(u.held for u in units)
         tau = float(held) if self.tau is None else self.tau
         bpt = self.kv_bytes_per_token or kv_bytes_per_token(index, pages)
-        return _Pass(tau=tau, bytes_per_token=bpt, q=q, weight=weight, kind=kind)
+        # for state room (or one shared tier) the whole unit counts (module docstring)
+        priced = kind if kind == ObjectKind.PAGE else None
+        return _Pass(tau=tau, bytes_per_token=bpt, q=q, weight=weight, priced=priced)
 
     def rescored(self, index: HybridIndex, unit: HybridUnit, ctx: _Pass) -> None:
         ck = unit.ck
@@ -155,8 +157,7 @@ class HiStateEviction(UnitEviction):
             ctx.weight[ck.key] = _leaf_weight(ck, ctx.q)
 
     def score(self, index: HybridIndex, unit: HybridUnit, ctx: _Pass) -> float:
-        freed = max(unit.freed(ctx.kind if ctx.kind == ObjectKind.PAGE else None)
-                    / ctx.bytes_per_token, 1e-9)
+        freed = max(unit.freed(ctx.priced) / ctx.bytes_per_token, 1e-9)
         return unit.ck.atime + ctx.tau * self.expected_recompute(unit.ck, ctx) / freed
 
     @staticmethod

@@ -27,7 +27,7 @@ keeps its older rank while the KV it shares moves on (:func:`_offload_rank`).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import numpy as np
 
@@ -59,6 +59,20 @@ def _offload_rank(ck: Checkpoint, page_atime: dict[int, int]) -> float:
     (the state's last use is not older than those pages'), else the state's own last use."""
     t = page_atime.get(ck.base)
     return float(ck.atime if t is None or ck.atime < t else t)
+
+
+def _unneeded_first(pages: dict[str, np.ndarray], order: np.ndarray
+                    ) -> Generator[Victim, None, np.ndarray]:
+    """Yield, in ``order``, the pages of an earlier prompt that no state needs (its tail past
+    its last state, a partial last block): vLLM never caches that KV, so it goes first.  The
+    newest pages belong to the prompt being stored, its states still to come.  Returns the
+    rest of ``order``."""
+    if not len(order):
+        return order
+    atime = pages["atime"]
+    first = ((pages["deps"] == 0) & (atime < atime.max()))[order]
+    yield from (Victim(ObjectKind.PAGE, i) for i in pages["ids"][order[first]].tolist())
+    return order[~first]
 
 
 class PlainLRUEviction(EvictionPolicy):
@@ -97,14 +111,8 @@ class PlainLRUEviction(EvictionPolicy):
         ranked: list[tuple[float, int, int, ObjectKind, int | bytes]] = []
         if kind != ObjectKind.STATE:
             order = np.lexsort((-pages["block"], pages["atime"]))   # lru_order's ranking
-            if self.running_state and len(order):
-                # KV that no state needs, of an earlier prompt (its tail past its last
-                # state, a partial last block): vLLM never caches it, so it goes first.
-                # The newest pages belong to the prompt being stored, states still to come.
-                atime = pages["atime"]
-                first = ((pages["deps"] == 0) & (atime < atime.max()))[order]
-                yield from (Victim(ObjectKind.PAGE, i) for i in pages["ids"][order[first]].tolist())
-                order = order[~first]
+            if self.running_state:
+                order = yield from _unneeded_first(pages, order)
             ranked = [(float(t), 0, 0, ObjectKind.PAGE, i) for t, i in
                       zip(pages["atime"][order].tolist(), pages["ids"][order].tolist())]
         states: list[tuple[float, int, int, ObjectKind, int | bytes]] = []
@@ -132,9 +140,7 @@ class PlainLRUEviction(EvictionPolicy):
         if kind != ObjectKind.STATE and len(pages["ids"]):
             atime = pages["atime"]
             order = np.lexsort((-pages["block"], atime))     # by turn, then tail first
-            first = ((pages["deps"] == 0) & (atime < atime.max()))[order]
-            yield from (Victim(ObjectKind.PAGE, i) for i in pages["ids"][order[first]].tolist())
-            rest = order[~first]
+            rest = yield from _unneeded_first(pages, order)
             ranked = zip(atime[rest].astype(np.float64).tolist(),
                          (-(pages["block"][rest] + 1) * B).tolist(), [1] * len(rest),
                          [ObjectKind.PAGE] * len(rest), pages["ids"][rest].tolist())

@@ -412,7 +412,7 @@ def kv_pool_pages(store: HybridStore, p: Preset, cfg: ReplayConfig, page_bytes: 
     of it, or its page partition under split pools); ``None`` for the unlimited reference."""
     if p.unlimited:
         return None
-    tier = store.tiers[next(name for name in TIER_ORDER if name in store.tiers)]
+    tier = store.tiers[_fastest(store)]
     share = tiering_of(p, cfg).share(ObjectKind.PAGE)
     return int((1.0 if share is None else share) * tier.capacity_bytes) // tier.charge(page_bytes)
 
@@ -461,12 +461,17 @@ def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPres
                    {t: round(n * scale) for t, (n, _) in cost.items()}, measured)
 
 
+def _fastest(store: HybridStore) -> str:
+    """The name of the store's fastest tier (the engine's own cache)."""
+    return next(name for name in TIER_ORDER if name in store.tiers)
+
+
 def _device_prefix(store: HybridStore, plan: ResumePlan) -> int:
     """Tokens of the plan's resume prefix whose pages the fastest tier holds from the start
     (the rest an engine loads into blocks it allocates there: ``Preset.loads_into_device``)."""
     if not plan.position or not len(plan.pages):
         return plan.position
-    bit = TIER_BITS[next(name for name in TIER_ORDER if name in store.tiers)]
+    bit = TIER_BITS[_fastest(store)]
     held = (store.index.page_columns(plan.pages, ("tiers",))["tiers"] & bit) != 0
     miss = np.flatnonzero(~held)
     if not miss.size:
@@ -501,7 +506,7 @@ def _allocate(store: HybridStore, prompt: PrefixKeys, cached: int, page_bytes: i
     pages = prompt.nblocks - cached // prompt.block_size
     if pages <= 0:
         return
-    tier = store.tiers[next(name for name in TIER_ORDER if name in store.tiers)]
+    tier = store.tiers[_fastest(store)]
     try:
         store.make_room(pages * tier.charge(page_bytes), ObjectKind.PAGE)
     except CapacityError:
