@@ -1,6 +1,7 @@
-"""A put that finds enough free bytes but no contiguous slot (fragmentation): the evictor
-frees one window of neighbours instead of the policy's order, and gives up at once when
-every window holds what must stay (nothing evicted for nothing)."""
+"""A put that finds enough free bytes but no contiguous slot (fragmentation): the disk
+tier moves the objects of one window elsewhere (compaction, nothing lost); a tier that
+cannot frees one window of neighbours instead of the policy's order, and gives up at
+once when every window holds what must stay (nothing evicted for nothing)."""
 
 from __future__ import annotations
 
@@ -55,9 +56,12 @@ def test_state_put_into_a_fragmented_disk_tier(tmp_path, pinned):
             assert on_disk and store._copies.skipped_copies == 0
             assert evicted <= PAGES // 4          # far from emptying the tier
         else:
-            # a pinned page in every slab: no window can be freed; the copy is skipped
-            # without emptying the tier for nothing
-            assert not on_disk and store._copies.skipped_copies == 1
+            # a pinned page in every slab: no window can be evicted, but pages can move
+            # (a pin keeps a page in the store, not in its slot): the disk tier moves
+            # those of one window into the holes the policy's pass left, and the copy
+            # lands without emptying the tier
+            assert on_disk and store._copies.skipped_copies == 0
+            assert store.stats()["relocations"] >= 1
             assert evicted <= PAGES // 4          # far from emptying the tier
             assert len(list(disk.entries())) >= PAGES - PAGES // 4
         for plan in plans:
@@ -89,3 +93,45 @@ def test_allocator_window_is_the_cheapest_movable_one():
     assert isinstance(big, Extent)
     blocked = {e for e in small if e.offset % (128 << 10) == 0} | {big}
     assert a.window(200 << 10, lambda e: e not in blocked) is None
+
+
+def test_a_fragmented_disk_tier_moves_pages_instead_of_evicting_them(tmp_path):
+    """Pages of two prompts written in turn fill the disk tier; evicting one prompt's
+    leaves 4 KiB holes only.  A state's disk copy then needs a 200 KiB slot: the tier
+    moves the pages of one window into the holes (compaction) and evicts nothing."""
+    n = 1024                                      # 2 x 1024 pages of 4 KiB: the whole tier
+    rng = np.random.default_rng(3)
+    a_tokens, b_tokens = rng.integers(0, 1000, n * B), rng.integers(1000, 2000, n * B)
+    a_pages = [rng.integers(0, 255, PAGE, dtype=np.uint8) for _ in range(n)]
+    with HybridStore(cfg(tmp_path)) as store:
+        disk = store.tiers["disk"]
+        for i in range(n):
+            store.put_kv_page(a_tokens, a_pages[i], end=(i + 1) * B)
+            store.put_kv_page(b_tokens, rng.integers(0, 255, PAGE, dtype=np.uint8),
+                              end=(i + 1) * B)
+            if i % 64 == 63:
+                store.flush()
+        store.flush()
+        assert len(list(disk.entries())) == 2 * n
+        store.release(store.match_pages(a_tokens))          # A is the more recent
+        assert store.evict(n * PAGE, tier="disk") >= n * PAGE
+        assert store.present_pages(a_tokens) == n
+        on_disk = len(list(disk.entries()))
+        assert on_disk == n                                 # B's pages left the SSD
+        evictions = store.stats()["evictions"]
+        state = rng.integers(0, 255, 200 << 10, dtype=np.uint8)
+        assert store.put_state(a_tokens, state)
+        store.flush()
+        stats = store.stats()
+        assert stats["relocations"] >= 1 and store._copies.skipped_copies == 0
+        assert stats["evictions"] == evictions              # nothing evicted for room
+        assert disk.contains(object_key(ObjectKind.STATE, store.prefix(a_tokens).key_at(n * B)))
+        assert len(list(disk.entries())) == n + 1
+        store.evict(1 << 40, tier="host")                   # loads come from the SSD now
+        plan = store.match(a_tokens)
+        assert plan.position == n * B
+        pages, got = store.load(plan).result()
+        store.release(plan)
+        assert np.array_equal(np.asarray(got).view(np.uint8).reshape(-1), state)
+        flat = np.concatenate([np.asarray(p).view(np.uint8).reshape(-1) for p in pages])
+        assert np.array_equal(flat, np.concatenate(a_pages))

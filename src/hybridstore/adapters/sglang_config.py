@@ -14,7 +14,7 @@ key                      default                       meaning
                          none (DRAM only)              subdirectory ``tp{r}of{n}_pp{p}of{q}``
 ``disk_bytes``           ``64GiB``                     SSD budget per rank (int or ``"64GiB"``)
 ``host_bytes``           ``1GiB``                      pinned-DRAM budget per rank
-``policy``               ``"lru"``                     eviction policy (``StoreConfig.policy``)
+``policy``               ``"lru-radix"``               eviction policy (``StoreConfig.policy``)
 ``checkpoint_policy``    ``"keep-all"``                which Mamba states are kept
 ``tier_policy``          ``"write-through"``           DRAM/SSD placement
 ``namespace``            ``""``                        tenant salt (stores with different
@@ -58,7 +58,13 @@ class SGLangSettings:
     disk_path: str | None = None
     disk_bytes: int = _DEFAULTS.disk_bytes
     host_bytes: int = _DEFAULTS.host_bytes
-    policy: str = _DEFAULTS.policy
+    policy: str = "lru-radix"
+    """SGLang's own radix-tree LRU (a leaf leaves whole, its state with its KV): SGLang
+    writes back one state per radix node end, so eq. 7 (``hybridstore``, ``histate``) has
+    no checkpoints to choose between, and recency decides.  Measured through this adapter
+    (``hybridstore bench engines --only policy``) and in the replay with request-end
+    placement, it keeps as much as or more than ``lru``, ``histate`` and ``hybridstore``
+    (docs/engines/sglang.md)."""
     checkpoint_policy: str = _DEFAULTS.checkpoint_policy
     tier_policy: str = _DEFAULTS.tier_policy
     namespace: str = ""

@@ -77,6 +77,23 @@ class Extent:
     length: int
 
 
+@dataclass(frozen=True, slots=True)
+class Window:
+    """A span of one arena that one slot needs free (:meth:`SlabAllocator.window_at`).
+
+    Attributes:
+        arena: the arena's id.
+        start: its first byte.
+        length: its bytes (the slot's size, or a slab's for slab classes).
+        extents: the live extents inside it (to free or to move elsewhere).
+    """
+
+    arena: int
+    start: int
+    length: int
+    extents: tuple[Extent, ...]
+
+
 class _Arena:
     """One arena's free runs (``starts`` sorted; ``runs``: start -> length)."""
 
@@ -246,17 +263,9 @@ class SlabAllocator:
         with self._lock:
             try:
                 for _ in range(n):
-                    if size > self._max_regular:
-                        extent = self._alloc_dedicated(size)
-                    elif size <= self._small_max:
-                        extent = self._alloc_in_slab(size)
-                    else:
-                        where = self._take(size, self._align)
-                        extent = None if where is None else Extent(where[0].id, where[1], size)
+                    extent = self._alloc_one(size)
                     if extent is None:
                         break
-                    self._live[(extent.arena, extent.offset)] = size
-                    self._used += size
                     out.append(extent)
                 else:
                     return out
@@ -268,8 +277,71 @@ class SlabAllocator:
                 self._free(done)
             return None
 
+    def _alloc_one(self, size: int) -> Extent | None:
+        """One live extent of slot ``size`` (lock held), or ``None``: the budget is short."""
+        if size > self._max_regular:
+            extent = self._alloc_dedicated(size)
+        elif size <= self._small_max:
+            extent = self._alloc_in_slab(size)
+        else:
+            where = self._take(size, self._align)
+            extent = None if where is None else Extent(where[0].id, where[1], size)
+        if extent is not None:
+            self._live[(extent.arena, extent.offset)] = size
+            self._used += size
+        return extent
+
+    def alloc_outside(self, window: Window) -> list[Extent] | None:
+        """New extents for the live extents of ``window``, one each, of the same slot sizes
+        and none of them inside the window: where its objects move so that the window
+        frees up (compaction, :meth:`~hybridstore.backends.disk.DiskTier.relocate_window`).
+
+        The window's free runs and the free slots of its slabs are set aside while the
+        extents are carved, so every one lands elsewhere; the old extents stay live
+        until the caller frees them.
+
+        Returns:
+            The new extents, in the order of ``window.extents``; ``None`` (nothing
+            allocated) when the room outside the window is short.
+        """
+        lo, hi = window.start, window.start + window.length
+        out: list[Extent] = []
+        with self._lock:
+            arena = self._arenas.get(window.arena)
+            if arena is None:
+                return None
+            runs = [(start, arena.runs[start]) for start in list(arena.starts)
+                    if start < hi and start + arena.runs[start] > lo]
+            for start, _ in runs:
+                self._remove_run(arena, start)
+            slabs = [(slot, key) for slot, partial in self._partial.items() for key in partial
+                     if key[0] == window.arena and lo <= key[1] < hi]
+            hidden = [(slot, key, self._partial[slot].pop(key)) for slot, key in slabs]
+            try:
+                for extent in window.extents:
+                    got = self._alloc_one(extent.length)
+                    if got is None:
+                        break
+                    out.append(got)
+            finally:
+                for start, length in runs:
+                    self._add_run(arena, start, length)
+                for slot, key, slab in hidden:
+                    if slab.free:
+                        self._partial.setdefault(slot, {})[key] = slab
+            if len(out) < len(window.extents):
+                for done in reversed(out):
+                    self._free(done)
+                return None
+            return out
+
     def window(self, nbytes: int, movable: Callable[[Extent], bool]) -> list[Extent] | None:
-        """The live extents to free so that one object of ``nbytes`` fits, fewest bytes first.
+        """:meth:`window_at`'s extents (``None``: no window can be freed)."""
+        found = self.window_at(nbytes, movable)
+        return None if found is None else list(found.extents)
+
+    def window_at(self, nbytes: int, movable: Callable[[Extent], bool]) -> Window | None:
+        """The window to empty so that one object of ``nbytes`` fits, fewest live bytes first.
 
         For a tier whose free bytes are enough but split (no run of the slot's
         size, or no free slab for a small class): the cheapest window of the
@@ -280,8 +352,9 @@ class SlabAllocator:
         one it refuses are skipped.
 
         Returns:
-            The extents to free (``[]``: a window is free already), or ``None``
-            when no window can be freed (or the slot is larger than an arena).
+            The window, with the live extents to free or move (none: it is free
+            already), or ``None`` when no window can be emptied (or the slot is larger
+            than an arena).
         """
         size = self.slot_size(nbytes)
         if size > self._max_regular:
@@ -304,12 +377,13 @@ class SlabAllocator:
                 spans[offset - offset % self._slab][1].append(Extent(arena_id, offset, slot))
             else:
                 spans[offset] = (offset + slot, [Extent(arena_id, offset, slot)])
-        best: tuple[int, list[Extent]] | None = None
+        best: tuple[int, Window] | None = None
         for arena_id, spans in occupied.items():
             found = _cheapest_window(sorted((s, e, x) for s, (e, x) in spans.items()),
                                      arenas[arena_id], length, align, movable)
             if found is not None and (best is None or found[0] < best[0]):
-                best = found
+                cost, start, extents = found
+                best = cost, Window(arena_id, start, length, tuple(extents))
         return None if best is None else best[1]
 
     def grow_ahead(self, headroom: int) -> bool:
@@ -643,8 +717,8 @@ class SlabBudget:
 
 def _cheapest_window(spans: list[tuple[int, int, list[Extent]]], size: int, length: int,
                      align: int, movable: Callable[[Extent], bool]
-                     ) -> tuple[int, list[Extent]] | None:
-    """:meth:`SlabAllocator.window` in one arena of ``size`` bytes: ``spans`` are its
+                     ) -> tuple[int, int, list[Extent]] | None:
+    """:meth:`SlabAllocator.window_at` in one arena of ``size`` bytes: ``spans`` are its
     occupied intervals ``(start, end, live extents)``, sorted and disjoint.  A sliding
     window over the aligned starts next to each interval (and 0): ``O(k log k)``."""
     cost = [sum(x.length for x in ext) for _, _, ext in spans]
@@ -659,7 +733,7 @@ def _cheapest_window(spans: list[tuple[int, int, list[Extent]]], size: int, leng
     for s, e, _ in spans:
         cands.add(s - s % align)
         cands.add(-(-e // align) * align)
-    best: tuple[int, int, int] | None = None      # (cost, first span, last span + 1)
+    best: tuple[int, int, int, int] | None = None  # (cost, first span, last span + 1, start)
     for w in sorted(cands):
         if w + length > size:
             break
@@ -669,9 +743,9 @@ def _cheapest_window(spans: list[tuple[int, int, list[Extent]]], size: int, leng
             continue
         c = csum[j] - csum[i]
         if best is None or c < best[0]:
-            best = (c, i, j)
+            best = (c, i, j, w)
             if not c:
                 break
     if best is None:
         return None
-    return best[0], [x for _, _, ext in spans[best[1]:best[2]] for x in ext]
+    return best[0], best[3], [x for _, _, ext in spans[best[1]:best[2]] for x in ext]

@@ -254,6 +254,13 @@ class Tier(ABC):
         """Whether :meth:`window_victims` answers (a tier that carves slots out of arenas)."""
         return False
 
+    def relocate_window(self, nbytes: int, may_move: Callable[[ObjectKey], bool]) -> int | None:
+        """Make one slot for ``nbytes`` in a fragmented tier by moving the objects of the
+        cheapest window elsewhere in the tier instead of deleting them (compaction);
+        ``may_move`` says which may move.  Returns the bytes moved, or ``None`` when the
+        tier cannot (the default: callers evict :meth:`window_victims` instead)."""
+        return None
+
     def slot_bytes(self, nbytes: int) -> int:
         """Bytes an ``nbytes`` object spans where this tier keeps it (the spacing at which
         :meth:`read_many_into` may read neighbours together); default :meth:`charge`."""

@@ -87,6 +87,8 @@ class Evictor:
         self.policy = policy
         self.evictions = 0
         """Objects evicted so far (a page or a checkpoint leaving one tier)."""
+        self.relocations = 0
+        """Windows of a fragmented tier emptied by moving their objects (compaction)."""
         self._rankings: dict[tuple[str, ObjectKind | None], tuple[_Victims, int]] = {}
         self.leases: dict[str, Callable[[], AbstractContextManager[None]]] = {}
         """Per tier, what must be held to evict from it: a disk tier shared by several
@@ -180,10 +182,16 @@ class Evictor:
                             time.sleep(0.01)
                     continue
                 self.copies.drain()
-                if round_ > 1 and t.finds_windows and t.free_bytes >= t.charge(nbytes):
-                    # Still refused after a pass in the policy's order with the bytes free:
-                    # they are split (fragmentation). Free the cheapest window of them; more
-                    # of the policy's order frees bytes, not contiguity.
+                fragmented = t.finds_windows and t.free_bytes >= t.charge(nbytes)
+                if fragmented and t.relocate_window(nbytes, self._may_move) is not None:
+                    # Refused with the bytes free: they are split. The objects of the
+                    # cheapest window moved elsewhere in the tier (a tier that compacts),
+                    # nothing lost.
+                    self.relocations += 1
+                    continue
+                if fragmented and round_ > 1:
+                    # Still refused after a pass in the policy's order: more of that order
+                    # frees bytes, not contiguity. Free the cheapest window of them.
                     freed = self.evict_window(tier, nbytes)
                     if freed is None and self.copies.pending:
                         self.copies.wait_pending()   # copies in flight become evictable
@@ -225,6 +233,11 @@ class Evictor:
             return Victim(ObjectKind.STATE, bytes(okey[1:]))
         nid = self.res.index.find_node(bytes(okey[1:]))
         return None if nid < 0 else Victim(ObjectKind.PAGE, nid)
+
+    def _may_move(self, okey: ObjectKey) -> bool:
+        """Whether compaction may move ``okey`` within its tier: not while a copy of it
+        between tiers is in flight (the tier itself keeps what is being read or written)."""
+        return not self.copies.inflight[okey]
 
     def _may_evict(self, tier: str, okey: ObjectKey) -> bool:
         """Whether :meth:`evict_one` would evict ``okey`` from ``tier`` (no side effect)."""

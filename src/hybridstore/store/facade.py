@@ -956,6 +956,7 @@ class HybridStore:
             self._refresh()
             out: dict[str, Any] = dict(self._counters)
             out["evictions"] = self._evictor.evictions
+            out["relocations"] = self._evictor.relocations
             out["corrupt"] = self._loader.corrupt
             out["skipped_copies"] = self._copies.skipped_copies
             out["direct_write_failures"] = self._direct.failed

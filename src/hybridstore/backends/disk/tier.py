@@ -1,7 +1,8 @@
 """The disk tier: :class:`DiskTier`, its objects' bookkeeping, pins and segment files.
 
 The class is assembled from its parts: the write path (``writer.py``), the
-read path (``reader.py``) and reopening (``recovery.py``); what they share is
+read path (``reader.py``), compaction (``compact.py``) and reopening
+(``recovery.py``); what they share is
 in ``objects.py``.  The package docstring (``backends/disk/__init__.py``)
 states the directory layout and the durability order.
 """
@@ -22,6 +23,7 @@ from typing import Any
 from hybridstore.backends.alloc import Extent, SlabAllocator, SlabBudget
 from hybridstore.backends.base import Tier
 from hybridstore.backends.catalog import PUT, Catalog, Change
+from hybridstore.backends.disk.compact import _Compaction
 from hybridstore.backends.disk.objects import _STOP, CATALOG_DIR, _Object, segment_name
 from hybridstore.backends.disk.reader import _ReadPath
 from hybridstore.backends.disk.recovery import _lock_directory, _Recovery
@@ -46,7 +48,7 @@ from hybridstore.objects import ObjectKey
 log = logging.getLogger("hybridstore.backends.disk")
 
 
-class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
+class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
     """Durable SSD tier over segment files; see the module docstring.
 
     Args:
@@ -111,7 +113,8 @@ class DiskTier(_WritePath, _ReadPath, _Recovery, SlabBudget, Tier):
         self._seq = itertools.count(1)
         self._counters = dict.fromkeys(("bytes_read", "bytes_written", "reads", "writes",
                                         "corrupt_dropped", "recovered_objects",
-                                        "recovery_dropped"), 0)
+                                        "recovery_dropped", "relocated",
+                                        "relocated_bytes"), 0)
         self._engine: Engine | None = None
         self._catalog: Catalog | None = None
         try:

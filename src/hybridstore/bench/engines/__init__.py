@@ -183,7 +183,7 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
         restart.append({"engine": engine, "geometry": geometry, "batch": batch, **run.restart})
 
     steps = (3 + len(tps) * len(plan) * 2 * (reps + warmup + 1)
-             + len(budgets) * (1 + 3 * (len(sgl_names) > 1)) * (n_requests // 25 + 1) + 2)
+             + len(budgets) * (1 + 4 * (len(sgl_names) > 1)) * (n_requests // 25 + 1) + 2)
     device: dict[str, Any] = {}
     wl = None
     phases: dict[str, float] = {}
@@ -237,8 +237,11 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
             wl = policy.make_workload(QWEN3_NEXT, trace_spec, n_requests) \
                 if "policy" in sections else None
             phase("policy_keys")
+            # ours under our orders, and under SGLang's own radix-tree LRU (``lru-radix``):
+            # the same order as the built-in's, so that row isolates the store from the order
             systems = [(S.BUILTIN, None)] + ([(S.OURS, "hybridstore"), (S.OURS, "histate"),
-                                               (S.OURS, "lru")] if S.OURS in sgl_names else [])
+                                               (S.OURS, "lru"), (S.OURS, "lru-radix")]
+                                              if S.OURS in sgl_names else [])
             for share in (budgets if wl is not None else ()):
                 assert wl is not None
                 for backend, pol in systems:
