@@ -105,3 +105,31 @@ def test_bad_config() -> None:
         HostPool(1 << 20, h2d_gbps=0)
     with pytest.raises(ConfigError):
         HostPool(1 << 20, arena_bytes=100)
+
+
+def test_relocation_makes_a_slot_and_keeps_held_objects_in_place() -> None:
+    """8 MiB of 4 KiB pages (128 KiB slabs), every other one deleted: a 200 KiB object finds
+    no slot until the pages of one window move into the holes; a held page stays put."""
+    big = 200 << 10
+    with HostPool(8 << 20, arena_bytes=8 << 20, pin=False) as pool:
+        n = 2048
+        for i in range(n):
+            pool.put(key_of(i), blob(4096, i), nbytes=4096)
+        for i in range(1, n, 2):
+            pool.delete(key_of(i))
+        with pytest.raises(CapacityError):
+            pool.put(key_of(n), blob(big, n), nbytes=big)
+        held = [key_of(i) for i in range(0, n, 128)]     # one page in every 4th slab
+        for k in held:
+            pool.acquire(k)
+        views = {k: pool.view(k) for k in held}
+        moved = pool.relocate_window(big, lambda k: True)
+        assert moved is not None and moved > 0 and pool.stats()["relocated_bytes"] == moved
+        assert pool.relocate_window(big, lambda k: False) in (None, 0)
+        pool.put(key_of(n), blob(big, n), nbytes=big)
+        for k, v in views.items():
+            assert np.shares_memory(v, pool.view(k))   # held: not moved
+            pool.release_ref(k)
+        for i in range(0, n, 2):
+            assert np.array_equal(pool.view(key_of(i)), blob(4096, i))
+        assert np.array_equal(pool.view(key_of(n)), blob(big, n))

@@ -130,7 +130,8 @@ class HostPool(SlabBudget, ObjectTable):
         self._pending: dict[ObjectKey, _Object] = {}
         self._refs: dict[ObjectKey, int] = {}
         self._retired: dict[ObjectKey, list[Extent]] = {}  # freed on the key's last release
-        self._counts = dict.fromkeys(("puts", "gets", "bytes_in", "bytes_out"), 0)
+        self._counts = dict.fromkeys(("puts", "gets", "bytes_in", "bytes_out", "relocated",
+                                      "relocated_bytes"), 0)
         self._done: dict[int, Future] = {}  # completed get_into futures, by object size
 
     # -- capacity -----------------------------------------------------------------
@@ -204,6 +205,36 @@ class HostPool(SlabBudget, ObjectTable):
 
         extents = self._alloc.window(nbytes, movable)
         return None if extents is None else [owner[e] for e in extents]
+
+    def relocate_window(self, nbytes: int, may_move: Callable[[ObjectKey], bool]) -> int | None:
+        """:meth:`Tier.relocate_window`: the objects of the cheapest window are copied into
+        free slots outside it (a memcpy each, under the pool's lock) and their old slots
+        freed; held objects (views or locations handed out) stay where they are."""
+        with self._lock:
+            self._check_open()
+            owner = {obj.extent: key for key, obj in self._objects.items()
+                     if not self._refs.get(key)}
+
+            def movable(extent: Extent) -> bool:
+                key = owner.get(extent)
+                return key is not None and may_move(key)
+
+            window = self._alloc.window_at(nbytes, movable)
+            if window is None:
+                return None
+            targets = self._alloc.alloc_outside(window)
+            if targets is None:
+                return None
+            for old, new in zip(window.extents, targets):
+                key = owner[old]
+                obj = self._objects[key]
+                self._slot(new, obj.nbytes)[:] = self._slot(old, obj.nbytes)
+                self._objects[key] = _Object(new, obj.nbytes, obj.meta)
+                self._alloc.free(old)
+            moved = sum(e.length for e in window.extents)
+            self._counts["relocated"] += len(targets)
+            self._counts["relocated_bytes"] += moved
+            return moved
 
     def commit_many(self, keys: Sequence[ObjectKey]) -> None:
         """:meth:`commit` of several keys (a run reserved by :meth:`stage_many`).

@@ -150,7 +150,7 @@ class TierCopies:
             try:
                 datas = [source.view(okey) for okey in keys]
                 futs = self.room.retry(dst, nbytes * len(keys), lambda: target.put_many(
-                    keys, datas, nbytes=nbytes, metas=chunk_metas))
+                    keys, datas, nbytes=nbytes, metas=chunk_metas), each=nbytes)
             except BaseException:
                 source.unpin_many(keys)
                 raise

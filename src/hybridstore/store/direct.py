@@ -139,7 +139,7 @@ class DirectWrites:
                 try:
                     room.make_room(tier, charge * len(part), ObjectKind.PAGE)
                     futs = room.retry(tier, nbytes * len(part), partial(
-                        self._put, target, part, bufs, nbytes, metas[c:d], written))
+                        self._put, target, part, bufs, nbytes, metas[c:d], written), each=nbytes)
                 except CapacityError:
                     if len(part) > 1:
                         step = 1              # room only one by one

@@ -149,11 +149,20 @@ class Evictor:
                 f"the {tier} tier cannot free {need} bytes: everything left is pinned by live "
                 "plans or needed by retained checkpoints; release plans or raise its budget")
 
-    def retry(self, tier: str, nbytes: int, attempt: Callable[[], T]) -> T:
+    def retry(self, tier: str, nbytes: int, attempt: Callable[[], T], *,
+              each: int | None = None) -> T:
         """Run an allocation, evicting more of ``tier`` while it reports CapacityError.
 
         Free bytes can be split across size classes, so a tier with enough
-        free bytes in total may still refuse a slot: free more and try again.
+        free bytes in total may still refuse a slot: the tier first moves the objects
+        of one window elsewhere (compaction), else frees more and tries again.
+
+        Args:
+            tier: the tier allocated in.
+            nbytes: the bytes the allocation needs in all.
+            attempt: the allocation; raises CapacityError while refused.
+            each: the size of one object when ``attempt`` allocates several (compaction
+                makes a slot of that size; default ``nbytes``).
         """
         t = self.res.tiers[tier]
         lease = self.leases.get(tier)
@@ -183,10 +192,10 @@ class Evictor:
                     continue
                 self.copies.drain()
                 fragmented = t.finds_windows and t.free_bytes >= t.charge(nbytes)
-                if fragmented and t.relocate_window(nbytes, self._may_move) is not None:
+                if fragmented and t.relocate_window(each or nbytes, self._may_move):
                     # Refused with the bytes free: they are split. The objects of the
                     # cheapest window moved elsewhere in the tier (a tier that compacts),
-                    # nothing lost.
+                    # nothing lost. (A window free already is no progress: evict.)
                     self.relocations += 1
                     continue
                 if fragmented and round_ > 1:

@@ -175,7 +175,8 @@ class Landing:
             try:
                 if pack is not None and scatter is not None and tier.stores_bytes:
                     keys = okeys[c - a:d - a].keys()
-                    slots = room.retry(name, nbytes * len(keys), lambda: tier.stage_many(keys, nbytes))
+                    slots = room.retry(name, nbytes * len(keys), lambda: tier.stage_many(keys, nbytes),
+                                       each=nbytes)
                     try:
                         scatter(c - first, d - first, slots)
                     except BaseException:
@@ -191,7 +192,7 @@ class Landing:
                 else:
                     batch = okeys[c - a:d - a]
                     room.retry(name, nbytes * len(batch),
-                               lambda: tier.put_many(batch, None, nbytes=nbytes))
+                               lambda: tier.put_many(batch, None, nbytes=nbytes), each=nbytes)
                     landed = d - c
                     res.added(name, ObjectKind.PAGE, landed, charge * landed)
             finally:
@@ -329,7 +330,8 @@ class Landing:
         if it never finds room."""
         tier = self.res.tiers[name]
         try:
-            self.evictor.retry(name, nbytes * len(keys), lambda: tier.commit_many(keys))
+            self.evictor.retry(name, nbytes * len(keys), lambda: tier.commit_many(keys),
+                               each=nbytes)
         except BaseException:
             tier.abort_many(keys)
             raise

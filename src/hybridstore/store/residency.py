@@ -29,8 +29,10 @@ class RoomMaker(Protocol):
     def make_room(self, tier: str, need: int, kind: ObjectKind | None = None) -> None:
         """Evict from ``tier`` until ``need`` bytes of ``kind`` fit; ``CapacityError`` if they cannot."""
 
-    def retry(self, tier: str, nbytes: int, attempt: Callable[[], T]) -> T:
-        """Run an allocation in ``tier``, evicting more while it reports ``CapacityError``."""
+    def retry(self, tier: str, nbytes: int, attempt: Callable[[], T], *,
+              each: int | None = None) -> T:
+        """Run an allocation in ``tier`` (``each``: one object's size when it allocates
+        several), compacting or evicting more while it reports ``CapacityError``."""
 
 
 class Residency:
