@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from hybridstore.backends.alloc import Extent, SlabAllocator, SlabBudget
+from hybridstore.backends.alloc import Extent, SlabAllocator, SlabBudget, Window
 from hybridstore.backends.base import ObjectKey, ObjectTable, Slots, done_future
 from hybridstore.errors import CapacityError, ConfigError
 from hybridstore.objects import ALIGN, byte_view
@@ -196,15 +196,20 @@ class HostPool(SlabBudget, ObjectTable):
                        ) -> list[ObjectKey] | None:
         """:meth:`Tier.window_victims` from the allocator's windows; held slots stay."""
         with self._lock:
-            owner = {obj.extent: key for key, obj in self._objects.items()
-                     if not self._refs.get(key)}
+            window, owner = self._window(nbytes, may_free)
+        return None if window is None else [owner[e] for e in window.extents]
+
+    def _window(self, nbytes: int, allowed: Callable[[ObjectKey], bool]
+                ) -> tuple[Window | None, dict[Extent, ObjectKey]]:
+        """The cheapest window for ``nbytes`` whose objects nobody holds and ``allowed``
+        accepts (lock held), and the keys of the objects by slot."""
+        owner = {obj.extent: key for key, obj in self._objects.items() if not self._refs.get(key)}
 
         def movable(extent: Extent) -> bool:
             key = owner.get(extent)
-            return key is not None and may_free(key)
+            return key is not None and allowed(key)
 
-        extents = self._alloc.window(nbytes, movable)
-        return None if extents is None else [owner[e] for e in extents]
+        return self._alloc.window_at(nbytes, movable), owner
 
     def relocate_window(self, nbytes: int, may_move: Callable[[ObjectKey], bool]) -> int | None:
         """:meth:`Tier.relocate_window`: the objects of the cheapest window are copied into
@@ -212,14 +217,7 @@ class HostPool(SlabBudget, ObjectTable):
         freed; held objects (views or locations handed out) stay where they are."""
         with self._lock:
             self._check_open()
-            owner = {obj.extent: key for key, obj in self._objects.items()
-                     if not self._refs.get(key)}
-
-            def movable(extent: Extent) -> bool:
-                key = owner.get(extent)
-                return key is not None and may_move(key)
-
-            window = self._alloc.window_at(nbytes, movable)
+            window, owner = self._window(nbytes, may_move)
             if window is None:
                 return None
             targets = self._alloc.alloc_outside(window)

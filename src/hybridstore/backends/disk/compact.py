@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from hybridstore.backends.alloc import Extent
+from hybridstore.backends.alloc import Extent, Window
 from hybridstore.backends.disk.objects import _Object, _PendingWrite, _TierState
 from hybridstore.errors import CorruptObjectError
 from hybridstore.objects import ObjectKey
@@ -64,17 +64,7 @@ class _Compaction(_TierState):
         self._check_open()
         if self._shared is not None:
             return None
-        with self._lock:
-            owner = {self._local(obj.extent): (key, obj) for key, obj in self._objects.items()}
-            busy = {self._local(extent) for extent in self._pins}
-            writing = set(self._latest)
-
-        def movable(extent: Extent) -> bool:
-            found = owner.get(extent)
-            return (found is not None and extent not in busy and found[0] not in writing
-                    and may_move(ObjectKey(found[0])))
-
-        window = self._alloc.window_at(nbytes, movable)
+        window, owner = self._window(nbytes, may_move, idle=True)
         if window is None:
             return None
         if not window.extents:
@@ -103,6 +93,23 @@ class _Compaction(_TierState):
             self._counters["relocated"] += len(moves)
             self._counters["relocated_bytes"] += moved
         return moved
+
+    def _window(self, nbytes: int, allowed: Callable[[ObjectKey], bool], *, idle: bool
+                ) -> tuple[Window | None, dict[Extent, tuple[bytes, _Object]]]:
+        """The cheapest window for ``nbytes`` (:meth:`SlabAllocator.window_at`) whose objects
+        nobody reads (nor writes, when ``idle``) and ``allowed`` accepts, and the objects of
+        this process's segments by (local) extent."""
+        with self._lock:
+            owner = {self._local(obj.extent): (key, obj) for key, obj in self._objects.items()}
+            busy = {self._local(extent) for extent in self._pins}
+            writing = set(self._latest) if idle else set()
+
+        def movable(extent: Extent) -> bool:
+            found = owner.get(extent)
+            return (found is not None and extent not in busy and found[0] not in writing
+                    and allowed(ObjectKey(found[0])))
+
+        return self._alloc.window_at(nbytes, movable), owner
 
     def _move(self, key: bytes, obj: _Object, extent: Extent) -> _PendingWrite | None:
         """Read ``key`` and write it at ``extent`` as its next version; ``None`` (nothing

@@ -239,16 +239,8 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
         free bytes are enough but split (:meth:`SlabAllocator.window`, fewest bytes
         first): objects being written or read, and those ``may_free`` refuses, stay.
         ``None``: no such set."""
-        with self._lock:
-            owner = {self._local(obj.extent): ObjectKey(key) for key, obj in self._objects.items()}
-            pinned = {self._local(extent) for extent in self._pins}
-
-        def movable(extent: Extent) -> bool:
-            key = owner.get(extent)
-            return key is not None and extent not in pinned and may_free(key)
-
-        extents = self._alloc.window(nbytes, movable)
-        return None if extents is None else [owner[e] for e in extents]
+        window, owner = self._window(nbytes, may_free, idle=False)
+        return None if window is None else [ObjectKey(owner[e][0]) for e in window.extents]
 
     def delete_many(self, keys: Iterable[ObjectKey]) -> int:
         """:meth:`delete` of several keys with one catalog transaction; returns the bytes freed.
