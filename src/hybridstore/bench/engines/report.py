@@ -117,18 +117,34 @@ def print_report(doc: dict[str, Any], console: Any) -> None:
 
 
 def plot(doc: dict[str, Any], path: str) -> None:
-    """Three panels: GB/s per backend and op, large loads vs the SSD, hit rate vs budget."""
+    """Up to three panels, those the run has data for (``--only`` runs some sections):
+    GB/s per backend and op, large loads vs the SSD, hit rate vs budget."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
-    colour = {doc["ours"]: "C2", "HiCacheFile": "C0", "fs": "C1"}
+    panels = [draw for draw, data in ((_throughput_panel, doc["rows"]),
+                                      (_large_panel, doc["large_batches"]),
+                                      (_policy_panel, doc["policy"]["runs"])) if data]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5.5), squeeze=False)
+    for draw, ax in zip(panels, axes[0]):
+        draw(doc, ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+_COLOURS = {"HiCacheFile": "C0", "fs": "C1"}
+
+
+def _throughput_panel(doc: dict[str, Any], ax: Any) -> None:
+    colour = {doc["ours"]: "C2", **_COLOURS}
     rows = doc["rows"]
     labels = sorted({(r["engine"], r["op"], r["cache"], r["geometry"], r.get("run", "")) for r in rows})
     backends = sorted({r["backend"] for r in rows})
-    ax = axes[0]
     width = 0.8 / max(1, len(backends))
     for k, b in enumerate(backends):
         vals = []
@@ -143,7 +159,10 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax.set_xlabel("GB/s (median of reps)")
     ax.set_title("throughput through the engines' storage interfaces")
     ax.legend(fontsize=7)
-    ax = axes[1]
+
+
+def _large_panel(doc: dict[str, Any], ax: Any) -> None:
+    colour = {doc["ours"]: "C2", **_COLOURS}
     large = doc["large_batches"]
     ax.barh(range(len(large)), [x["gbps"] for x in large],
             color=[colour.get(x["backend"], "C7") for x in large])
@@ -157,7 +176,9 @@ def plot(doc: dict[str, Any], path: str) -> None:
         ax.legend(fontsize=7)
     ax.set_xlabel("GB/s")
     ax.set_title("cold batch loads >= 4 MiB vs the SSD")
-    ax = axes[2]
+
+
+def _policy_panel(doc: dict[str, Any], ax: Any) -> None:
     runs = doc["policy"]["runs"]
     for key in sorted({(r["backend"], r["policy"]) for r in runs}):
         pts = sorted((r["budget_share"], r["token_hit_rate"]) for r in runs
@@ -167,6 +188,3 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax.set_ylabel("token hit rate (restorable prefix)")
     ax.set_title(f"policy: {str(doc['policy']['trace']).split('?')[0]}, same SSD budget")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
