@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from hybridstore.backends.alloc import Extent, Window
 from hybridstore.backends.disk.objects import _Object, _PendingWrite, _TierState
 from hybridstore.errors import CorruptObjectError
-from hybridstore.objects import ObjectKey
-
-if TYPE_CHECKING:
-    import numpy as np
+from hybridstore.objects import ObjectKey, aligned_empty
 
 log = logging.getLogger("hybridstore.backends.disk")
 
@@ -40,7 +39,11 @@ class _Compaction(_TierState):
     """Part of :class:`~hybridstore.backends.disk.DiskTier`: :meth:`relocate_window`."""
 
     if TYPE_CHECKING:
-        def get(self, key: ObjectKey) -> np.ndarray: ...
+        def read_many_into(self, keys: Sequence[ObjectKey], dst: np.ndarray,
+                           offsets: Sequence[int]) -> Future: ...
+
+        def _begin_write(self, key: bytes, extent: Extent, view: np.ndarray, nbytes: int,
+                         meta: bytes) -> _PendingWrite: ...
 
         def _write_job(self, p: _PendingWrite) -> None: ...
 
@@ -52,9 +55,9 @@ class _Compaction(_TierState):
         bytes) into free slots outside it; returns once the moves are durable.
 
         Objects being written or read stay where they are, as do those ``may_move``
-        refuses (windows holding one are skipped).  An object deleted or replaced
-        meanwhile is not moved; one that fails its read is dropped as any corrupt
-        object is.
+        refuses (windows holding one are skipped).  The window is read with one
+        coalesced read.  An object replaced meanwhile is not moved; when one was deleted
+        or fails its read (it is dropped as any corrupt object is) nothing moves.
 
         Returns:
             Bytes moved (0: the window was free already); ``None`` when no window can
@@ -72,11 +75,23 @@ class _Compaction(_TierState):
         targets = self._alloc.alloc_outside(window)
         if targets is None:
             return None
+        # one read of the window: its objects lie spaced like their slots (read_many_into
+        # coalesces neighbours and checks each checksum)
+        base = min(e.offset for e in window.extents)
+        buf = aligned_empty(max(e.offset + e.length for e in window.extents) - base)
+        keys = [ObjectKey(owner[e][0]) for e in window.extents]
+        try:
+            self.read_many_into(keys, buf, [e.offset - base for e in window.extents]).result()
+        except (KeyError, CorruptObjectError):   # deleted meanwhile, or dropped as corrupt
+            for new in targets:
+                self._alloc.free(new)
+            return None
         moves: list[Future] = []
         moved = 0
         for old, new in zip(window.extents, targets):
             key, obj = owner[old]
-            pending = self._move(key, obj, self._own(new))
+            at = old.offset - base
+            pending = self._move(key, obj, self._own(new), buf[at:at + obj.record.length])
             if pending is None:
                 self._alloc.free(new)
                 continue
@@ -111,20 +126,14 @@ class _Compaction(_TierState):
 
         return self._alloc.window_at(nbytes, movable), owner
 
-    def _move(self, key: bytes, obj: _Object, extent: Extent) -> _PendingWrite | None:
-        """Read ``key`` and write it at ``extent`` as its next version; ``None`` (nothing
-        submitted) when it is no longer the version ``obj`` or a write of it is in flight."""
-        try:
-            data = self.get(ObjectKey(key))
-        except (KeyError, CorruptObjectError):
-            return None
+    def _move(self, key: bytes, obj: _Object, extent: Extent, data: np.ndarray
+              ) -> _PendingWrite | None:
+        """Write ``data`` (``key``'s bytes as read) at ``extent`` as its next version; ``None``
+        (nothing submitted) when it is no longer the version ``obj`` or a write of it is in
+        flight."""
         with self._lock:
-            current = self._objects.get(key)
-            if current is not obj or key in self._latest or self._closed:
+            if self._objects.get(key) is not obj or key in self._latest or self._closed:
                 return None
-            rec = current.record
-            pending = _PendingWrite(key, next(self._seq), extent, data, rec.length, rec.meta)
-            self._latest[key] = pending.seq
-            self._writing += 1
+            pending = self._begin_write(key, extent, data, obj.record.length, obj.record.meta)
         self._jobs.submit(self._write_job, pending)
         return pending

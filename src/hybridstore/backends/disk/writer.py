@@ -76,9 +76,7 @@ class _WritePath(_TierState):
             if self._closed:
                 self._alloc.free(self._local(extent))
                 self._check_open()
-            pending = _PendingWrite(key, next(self._seq), extent, view, nbytes, bytes(meta))
-            self._latest[key] = pending.seq
-            self._writing += 1
+            pending = self._begin_write(key, extent, view, nbytes, bytes(meta))
         self._jobs.submit(self._write_job, pending)
         return pending.future
 
@@ -122,14 +120,11 @@ class _WritePath(_TierState):
                 for extent in extents:
                     self._alloc.free(self._local(extent))
                 self._check_open()
-            pending = [_PendingWrite(key, next(self._seq), extent, view, nbytes, meta)
+            pending = [self._begin_write(key, extent, view, nbytes, meta)
                        for key, extent, view, meta in zip(keys, extents, views, metas)]
             if written is not None:
                 for p, w in zip(pending, written):
                     p.written = w
-            for p in pending:
-                self._latest[p.key] = p.seq
-            self._writing += len(pending)
         runs: list[list[_PendingWrite]] = []
         for p in sorted(pending, key=lambda p: (p.extent.arena, p.extent.offset)):
             if runs:
@@ -146,6 +141,15 @@ class _WritePath(_TierState):
             else:
                 self._jobs.submit(self._write_run, run)
         return [p.future for p in pending]
+
+    def _begin_write(self, key: bytes, extent: Extent, view: np.ndarray, nbytes: int,
+                     meta: bytes) -> _PendingWrite:
+        """A write of ``key``'s next version at ``extent`` (lock held): the newest put of the
+        key from now on, in flight until it lands; the caller submits its job."""
+        pending = _PendingWrite(key, next(self._seq), extent, view, nbytes, meta)
+        self._latest[key] = pending.seq
+        self._writing += 1
+        return pending
 
     def _alloc_run(self, nbytes: int, n: int) -> list[Extent] | None:
         """``n`` slots of this process's segments (global ids), or ``None``; in a shared
