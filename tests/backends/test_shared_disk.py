@@ -110,6 +110,63 @@ def test_a_deleted_extent_is_not_reused_while_another_process_reads_it(tmp_path:
             b.get(key(1))
 
 
+@pytest.mark.parametrize("many", [False, True])
+def test_an_owner_deleting_what_another_process_just_deleted_still_waits_for_readers(
+        tmp_path: Path, many: bool) -> None:
+    """b deletes a's object between a's sync and a's own delete of it: a's catalog delete
+    finds nothing and logs no change, yet c may still read the extent (planned before b's
+    delete), so a must quarantine it, not reuse it at once (the kill campaign's reads
+    that failed their checksum)."""
+    with shared_tier(tmp_path, MiB) as a, shared_tier(tmp_path, MiB) as b, \
+            shared_tier(tmp_path, MiB) as c:
+        old = payload(900_000, 1)
+        a.put(key(1), old, nbytes=old.size).result()
+        c.sync()
+        view = c._view
+        c.shared.begin_read(view)                # c plans a read of key 1 at this view
+        b.sync()
+        b.delete(key(1))
+        a.sync = lambda: None                    # type: ignore[method-assign]  # b's delete
+        freed = a.delete_many([key(1)]) if many else a.delete(key(1))  # lands after a's sync
+        del a.sync
+        assert freed > 0 and key(1) not in a._objects
+        assert a.stats()["quarantined"] == 1
+        new = payload(900_000, 2)
+        with pytest.raises(CapacityError):       # the only room is the extent c may read
+            a.put(key(2), new, nbytes=new.size)
+        c.shared.end_read(view)
+        a.sync()
+        assert a.stats()["quarantined"] == 0
+        a.put(key(2), new, nbytes=new.size).result()
+        assert np.array_equal(c.get(key(2)), new)
+
+
+def test_a_delete_is_not_undone_by_an_older_change_applied_after_it(tmp_path: Path) -> None:
+    """b puts a new version of a key between a's sync and a's delete of the key: a's
+    delete removes b's version from the catalog, and b's older put, applied by a's next
+    sync, must not bring it back into a's view (the kill campaign read such a phantom
+    again and again, after b's segment had reused its extent)."""
+    with shared_tier(tmp_path, 4 * MiB) as a, shared_tier(tmp_path, 4 * MiB) as b:
+        v1, v2 = payload(300_000, 1), payload(300_000, 2)
+        a.put(key(1), v1, nbytes=v1.size).result()
+        b.sync()
+        b.put(key(1), v2, nbytes=v2.size).result()      # lands after a's last sync
+        a.sync = lambda: None                    # type: ignore[method-assign]
+        assert a.delete(key(1)) > 0              # removes b's version from the catalog
+        del a.sync
+        a.sync()                                 # applies b's put, logged before a's delete
+        assert key(1) not in a._objects
+        with pytest.raises(KeyError):
+            a.get(key(1))
+        assert a.stats()["objects"] == 0 and not a._tombstones   # the view passed it
+        b.sync()
+        with pytest.raises(KeyError):
+            b.get(key(1))
+        v3 = payload(300_000, 3)
+        b.put(key(1), v3, nbytes=v3.size).result()      # a later put shows as usual
+        assert np.array_equal(a.get(key(1)), v3)
+
+
 def test_a_dead_reader_does_not_hold_extents(tmp_path: Path) -> None:
     """A slot whose process died (its lock is free) publishes nothing any more."""
     path = tmp_path

@@ -38,7 +38,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import lmdb
 
@@ -154,10 +154,13 @@ class Catalog:
             os.makedirs(self.path, mode=0o700, exist_ok=True)   # owner-only, as the data
             self._env, self._lock = _open_env(self.path, map_size)
             self._open = True
-            self._objects = self._env.open_db(b"objects")
-            self._meta = self._env.open_db(b"meta")
-            self._segments = self._env.open_db(b"segments")
-            self._log = self._env.open_db(b"log")
+            with self._lock:        # open_db runs a transaction: see _begin
+                try:
+                    dbs = [self._env.open_db(name) for name in _DBS]
+                except lmdb.MapResizedError:
+                    self._env.set_mapsize(0)
+                    dbs = [self._env.open_db(name) for name in _DBS]
+            self._objects, self._meta, self._segments, self._log = dbs
         except (lmdb.Error, OSError) as e:
             self.close()
             raise CatalogError(f"cannot open the disk tier catalog at {self.path}: {e}; "
@@ -168,7 +171,7 @@ class Catalog:
         self.keep_slack()
 
     def _check_format(self) -> None:
-        with self._env.begin(db=self._meta, write=True) as txn:
+        with self._lock, self._begin(db=self._meta, write=True) as txn:
             raw = txn.get(_FORMAT_KEY)
             if raw is None:
                 txn.put(_FORMAT_KEY, _FORMAT.pack(FORMAT_VERSION))
@@ -265,7 +268,7 @@ class Catalog:
 
     def log_head(self) -> int:
         """The sequence number of the newest change (0: none yet)."""
-        with self._lock, self._env.begin(db=self._meta) as txn:
+        with self._lock, self._begin(db=self._meta) as txn:
             raw = txn.get(_HEAD_KEY)
         return _SEQ.unpack(raw)[0] if raw is not None and len(raw) == _SEQ.size else 0
 
@@ -278,7 +281,7 @@ class Catalog:
                 rescan the objects; see :meth:`truncate_log`).
         """
         out: list[Change] = []
-        with self._lock, self._env.begin(db=self._log) as txn:
+        with self._lock, self._begin(db=self._log) as txn:
             cursor = txn.cursor()
             if not cursor.set_range(_SEQ.pack(after)):
                 return out
@@ -306,7 +309,7 @@ class Catalog:
                  ) -> tuple[int, list[tuple[bytes, CatalogRecord]]]:
         """Every ``(key, record)`` and the log head they reflect, in one read transaction
         (a process joining a shared directory starts following the log from there)."""
-        with self._lock, self._env.begin() as txn:
+        with self._lock, self._begin() as txn:
             raw = txn.get(_HEAD_KEY, db=self._meta)
             head = _SEQ.unpack(raw)[0] if raw is not None and len(raw) == _SEQ.size else 0
             raw_items = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._objects)]
@@ -357,14 +360,14 @@ class Catalog:
 
     def segments(self) -> dict[int, int]:
         """Every recorded segment and its size."""
-        with self._lock, self._env.begin(db=self._segments) as txn:
+        with self._lock, self._begin(db=self._segments) as txn:
             return {_SEQ.unpack(k)[0]: _SEQ.unpack(v)[0] for k, v in txn.cursor()}
 
     def get(self, key: bytes) -> CatalogRecord | None:
         """The record of ``key``, or ``None``."""
-        with self._lock, self._env.begin(db=self._objects) as txn:
+        with self._lock, self._begin(db=self._objects) as txn:
             raw = txn.get(bytes(key))
-        return None if raw is None else CatalogRecord.unpack(raw)
+        return None if raw is None else CatalogRecord.unpack(bytes(raw))
 
     def items(self, damaged: list[tuple[bytes, str]] | None = None
               ) -> Iterator[tuple[bytes, CatalogRecord]]:
@@ -377,12 +380,12 @@ class Catalog:
         Raises:
             CatalogError: a record does not decode and ``damaged`` is ``None``.
         """
-        with self._lock, self._env.begin(db=self._objects) as txn:
+        with self._lock, self._begin(db=self._objects) as txn:
             raw_items = [(bytes(k), bytes(v)) for k, v in txn.cursor()]
         yield from _decoded(raw_items, damaged)
 
     def __len__(self) -> int:
-        with self._lock, self._env.begin(db=self._objects) as txn:
+        with self._lock, self._begin(db=self._objects) as txn:
             return int(txn.stat(self._objects)["entries"])
 
     # -- layout blobs -------------------------------------------------------------
@@ -397,7 +400,7 @@ class Catalog:
 
     def get_info(self, name: str) -> bytes | None:
         """A blob stored with :meth:`put_info`, or ``None``."""
-        with self._lock, self._env.begin(db=self._meta) as txn:
+        with self._lock, self._begin(db=self._meta) as txn:
             raw = txn.get(_INFO_PREFIX + name.encode())
         return None if raw is None else bytes(raw)
 
@@ -448,12 +451,24 @@ class Catalog:
             self._open = False
             _close_env(self.path)
 
+    def _begin(self, **kw: Any) -> lmdb.Transaction:
+        """``self._env.begin(**kw)`` (lock held).  Another process that shares the catalog
+        (a shared disk tier directory) may have grown the map (:meth:`_write`): lmdb then
+        refuses every new transaction here with ``MDB_MAP_RESIZED`` until this process
+        adopts the new size (``set_mapsize(0)``, safe with no transaction of its own open,
+        which the lock guarantees)."""
+        try:
+            return self._env.begin(**kw)
+        except lmdb.MapResizedError:
+            self._env.set_mapsize(0)
+            return self._env.begin(**kw)
+
     def _write(self, body: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``body(txn)`` in a durable write transaction, growing the map when full."""
         with self._lock:
             while True:
                 try:
-                    with self._env.begin(write=True) as txn:
+                    with self._begin(write=True) as txn:
                         out = body(txn)
                     self._keep_slack()
                     return out
@@ -465,6 +480,7 @@ class Catalog:
                                        f"{e}; check free space and permissions") from e
 
 
+_DBS = (b"objects", b"meta", b"segments", b"log")
 _ENVS: dict[str, tuple[lmdb.Environment, threading.Lock, list[int]]] = {}
 _ENVS_LOCK = threading.Lock()
 

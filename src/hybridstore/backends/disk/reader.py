@@ -303,6 +303,7 @@ class _ReadPath(_TierState):
                     del self._objects[key]
                     if forgotten:
                         self._release(obj.extent, seq)
+                        self._tombstone(key, seq)
                     self._counters["corrupt_dropped"] += 1
         log.warning("disk tier %s: object %s (%d bytes at %s offset %d) %s; dropped it from "
                     "the catalog", self.path, key.hex(), rec.length, segment_name(rec.segment),

@@ -17,7 +17,10 @@ is free and whatever it published is void.
 * **Visibility.**  Every put and delete is also appended to the catalog's change
   log in the same transaction; each process applies the others' changes to its
   view (:meth:`DiskTier.sync`) before it reads, writes or lists, and a store
-  applies them to its index before it matches.
+  applies them to its index before it matches.  A process's own delete may land
+  before an older change of the same key that it has not applied yet; it keeps a
+  tombstone of the key until its view passes the delete, so that change is not
+  applied (it would bring back an object the catalog no longer holds).
 * **Reuse.**  The owner of an extent whose object another process may still be
   reading waits: the readers' table (``slots/table``, one row of 64-bit words per
   slot, ``mmap``-ed by all) holds each live slot's *oldest view in use*, the log

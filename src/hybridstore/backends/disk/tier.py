@@ -98,6 +98,7 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
         self._view = 0                      # change-log entries applied (shared)
         self._quarantine: list[tuple[int, Extent]] = []  # (freed by change, own extent)
         self._changes: list[tuple[int, bytes, int, bytes]] = []  # for take_changes()
+        self._tombstones: dict[bytes, int] = {}  # key -> change of this process's delete of it
         self._truncated = 0
         self._open_lock = threading.Lock()
         self._inodes: dict[int, int] = {}     # another process's segment -> inode opened
@@ -221,9 +222,11 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
             if obj is None:
                 return 0
             _, seq = self.catalog.remove([key], log=self._log())
+            seq = self._freed_at(seq)
             with self._lock:
                 del self._objects[key]
                 self._release(obj.extent, seq)
+                self._tombstone(key, seq)
         self._reclaim()
         return obj.extent.length
 
@@ -262,10 +265,12 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
             if not found:
                 return 0
             _, seq = self.catalog.remove((key for key, _ in found), log=self._log())
+            seq = self._freed_at(seq)
             with self._lock:
                 for key, obj in found:
                     del self._objects[key]
                     self._release(obj.extent, seq)
+                    self._tombstone(key, seq)
         self._reclaim()
         return sum(obj.extent.length for _, obj in found)
 
@@ -302,6 +307,9 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
                         self._apply(change)
                     if changes:
                         self._view = changes[-1].seq
+                    if self._tombstones:       # no change below the view is left to apply
+                        self._tombstones = {k: d for k, d in self._tombstones.items()
+                                            if d > self._view}
                 self._shared.applied(self._view)
                 if self._view - self._truncated >= 4096:
                     self._truncated = self._shared.truncatable(self._view)
@@ -314,6 +322,8 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
         if change.slot == me:
             return                          # applied when it was made
         key = change.key
+        if self._tombstones.get(key, 0) > change.seq:
+            return                          # this process deleted the key after it
         old = self._objects.get(key)
         if old is not None and old.seq > change.seq:
             return                          # this view holds a newer version already
@@ -462,6 +472,28 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
             self._deferred.add(extent)
         else:
             self._alloc.free(self._local(extent))
+
+    def _tombstone(self, key: bytes, seq: int) -> None:
+        """This process deleted ``key`` at change ``seq`` (lock held).  Another process's
+        change of the key logged before ``seq`` and not yet applied here must then stay
+        unapplied: it would bring back an object the catalog no longer holds, whose extent
+        its owner reuses (the kill campaign found such phantoms read again and again, each
+        read failing its checksum).  Forgotten once the view passes ``seq``."""
+        if self._shared is not None and seq:
+            self._tombstones[key] = max(seq, self._tombstones.get(key, 0))
+
+    def _freed_at(self, seq: int) -> int:
+        """The change after which a delete's extents may be reused (catalog lock held).
+
+        ``seq`` is what the catalog's ``remove`` logged; 0 in a shared directory means
+        none of the keys was in the catalog any more: another process deleted or replaced
+        them after this view, at changes no later than the log's head, and readers planned
+        before those may still be reading the extents, so they wait for the head instead of
+        being reused at once (the kill campaign found reads failing their checksum, and a
+        segment file removed under a reader, from that)."""
+        if seq or self._shared is None:
+            return seq
+        return max(1, self.catalog.log_head())
 
     def _own(self, extent: Extent) -> Extent:
         """An extent of this process's allocator with its segment's global id."""
