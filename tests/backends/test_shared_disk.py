@@ -97,17 +97,23 @@ def test_a_deleted_extent_is_not_reused_while_another_process_reads_it(tmp_path:
         b.shared.begin_read(view)                # b plans a read of key 1 at this view
         a.delete(key(1))
         a.sync()
-        assert a.stats()["quarantined"] == 1
-        new = payload(900_000, 2)
-        with pytest.raises(CapacityError):       # the only room is the extent b may read
-            a.put(key(2), new, nbytes=new.size)
-        b.shared.end_read(view)
-        a.sync()
-        assert a.stats()["quarantined"] == 0
-        a.put(key(2), new, nbytes=new.size).result()     # now reused
-        assert np.array_equal(b.get(key(2)), new)
+        reused_only_after_the_read(a, b, view)
         with pytest.raises(KeyError):
             b.get(key(1))
+
+
+def reused_only_after_the_read(owner: DiskTier, reader: DiskTier, view: int) -> None:
+    """``owner``'s only free room is the extent of a deleted object that ``reader`` has a
+    read in flight of, planned at ``view``: it stays quarantined until that read ends."""
+    assert owner.stats()["quarantined"] == 1
+    new = payload(900_000, 2)
+    with pytest.raises(CapacityError):           # the only room is the extent being read
+        owner.put(key(2), new, nbytes=new.size)
+    reader.shared.end_read(view)
+    owner.sync()
+    assert owner.stats()["quarantined"] == 0
+    owner.put(key(2), new, nbytes=new.size).result()     # now reused
+    assert np.array_equal(reader.get(key(2)), new)
 
 
 @pytest.mark.parametrize("many", [False, True])
@@ -130,15 +136,7 @@ def test_an_owner_deleting_what_another_process_just_deleted_still_waits_for_rea
         freed = a.delete_many([key(1)]) if many else a.delete(key(1))  # lands after a's sync
         del a.sync
         assert freed > 0 and key(1) not in a._objects
-        assert a.stats()["quarantined"] == 1
-        new = payload(900_000, 2)
-        with pytest.raises(CapacityError):       # the only room is the extent c may read
-            a.put(key(2), new, nbytes=new.size)
-        c.shared.end_read(view)
-        a.sync()
-        assert a.stats()["quarantined"] == 0
-        a.put(key(2), new, nbytes=new.size).result()
-        assert np.array_equal(c.get(key(2)), new)
+        reused_only_after_the_read(a, c, view)
 
 
 def test_a_delete_is_not_undone_by_an_older_change_applied_after_it(tmp_path: Path) -> None:
