@@ -134,3 +134,94 @@ def test_alloc_outside_changes_nothing_when_short():
     assert a.alloc_outside(window) is None         # no room outside for its pages
     assert a.used_bytes == used
     assert a.alloc(PAGE) is not None               # the allocator goes on as before
+
+
+def test_alloc_outside_changes_nothing_when_a_new_arena_is_refused():
+    """The budget allows a second arena but its creation is refused (a shared directory
+    whose budget other processes committed meanwhile): short of room, not an error, and
+    the pages carved before the refusal go back."""
+    def refuse(arena: int, nbytes: int) -> None:
+        if arena:
+            raise CapacityError("the directory's budget is committed by other processes")
+
+    a = SlabAllocator(budget_bytes=2 * TIER, arena_bytes=TIER, alignment=PAGE,
+                      on_new_arena=refuse)
+    live = [a.alloc(PAGE) for _ in range(64 * 32)]
+    for e in live[:40]:
+        a.free(e)                                  # 160 KiB free, slabs 0 and 1 only
+    window = a.window_at(BIG, lambda e: True)
+    assert window is not None
+    used = a.used_bytes
+    assert a.alloc_outside(window) is None         # the pages would need the second arena
+    assert a.used_bytes == used
+    assert a.alloc(PAGE) is not None
+
+
+def open_shared(path, capacity: int = TIER) -> DiskTier:
+    return DiskTier(str(path), capacity, segment_bytes=TIER, engine="posix", io_threads=2,
+                    shared=True)
+
+
+def test_a_shared_directory_compacts_its_own_segment(tmp_path):
+    """Two processes' tiers on one directory: a compacts its segment while b reads a's
+    objects; b's read in flight keeps an old extent until it is done (the reuse rule), and
+    b sees every moved object at its new place, bit for bit."""
+    with open_shared(tmp_path) as a, open_shared(tmp_path) as b:
+        pages = fragmented(a)
+        b.sync()
+        view = b._view
+        b.shared.begin_read(view)                  # b has a read in flight planned before
+        big = payload(BIG, 99)
+        with pytest.raises(CapacityError):
+            a.put(key(1, ObjectKind.STATE), big, nbytes=BIG)
+        moved = a.relocate_window(BIG, lambda k: True)
+        assert moved is not None and moved > 0
+        a.sync()
+        assert a.stats()["quarantined"] > 0       # the old extents wait for b's read
+        b.shared.end_read(view)
+        a.sync()
+        assert a.stats()["quarantined"] == 0
+        a.put(key(1, ObjectKind.STATE), big, nbytes=BIG).result()
+        b.sync()
+        check(b, pages)
+        assert np.array_equal(b.get(key(1, ObjectKind.STATE)), big)
+
+
+def test_a_shared_move_never_undoes_another_process_change(tmp_path):
+    """b puts a new version of one of the window's objects, and deletes another, while a
+    moves them: the catalog keeps b's changes (a's moves of those keys do not commit, their
+    new slots go back), and the other objects move.  (b is given a budget of its own
+    segment beyond a's.)"""
+    with open_shared(tmp_path) as a, open_shared(tmp_path, 2 * TIER) as b:
+        pages = fragmented(a)
+        window, owner = a._window(BIG, lambda k: True, idle=True)
+        assert window is not None and len(window.extents) >= 2
+        hit, gone = (owner[e][0] for e in window.extents[:2])
+        newer = payload(PAGE, 12345)
+        read = a.read_many_into
+
+        def racing_read(keys, dst, offsets):      # b acts between a's read and its commit
+            fut = read(keys, dst, offsets)
+            fut.result()
+            b.sync()
+            b.put(hit, newer, nbytes=PAGE).result()
+            b.delete(gone)
+            return fut
+
+        a.read_many_into = racing_read            # type: ignore[method-assign]
+        used = a._alloc.used_bytes
+        moved = a.relocate_window(BIG, lambda k: True)
+        del a.read_many_into
+        assert moved is not None and moved > 0
+        a.sync()
+        assert np.array_equal(a.get(hit), newer) and not a.contains(gone)
+        pages[hit] = newer
+        del pages[gone]
+        check(a, pages)
+        b.sync()
+        check(b, pages)
+        # the two moves that lost went back to the allocator: a holds one object less
+        a.sync()
+        assert a._alloc.used_bytes <= used
+    with DiskTier(str(tmp_path), TIER, segment_bytes=TIER, engine="posix") as alone:
+        check(alone, pages)                        # the catalog agrees after a reopen

@@ -58,7 +58,7 @@ def worker(path: str, seed: int, capacity: int, out: str, stop_after: float) -> 
     tier = DiskTier(path, capacity, engine="posix", segment_bytes=MiB, io_threads=2,
                     shared=True, sync_interval_s=0.05)
     print("ready", flush=True)
-    stats = dict(puts=0, reads=0, misses=0, deletes=0, full=0)
+    stats = dict(puts=0, reads=0, misses=0, deletes=0, full=0, moves=0)
 
     def violation(what: str) -> None:
         with open(out, "a") as fh:
@@ -89,6 +89,10 @@ def worker(path: str, seed: int, capacity: int, out: str, stop_after: float) -> 
                 stats["puts"] += 1
             except CapacityError:
                 stats["full"] += 1
+                if (tier.free_bytes >= tier.charge(data.size) and rng.random() < 0.5
+                        and tier.relocate_window(data.size, lambda _: True)):
+                    stats["moves"] += 1         # compacted its own segments instead
+                    continue
                 with tier.shared.evict_lease():
                     tier.sync()
                     victims = [k for k, _, _ in tier.entries()]

@@ -20,10 +20,10 @@ FULL = SLABS - 1         # slabs filled with pages; one left free (128 KiB: no 2
 PAGES = FULL * SLAB_PAGES
 
 
-def cfg(tmp_path) -> StoreConfig:
+def cfg(tmp_path, shared: bool = False) -> StoreConfig:
     return StoreConfig(block_size=B, host_bytes=16 << 20, disk_path=str(tmp_path / "ssd"),
                        disk_bytes=8 << 20, disk_segment_bytes=8 << 20, disk_engine="posix",
-                       policy="lru")
+                       policy="lru", disk_shared=shared)
 
 
 def _fragmented(store: HybridStore, pinned_slabs: range):
@@ -95,15 +95,18 @@ def test_allocator_window_is_the_cheapest_movable_one():
     assert a.window(200 << 10, lambda e: e not in blocked) is None
 
 
-def test_a_fragmented_disk_tier_moves_pages_instead_of_evicting_them(tmp_path):
+@pytest.mark.parametrize("shared", [False, True], ids=["exclusive", "shared"])
+def test_a_fragmented_disk_tier_moves_pages_instead_of_evicting_them(tmp_path, shared):
     """Pages of two prompts written in turn fill the disk tier; evicting one prompt's
     leaves 4 KiB holes only.  A state's disk copy then needs a 200 KiB slot: the tier
-    moves the pages of one window into the holes (compaction) and evicts nothing."""
+    moves the pages of one window into the holes (compaction) and evicts nothing; in a
+    directory shared with other processes too (the window lies in this process's own
+    segment)."""
     n = 1024                                      # 2 x 1024 pages of 4 KiB: the whole tier
     rng = np.random.default_rng(3)
     a_tokens, b_tokens = rng.integers(0, 1000, n * B), rng.integers(1000, 2000, n * B)
     a_pages = [rng.integers(0, 255, PAGE, dtype=np.uint8) for _ in range(n)]
-    with HybridStore(cfg(tmp_path)) as store:
+    with HybridStore(cfg(tmp_path, shared)) as store:
         disk = store.tiers["disk"]
         for i in range(n):
             store.put_kv_page(a_tokens, a_pages[i], end=(i + 1) * B)

@@ -317,21 +317,29 @@ class SlabAllocator:
             slabs = [(slot, key) for slot, partial in self._partial.items() for key in partial
                      if key[0] == window.arena and lo <= key[1] < hi]
             hidden = [(slot, key, self._partial[slot].pop(key)) for slot, key in slabs]
+            failure: BaseException | None = None
             try:
                 for extent in window.extents:
-                    got = self._alloc_one(extent.length)
+                    try:
+                        got = self._alloc_one(extent.length)
+                    except CapacityError:    # a new arena refused (a shared directory's
+                        got = None           # budget, committed by other processes)
                     if got is None:
                         break
                     out.append(got)
+            except BaseException as e:       # noqa: BLE001 - given back below, then raised
+                failure = e
             finally:
                 for start, length in runs:
                     self._add_run(arena, start, length)
                 for slot, key, slab in hidden:
                     if slab.free:
                         self._partial.setdefault(slot, {})[key] = slab
-            if len(out) < len(window.extents):
+            if failure is not None or len(out) < len(window.extents):
                 for done in reversed(out):
                     self._free(done)
+                if failure is not None:
+                    raise failure
                 return None
             return out
 

@@ -167,12 +167,26 @@ class Tier(ABC):
         """Copy the object's bytes into ``out``; the future yields ``nbytes``."""
 
     def get(self, key: ObjectKey) -> np.ndarray:
-        n = self.nbytes(key)
-        if n is None:
-            raise KeyError(key)
-        out = np.empty(n, dtype=np.uint8)
-        self.get_into(key, out).result()
-        return out
+        """A copy of an object's bytes.
+
+        Raises:
+            KeyError: the object is not here.
+        """
+        while True:
+            n = self.nbytes(key)
+            if n is None:
+                raise KeyError(key)
+            out = np.empty(n, dtype=np.uint8)
+            try:
+                got = self.get_into(key, out).result()
+            except ValueError:
+                if self.nbytes(key) not in (n, None):
+                    continue       # replaced by a larger version since nbytes(): again
+                raise
+            if got == n:
+                return out
+            # replaced by a smaller version since nbytes(): ``out`` holds it and a tail of
+            # garbage, so read again at the size it has now (a thread's put of the key)
 
     @abstractmethod
     def contains(self, key: ObjectKey) -> bool: ...

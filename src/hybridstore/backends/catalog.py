@@ -204,6 +204,31 @@ class Catalog:
 
         return self._write(body) if packed else 0
 
+    def replace_many(self, items: Iterable[tuple[bytes, CatalogRecord, CatalogRecord]], *,
+                     log: int | None = None) -> tuple[list[bytes], int]:
+        """Replace records that are still what the caller read, in one durable transaction
+        (a compare-and-swap per key: a move of an object in a directory that other
+        processes change too must not undo their newer put or delete of the key).
+
+        Args:
+            items: ``(key, new record, the record it must replace)``.
+            log: as for :meth:`put_many` (one entry per record replaced).
+
+        Returns:
+            The keys replaced, in order, and the log's sequence number of the last (0
+            without ``log`` or when none was).
+        """
+        packed = [(bytes(key), new.pack(), old.pack()) for key, new, old in items]
+
+        def body(txn: lmdb.Transaction) -> tuple[list[bytes], int]:
+            done = [(key, raw) for key, raw, was in packed
+                    if txn.get(key, db=self._objects) == was]
+            for key, raw in done:
+                txn.put(key, raw, db=self._objects)
+            return [key for key, _ in done], self._append(txn, log, PUT, done)
+
+        return self._write(body) if packed else ([], 0)
+
     def put(self, key: bytes, record: CatalogRecord) -> None:
         """Commit one record."""
         self.put_many([(key, record)])

@@ -178,7 +178,12 @@ class Evictor:
                 if lease is not None:
                     # a shared tier: room freed in another process's segments comes back
                     # when its owner empties them (within its sync interval); evict one
-                    # policy step, then give the owners a moment instead of evicting more
+                    # policy step, then give the owners a moment instead of evicting more.
+                    # First, free bytes split in this process's own segments: compact them
+                    if (t.free_bytes >= t.charge(nbytes)
+                            and t.relocate_window(each or nbytes, self._may_move)):
+                        self.relocations += 1
+                        continue
                     with lease():
                         self.copies.drain()
                         self.evict(tier, t.charge(nbytes) + t.capacity_bytes // 16)

@@ -14,7 +14,11 @@ write path, ``fdatasync`` and catalog commit as a put, so a crash leaves either 
 old or the new version visible, never neither.  A delete or a newer put of the key
 while the move is in flight wins (the move's write is then stale and its extent is
 freed at commit, as for any superseded put), and a reader of the old extent keeps
-it until it is done (the usual pins).
+it until it is done (the usual pins).  In a directory shared by several processes a
+process moves only the objects of its own segments, each move commits only while the
+catalog still holds the record it read (another process's put or delete of the key
+meanwhile wins), and the other processes' reads keep the old extent through the reuse
+rule of ``shared.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import numpy as np
 
 from hybridstore.backends.alloc import Extent, Window
 from hybridstore.backends.disk.objects import _Object, _PendingWrite, _TierState
+from hybridstore.backends.disk.shared import SLOT_BITS
 from hybridstore.errors import CorruptObjectError
 from hybridstore.objects import ObjectKey, aligned_empty
 
@@ -59,14 +64,16 @@ class _Compaction(_TierState):
         coalesced read.  An object replaced meanwhile is not moved; when one was deleted
         or fails its read (it is dropped as any corrupt object is) nothing moves.
 
+        In a shared directory the window lies in this process's segments (only it writes
+        them); a move commits only while the catalog still holds the record it read
+        (another process's put or delete of the key meanwhile wins), and readers in other
+        processes keep the old extent until they are done (the reuse rule).
+
         Returns:
             Bytes moved (0: the window was free already); ``None`` when no window can
-            be emptied this way (too little room outside it, or a shared directory,
-            whose segments other processes fill too).
+            be emptied this way (too little room outside it).
         """
         self._check_open()
-        if self._shared is not None:
-            return None
         window, owner = self._window(nbytes, may_move, idle=True)
         if window is None:
             return None
@@ -114,9 +121,12 @@ class _Compaction(_TierState):
         """The cheapest window for ``nbytes`` (:meth:`SlabAllocator.window_at`) whose objects
         nobody reads (nor writes, when ``idle``) and ``allowed`` accepts, and the objects of
         this process's segments by (local) extent."""
+        slot = self._base >> SLOT_BITS      # in a shared directory, this process's segments
         with self._lock:
-            owner = {self._local(obj.extent): (key, obj) for key, obj in self._objects.items()}
-            busy = {self._local(extent) for extent in self._pins}
+            owner = {self._local(obj.extent): (key, obj) for key, obj in self._objects.items()
+                     if obj.extent.arena >> SLOT_BITS == slot}
+            busy = {self._local(extent) for extent in self._pins
+                    if extent.arena >> SLOT_BITS == slot}
             writing = set(self._latest) if idle else set()
 
         def movable(extent: Extent) -> bool:
@@ -135,5 +145,7 @@ class _Compaction(_TierState):
             if self._objects.get(key) is not obj or key in self._latest or self._closed:
                 return None
             pending = self._begin_write(key, extent, data, obj.record.length, obj.record.meta)
+            if self._shared is not None:
+                pending.replaces = obj.record
         self._jobs.submit(self._write_job, pending)
         return pending

@@ -81,6 +81,9 @@ class _PendingWrite:
     checksum: int = 0
     written: Future | None = None
     """Set once ``view`` is no longer read (the write returned, or the put failed)."""
+    replaces: CatalogRecord | None = None
+    """A move in a shared directory: the record it replaces.  It commits only while the
+    catalog still holds that record (another process's put or delete of the key wins)."""
 
 
 class _TierState:

@@ -232,8 +232,9 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
 
     @property
     def finds_windows(self) -> bool:
-        """True unless the directory is shared (its eviction goes through the lease, and
-        other processes' objects fill its segments too)."""
+        """True unless the directory is shared: there eviction goes through the lease, one
+        policy step at a time, never by window (a shared tier compacts its own segments
+        with :meth:`relocate_window` instead)."""
         return self._shared is None
 
     def window_victims(self, nbytes: int, may_free: Callable[[ObjectKey], bool]

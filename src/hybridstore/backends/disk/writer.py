@@ -257,14 +257,29 @@ class _WritePath(_TierState):
                 stale = [p for p in batch if self._latest.get(p.key) != p.seq]
             records = {id(p): CatalogRecord(p.extent.arena, p.extent.offset, p.nbytes,
                                             p.extent.length, p.checksum, p.meta) for p in live}
+            moves = [p for p in live if p.replaces is not None]
+            puts = [p for p in live if p.replaces is None] if moves else live
             try:
-                last = self.catalog.put_many(((p.key, records[id(p)]) for p in live),
+                last = self.catalog.put_many(((p.key, records[id(p)]) for p in puts),
                                              log=self._log())
+                if moves:   # a shared directory's moves: only where nobody changed the key
+                    done, last_move = self.catalog.replace_many(
+                        ((p.key, records[id(p)], p.replaces) for p in moves
+                         if p.replaces is not None), log=self._log())
             except BaseException as e:  # noqa: BLE001
                 failure: BaseException | None = e
             else:
                 failure = None
-                self._publish(live, stale, records, last - len(live) + 1 if last else 0)
+                self._publish(puts, stale, records, last - len(puts) + 1 if last else 0)
+                if moves:
+                    kept = set(done)
+                    lost = [p for p in moves if p.key not in kept]
+                    self._publish([p for p in moves if p.key in kept], lost, records,
+                                  last_move - len(kept) + 1 if last_move else 0)
+                    with self._lock:          # the key stays as this view holds it
+                        for p in lost:
+                            if self._latest.get(p.key) == p.seq:
+                                del self._latest[p.key]
         # Futures complete outside the catalog lock: their callbacks may call delete().
         if failure is not None:
             self._abandon(batch, _full_error(failure, self.path, "the catalog commit"))
