@@ -225,3 +225,28 @@ def test_a_shared_move_never_undoes_another_process_change(tmp_path):
         assert a._alloc.used_bytes <= used
     with DiskTier(str(tmp_path), TIER, segment_bytes=TIER, engine="posix") as alone:
         check(alone, pages)                        # the catalog agrees after a reopen
+
+
+def test_a_shared_move_whose_commit_fails_leaves_everything_in_place(tmp_path):
+    """The catalog refuses the moves' transaction (e.g. a full file system): the objects
+    stay where they were, readable, and the slots carved for them go back."""
+    from hybridstore.errors import CatalogError
+
+    with open_shared(tmp_path) as a:
+        pages = fragmented(a)
+        used = a._alloc.used_bytes
+
+        def refuse(*args, **kwargs):
+            raise CatalogError("no room for the catalog")
+
+        a._catalog.replace_many = refuse          # type: ignore[method-assign]
+        a.relocate_window(BIG, lambda k: True)
+        del a._catalog.replace_many
+        assert a.stats()["pending_writes"] == 0
+        assert a._alloc.used_bytes == used
+        check(a, pages)
+        with pytest.raises(CapacityError):        # nothing moved: still fragmented
+            a.put(key(1, ObjectKind.STATE), payload(BIG, 99), nbytes=BIG)
+        assert a.relocate_window(BIG, lambda k: True)   # and it moves when it can
+        a.put(key(1, ObjectKind.STATE), payload(BIG, 99), nbytes=BIG).result()
+        check(a, pages)

@@ -259,35 +259,51 @@ class _WritePath(_TierState):
                                             p.extent.length, p.checksum, p.meta) for p in live}
             moves = [p for p in live if p.replaces is not None]
             puts = [p for p in live if p.replaces is None] if moves else live
+            moved: BaseException | None = None
             try:
                 last = self.catalog.put_many(((p.key, records[id(p)]) for p in puts),
                                              log=self._log())
-                if moves:   # a shared directory's moves: only where nobody changed the key
-                    done, last_move = self.catalog.replace_many(
-                        ((p.key, records[id(p)], p.replaces) for p in moves
-                         if p.replaces is not None), log=self._log())
             except BaseException as e:  # noqa: BLE001
                 failure: BaseException | None = e
             else:
                 failure = None
                 self._publish(puts, stale, records, last - len(puts) + 1 if last else 0)
                 if moves:
-                    kept = set(done)
-                    lost = [p for p in moves if p.key not in kept]
-                    self._publish([p for p in moves if p.key in kept], lost, records,
-                                  last_move - len(kept) + 1 if last_move else 0)
-                    with self._lock:          # the key stays as this view holds it
-                        for p in lost:
-                            if self._latest.get(p.key) == p.seq:
-                                del self._latest[p.key]
+                    moved = self._commit_moves(moves, records)
         # Futures complete outside the catalog lock: their callbacks may call delete().
         if failure is not None:
             self._abandon(batch, _full_error(failure, self.path, "the catalog commit"))
             return
+        if moved is not None:      # the puts are committed; only the moves failed
+            self._abandon(moves, _full_error(moved, self.path, "the catalog commit"))
+            gone = {id(p) for p in moves}
+            batch = [p for p in batch if id(p) not in gone]
         self._reclaim()           # what these writes replaced, where nobody reads it
         for p in batch:
             p.view = _EMPTY
             p.future.set_result(p.nbytes)
+
+    def _commit_moves(self, moves: list[_PendingWrite], records: dict[int, CatalogRecord]
+                      ) -> BaseException | None:
+        """Commit a shared directory's moves (catalog lock held), each only where the
+        catalog still holds the record it read: another process's put or delete of the key
+        meanwhile wins, and the move is then stale (its new slot goes back).  Returns the
+        catalog's error, if the transaction failed."""
+        try:
+            done, last = self.catalog.replace_many(
+                ((p.key, records[id(p)], p.replaces) for p in moves if p.replaces is not None),
+                log=self._log())
+        except BaseException as e:  # noqa: BLE001 - the caller abandons the moves
+            return e
+        kept = set(done)
+        lost = [p for p in moves if p.key not in kept]
+        self._publish([p for p in moves if p.key in kept], lost, records,
+                      last - len(kept) + 1 if last else 0)
+        with self._lock:          # the key stays as this view holds it
+            for p in lost:
+                if self._latest.get(p.key) == p.seq:
+                    del self._latest[p.key]
+        return None
 
     def _publish(self, live: list[_PendingWrite], stale: list[_PendingWrite],
                  records: dict[int, CatalogRecord], first_seq: int) -> None:
