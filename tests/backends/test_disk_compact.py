@@ -123,8 +123,20 @@ def test_alloc_outside_keeps_clear_of_the_window():
     assert a.alloc(BIG) is not None                # the window is a slot now
 
 
-def test_alloc_outside_changes_nothing_when_short():
-    a = SlabAllocator(budget_bytes=TIER, arena_bytes=TIER, alignment=PAGE)
+def _refuse_a_second_arena(arena: int, nbytes: int) -> None:
+    if arena:
+        raise CapacityError("the directory's budget is committed by other processes")
+
+
+@pytest.mark.parametrize("budget, on_new_arena", [(TIER, None), (2 * TIER, _refuse_a_second_arena)],
+                         ids=["no-budget-left", "new-arena-refused"])
+def test_alloc_outside_changes_nothing_when_short(budget, on_new_arena):
+    """No room outside the window for its pages: either the budget allows no second arena,
+    or it does but the arena's creation is refused (a shared directory whose budget other
+    processes committed meanwhile; short of room, not an error).  The pages carved before
+    that go back."""
+    a = SlabAllocator(budget_bytes=budget, arena_bytes=TIER, alignment=PAGE,
+                      on_new_arena=on_new_arena)
     live = [a.alloc(PAGE) for _ in range(64 * 32)]
     for e in live[:40]:
         a.free(e)                                  # 160 KiB free, slabs 0 and 1 only
@@ -134,27 +146,6 @@ def test_alloc_outside_changes_nothing_when_short():
     assert a.alloc_outside(window) is None         # no room outside for its pages
     assert a.used_bytes == used
     assert a.alloc(PAGE) is not None               # the allocator goes on as before
-
-
-def test_alloc_outside_changes_nothing_when_a_new_arena_is_refused():
-    """The budget allows a second arena but its creation is refused (a shared directory
-    whose budget other processes committed meanwhile): short of room, not an error, and
-    the pages carved before the refusal go back."""
-    def refuse(arena: int, nbytes: int) -> None:
-        if arena:
-            raise CapacityError("the directory's budget is committed by other processes")
-
-    a = SlabAllocator(budget_bytes=2 * TIER, arena_bytes=TIER, alignment=PAGE,
-                      on_new_arena=refuse)
-    live = [a.alloc(PAGE) for _ in range(64 * 32)]
-    for e in live[:40]:
-        a.free(e)                                  # 160 KiB free, slabs 0 and 1 only
-    window = a.window_at(BIG, lambda e: True)
-    assert window is not None
-    used = a.used_bytes
-    assert a.alloc_outside(window) is None         # the pages would need the second arena
-    assert a.used_bytes == used
-    assert a.alloc(PAGE) is not None
 
 
 def open_shared(path, capacity: int = TIER) -> DiskTier:
