@@ -154,12 +154,8 @@ class Catalog:
             os.makedirs(self.path, mode=0o700, exist_ok=True)   # owner-only, as the data
             self._env, self._lock = _open_env(self.path, map_size)
             self._open = True
-            with self._lock:        # open_db runs a transaction: see _begin
-                try:
-                    dbs = [self._env.open_db(name) for name in _DBS]
-                except lmdb.MapResizedError:
-                    self._env.set_mapsize(0)
-                    dbs = [self._env.open_db(name) for name in _DBS]
+            with self._lock:        # open_db runs a transaction: see _adopting
+                dbs = self._adopting(lambda: [self._env.open_db(name) for name in _DBS])
             self._objects, self._meta, self._segments, self._log = dbs
         except (lmdb.Error, OSError) as e:
             self.close()
@@ -249,13 +245,17 @@ class Catalog:
             log: as for :meth:`put_many` (one entry per record that existed).
 
         Returns:
-            ``(how many existed, the log's sequence number of the last, or 0)``.
+            ``(how many existed, the log's sequence number of the last)``; with ``log``
+            and none of the keys here, the log's head (another process removed or
+            replaced them, at changes no later than it); 0 without ``log``.
         """
         wanted = [bytes(k) for k in keys]
 
         def body(txn: lmdb.Transaction) -> tuple[int, int]:
             gone = [(key, b"") for key in wanted if txn.delete(key, db=self._objects)]
-            return len(gone), self._append(txn, log, DELETE, gone)
+            if gone or log is None:
+                return len(gone), self._append(txn, log, DELETE, gone)
+            return 0, self._head(txn)
 
         return self._write(body) if wanted else (0, 0)
 
@@ -282,8 +282,7 @@ class Catalog:
                 entries: list[tuple[bytes, bytes]]) -> int:
         if slot is None or not entries:
             return 0
-        raw = txn.get(_HEAD_KEY, db=self._meta)
-        seq = _SEQ.unpack(raw)[0] if raw is not None and len(raw) == _SEQ.size else 0
+        seq = self._head(txn)
         head = _CHANGE.pack(op, slot)
         for key, record in entries:
             seq += 1
@@ -293,8 +292,11 @@ class Catalog:
 
     def log_head(self) -> int:
         """The sequence number of the newest change (0: none yet)."""
-        with self._lock, self._begin(db=self._meta) as txn:
-            raw = txn.get(_HEAD_KEY)
+        with self._lock, self._begin() as txn:
+            return self._head(txn)
+
+    def _head(self, txn: lmdb.Transaction) -> int:
+        raw = txn.get(_HEAD_KEY, db=self._meta)
         return _SEQ.unpack(raw)[0] if raw is not None and len(raw) == _SEQ.size else 0
 
     def changes(self, after: int, limit: int = 1 << 16) -> list[Change]:
@@ -335,8 +337,7 @@ class Catalog:
         """Every ``(key, record)`` and the log head they reflect, in one read transaction
         (a process joining a shared directory starts following the log from there)."""
         with self._lock, self._begin() as txn:
-            raw = txn.get(_HEAD_KEY, db=self._meta)
-            head = _SEQ.unpack(raw)[0] if raw is not None and len(raw) == _SEQ.size else 0
+            head = self._head(txn)
             raw_items = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._objects)]
         return head, list(_decoded(raw_items, damaged))
 
@@ -477,16 +478,20 @@ class Catalog:
             _close_env(self.path)
 
     def _begin(self, **kw: Any) -> lmdb.Transaction:
-        """``self._env.begin(**kw)`` (lock held).  Another process that shares the catalog
-        (a shared disk tier directory) may have grown the map (:meth:`_write`): lmdb then
-        refuses every new transaction here with ``MDB_MAP_RESIZED`` until this process
-        adopts the new size (``set_mapsize(0)``, safe with no transaction of its own open,
-        which the lock guarantees)."""
+        """``self._env.begin(**kw)`` (lock held), through :meth:`_adopting`."""
+        return self._adopting(lambda: self._env.begin(**kw))
+
+    def _adopting(self, start: Callable[[], T]) -> T:
+        """``start()``, which begins a transaction (lock held).  Another process that shares
+        the catalog (a shared disk tier directory) may have grown the map (:meth:`_write`):
+        lmdb then refuses every new transaction here with ``MDB_MAP_RESIZED`` until this
+        process adopts the new size (``set_mapsize(0)``, safe with no transaction of its own
+        open, which the lock guarantees)."""
         try:
-            return self._env.begin(**kw)
+            return start()
         except lmdb.MapResizedError:
             self._env.set_mapsize(0)
-            return self._env.begin(**kw)
+            return start()
 
     def _write(self, body: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``body(txn)`` in a durable write transaction, growing the map when full."""

@@ -175,17 +175,20 @@ class Evictor:
             except CapacityError:
                 if round_ == rounds:
                     raise
+                self.copies.drain()
+                if (t.free_bytes >= t.charge(nbytes)
+                        and t.relocate_window(each or nbytes, self._may_move)):
+                    # Refused with the bytes free: they are split. The objects of the
+                    # cheapest window moved elsewhere in the tier (a tier that compacts; a
+                    # shared one, in this process's own segments), nothing lost. (A window
+                    # free already is no progress: evict.)
+                    self.relocations += 1
+                    continue
                 if lease is not None:
                     # a shared tier: room freed in another process's segments comes back
                     # when its owner empties them (within its sync interval); evict one
-                    # policy step, then give the owners a moment instead of evicting more.
-                    # First, free bytes split in this process's own segments: compact them
-                    if (t.free_bytes >= t.charge(nbytes)
-                            and t.relocate_window(each or nbytes, self._may_move)):
-                        self.relocations += 1
-                        continue
+                    # policy step, then give the owners a moment instead of evicting more
                     with lease():
-                        self.copies.drain()
                         self.evict(tier, t.charge(nbytes) + t.capacity_bytes // 16)
                     wait = self.waits.get(tier)
                     deadline = time.monotonic() + (wait() if wait is not None else 0.0)
@@ -195,14 +198,7 @@ class Evictor:
                         except CapacityError:
                             time.sleep(0.01)
                     continue
-                self.copies.drain()
                 fragmented = t.finds_windows and t.free_bytes >= t.charge(nbytes)
-                if fragmented and t.relocate_window(each or nbytes, self._may_move):
-                    # Refused with the bytes free: they are split. The objects of the
-                    # cheapest window moved elsewhere in the tier (a tier that compacts),
-                    # nothing lost. (A window free already is no progress: evict.)
-                    self.relocations += 1
-                    continue
                 if fragmented and round_ > 1:
                     # Still refused after a pass in the policy's order: more of that order
                     # frees bytes, not contiguity. Free the cheapest window of them.

@@ -33,7 +33,6 @@ import numpy as np
 
 from hybridstore.backends.alloc import Extent, Window
 from hybridstore.backends.disk.objects import _Object, _PendingWrite, _TierState
-from hybridstore.backends.disk.shared import SLOT_BITS
 from hybridstore.errors import CorruptObjectError
 from hybridstore.objects import ObjectKey, aligned_empty
 
@@ -121,12 +120,10 @@ class _Compaction(_TierState):
         """The cheapest window for ``nbytes`` (:meth:`SlabAllocator.window_at`) whose objects
         nobody reads (nor writes, when ``idle``) and ``allowed`` accepts, and the objects of
         this process's segments by (local) extent."""
-        slot = self._base >> SLOT_BITS      # in a shared directory, this process's segments
-        with self._lock:
+        with self._lock:            # in a shared directory, this process's segments only
             owner = {self._local(obj.extent): (key, obj) for key, obj in self._objects.items()
-                     if obj.extent.arena >> SLOT_BITS == slot}
-            busy = {self._local(extent) for extent in self._pins
-                    if extent.arena >> SLOT_BITS == slot}
+                     if self._mine(obj.extent.arena)}
+            busy = {self._local(extent) for extent in self._pins if self._mine(extent.arena)}
             writing = set(self._latest) if idle else set()
 
         def movable(extent: Extent) -> bool:

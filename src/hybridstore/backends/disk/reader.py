@@ -300,10 +300,10 @@ class _ReadPath(_TierState):
                 if seq < 0:     # another process replaced or deleted it: sync() follows that
                     return
                 with self._lock:
-                    del self._objects[key]
                     if forgotten:
-                        self._release(obj.extent, seq)
-                        self._tombstone(key, seq)
+                        self._forget(key, obj, seq)
+                    else:
+                        del self._objects[key]
                     self._counters["corrupt_dropped"] += 1
         log.warning("disk tier %s: object %s (%d bytes at %s offset %d) %s; dropped it from "
                     "the catalog", self.path, key.hex(), rec.length, segment_name(rec.segment),

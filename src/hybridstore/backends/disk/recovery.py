@@ -21,7 +21,6 @@ import xxhash
 from hybridstore.backends.alloc import Extent
 from hybridstore.backends.catalog import CatalogRecord
 from hybridstore.backends.disk.objects import LOCK_NAME, _Object, _TierState
-from hybridstore.backends.disk.shared import SLOT_BITS, slot_of
 from hybridstore.backends.engines import ALIGN
 from hybridstore.errors import CapacityError, DiskPathError
 from hybridstore.objects import OBJECT_KEY_BYTES
@@ -66,7 +65,6 @@ class _Recovery(_TierState):
                 log.warning("disk tier %s: another process has held a read for 10 s; "
                             "taking slot %d over anyway (its checksums guard it)", self.path,
                             self._shared.slot)
-        me = self._base >> SLOT_BITS
         checked = [(key, rec, self._check_record(key, rec)) for key, rec in items]
         claims = self._overlapping([(key, rec) for key, rec, reason in checked if reason is None])
         for key, rec, reason in checked:
@@ -74,13 +72,13 @@ class _Recovery(_TierState):
             if reason is None:
                 extent = Extent(rec.segment, rec.offset, rec.slot_length)
                 try:
-                    if slot_of(rec.segment) == me:
+                    if self._mine(rec.segment):
                         self._alloc.reserve(self._local(extent))
                 except (ValueError, CapacityError) as e:
                     reason = f"its extent cannot be reserved ({e})"
                 else:
                     self._objects[key] = _Object(extent, rec)
-                    if slot_of(rec.segment) != me:
+                    if not self._mine(rec.segment):
                         self._foreign_used += rec.slot_length
             if reason is not None:
                 log.warning("disk tier %s: dropping object %s from the catalog: %s",
@@ -170,8 +168,7 @@ class _Recovery(_TierState):
                 segment = int(name[4:-4])
             except ValueError:
                 continue
-            mine = slot_of(segment) == self._base >> SLOT_BITS
-            if segment not in live and (mine or self._shared is None):
+            if segment not in live and (self._mine(segment) or self._shared is None):
                 log.info("disk tier %s: removing unused segment %s", self.path, name)
                 try:
                     os.unlink(os.path.join(self.path, name))
@@ -185,7 +182,7 @@ class _Recovery(_TierState):
         recorded = self.catalog.segments()
         own = {self._base | arena: size for arena, size in self._alloc.arena_sizes().items()}
         stale = [seg for seg in recorded
-                 if seg not in own and (slot_of(seg) == self._base >> SLOT_BITS
+                 if seg not in own and (self._mine(seg)
                                         or not os.path.exists(self._segment_path(seg)))]
         self.catalog.remove_segments(stale)
         for seg, size in own.items():

@@ -222,11 +222,8 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
             if obj is None:
                 return 0
             _, seq = self.catalog.remove([key], log=self._log())
-            seq = self._freed_at(seq)
             with self._lock:
-                del self._objects[key]
-                self._release(obj.extent, seq)
-                self._tombstone(key, seq)
+                self._forget(key, obj, seq)
         self._reclaim()
         return obj.extent.length
 
@@ -266,12 +263,9 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
             if not found:
                 return 0
             _, seq = self.catalog.remove((key for key, _ in found), log=self._log())
-            seq = self._freed_at(seq)
             with self._lock:
                 for key, obj in found:
-                    del self._objects[key]
-                    self._release(obj.extent, seq)
-                    self._tombstone(key, seq)
+                    self._forget(key, obj, seq)
         self._reclaim()
         return sum(obj.extent.length for _, obj in found)
 
@@ -308,9 +302,9 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
                         self._apply(change)
                     if changes:
                         self._view = changes[-1].seq
-                    if self._tombstones:       # no change below the view is left to apply
-                        self._tombstones = {k: d for k, d in self._tombstones.items()
-                                            if d > self._view}
+                        if self._tombstones:   # no change below the view is left to apply
+                            self._tombstones = {k: d for k, d in self._tombstones.items()
+                                                if d > self._view}
                 self._shared.applied(self._view)
                 if self._view - self._truncated >= 4096:
                     self._truncated = self._shared.truncatable(self._view)
@@ -464,7 +458,7 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
     def _release(self, extent: Extent, seq: int | None = None) -> None:
         """An object left this extent (``seq``: the change-log number of its deletion or
         replacement, in a shared directory): reuse it once nobody can be reading it."""
-        if slot_of(extent.arena) != self._base >> SLOT_BITS:
+        if not self._mine(extent.arena):
             self._foreign_used -= extent.length
             return                      # another process's segment: its owner reuses it
         if self._shared is not None and seq:
@@ -474,27 +468,27 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
         else:
             self._alloc.free(self._local(extent))
 
-    def _tombstone(self, key: bytes, seq: int) -> None:
-        """This process deleted ``key`` at change ``seq`` (lock held).  Another process's
-        change of the key logged before ``seq`` and not yet applied here must then stay
-        unapplied: it would bring back an object the catalog no longer holds, whose extent
-        its owner reuses (the kill campaign found such phantoms read again and again, each
-        read failing its checksum).  Forgotten once the view passes ``seq``."""
+    def _forget(self, key: bytes, obj: _Object, seq: int) -> None:
+        """This process deleted ``key`` (its version ``obj``) from the catalog at change
+        ``seq`` (lock held): drop it from the view and release its extent after ``seq``.
+
+        In a shared directory ``seq`` is never 0 there: when the key had already left the
+        catalog (another process deleted or replaced it after this view) it is the log's
+        head, and readers planned before that may still read the extent, so it is not
+        reused at once (the kill campaign found reads failing their checksum, and a segment
+        file removed under a reader, from that).  And another process's change of the key
+        logged before ``seq`` and not yet applied here must stay unapplied: it would bring
+        back an object the catalog no longer holds, whose extent its owner reuses (the
+        campaign read such phantoms again and again).  A tombstone keeps it out until the
+        view passes ``seq``."""
+        del self._objects[key]
+        self._release(obj.extent, seq)
         if self._shared is not None and seq:
             self._tombstones[key] = max(seq, self._tombstones.get(key, 0))
 
-    def _freed_at(self, seq: int) -> int:
-        """The change after which a delete's extents may be reused (catalog lock held).
-
-        ``seq`` is what the catalog's ``remove`` logged; 0 in a shared directory means
-        none of the keys was in the catalog any more: another process deleted or replaced
-        them after this view, at changes no later than the log's head, and readers planned
-        before those may still be reading the extents, so they wait for the head instead of
-        being reused at once (the kill campaign found reads failing their checksum, and a
-        segment file removed under a reader, from that)."""
-        if seq or self._shared is None:
-            return seq
-        return max(1, self.catalog.log_head())
+    def _mine(self, segment: int) -> bool:
+        """Whether a segment is this process's (every one is, unless the directory is shared)."""
+        return slot_of(segment) == self._base >> SLOT_BITS
 
     def _own(self, extent: Extent) -> Extent:
         """An extent of this process's allocator with its segment's global id."""
@@ -513,7 +507,7 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
         use, and again when its owner removed the file and made a new one of that id (a
         handle of the old file would read what it held); the object being read keeps the
         file it is in from being removed meanwhile (its extent is not reused)."""
-        if slot_of(segment) == self._base >> SLOT_BITS:
+        if self._mine(segment):
             return self._files[segment]
         path = self._segment_path(segment)
         try:
