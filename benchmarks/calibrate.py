@@ -64,7 +64,7 @@ import numpy as np
 
 from hybridstore.adapters.cpu_shims import SGLANG_CACHE_MODULES, import_sglang
 from hybridstore.errors import ConfigError
-from hybridstore.replay.model_presets import model_preset, vllm_hybrid_pages
+from hybridstore.replay.model_presets import vllm_hybrid_pages
 from hybridstore.replay.sim import ReplayConfig, kv_footprint, merged_requests, replay
 from hybridstore.replay.systems import VLLM_MAX_BATCHED_TOKENS
 from hybridstore.replay.tokens import session_tokens
@@ -304,7 +304,7 @@ def sglang_run(trace: Trace, cfg: ReplayConfig, mode: str = "no_buffer",
     number of requests it could not hold (a prompt longer than its KV pool); ``mode``:
     :class:`SGLangRadixCache`'s."""
     assert cfg.budget is not None
-    model = model_preset(cfg.model)
+    model = cfg.full_model()
     footprint = kv_footprint(trace, cfg, model)
     cache = SGLangRadixCache(max(SGLANG_PAGE[mode],
                                  int(cfg.budget * footprint / model.kv_bytes_per_token)),
@@ -553,7 +553,7 @@ def vllm_cache(trace: Trace, cfg: ReplayConfig,
     (``--kv-offloading-size``), in chunks of one block; with ``disk_dir`` as the primary
     of vLLM's ``TieringOffloadingSpec`` with its ``fs`` tier writing there."""
     assert cfg.budget is not None
-    model = model_preset(cfg.model)
+    model = cfg.full_model()
     pages = vllm_hybrid_pages(model)
     total = cfg.budget * kv_footprint(trace, cfg, model) * (1 + cfg.mamba_ratio)
     cpu = None if not cfg.host_ratio else int(cfg.host_ratio * total // pages.block_bytes)

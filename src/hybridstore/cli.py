@@ -108,7 +108,7 @@ def _replay(args: argparse.Namespace) -> int:
                        scale=scale, data=args.data, data_dir=args.data_dir,
                        discipline=args.discipline, budget=budget, mamba_ratio=args.mamba_ratio,
                        pools=args.pools, host_ratio=args.host_ratio,
-                       disk_ratio=args.disk_ratio)
+                       disk_ratio=args.disk_ratio, state_scale=args.state_scale)
     specs = args.trace or [str(weka_sample())]
     traces = [load(spec) for spec in specs]
     if args.divergence:
@@ -259,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"comma-separated presets (default: {DEFAULT_POLICIES}; with --data: "
                           "unlimited,vllm-disk,histate)")
     rep.add_argument("--model", default="qwen3.5-9b", help="model preset (replay/model_presets.py)")
+    rep.add_argument("--state-scale", type=_POSITIVE, default=1.0,
+                     help="checkpoints this many times the model's own (a what-if: 0.5 = states "
+                          "half the size; docs/replay.md)")
     rep.add_argument("--live-sessions", type=_COUNT, default=24)
     rep.add_argument("--gpu-gib", type=_NON_NEGATIVE, default=45.0)
     rep.add_argument("--host-gib", type=_NON_NEGATIVE, default=96.0)

@@ -14,7 +14,7 @@ import pytest
 from hybridstore.cli import main
 from hybridstore.errors import ConfigError
 from hybridstore.replay.loaders import load
-from hybridstore.replay.model_presets import model_preset
+from hybridstore.replay.model_presets import model_preset, vllm_hybrid_pages
 from hybridstore.replay.samples import weka_sample
 from hybridstore.replay.sim import (
     ReplayConfig,
@@ -165,10 +165,35 @@ def test_the_cli_takes_host_and_disk_ratios(tmp_path):
 @pytest.mark.parametrize("bad", [{"discipline": "fifo"}, {"budget": 0}, {"budget": -1.0},
                                  {"pools": "shared"}, {"host_ratio": -1.0},
                                  {"host_ratio": 1.0, "disk_ratio": -1.0},
-                                 {"budget": float("nan")}, {"mamba_ratio": -0.5}])
+                                 {"budget": float("nan")}, {"mamba_ratio": -0.5},
+                                 {"state_scale": 0.0}, {"state_scale": -1.0},
+                                 {"state_scale": float("inf")}, {"state_scale": float("nan")},
+                                 {"model": "no-such-model"}])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ConfigError):
         ReplayConfig(**bad)
+
+
+def test_a_state_scale_changes_the_states_bytes_and_nothing_else(trace, tmp_path):
+    """``--state-scale``: checkpoints that many times the model's own, KV and compute as they
+    were, the footprint (KV only) unchanged, vLLM's hybrid block following the state."""
+    base = model_preset("qwen3.5-9b")
+    half = ReplayConfig(discipline="sequential", budget=0.1, state_scale=0.5).full_model()
+    assert half.checkpoint_bytes == base.checkpoint_bytes // 2
+    assert (half.kv_bytes_per_token, half.active_params, half.prefill_flops) == \
+        (base.kv_bytes_per_token, base.active_params, base.prefill_flops)
+    assert ReplayConfig().full_model() is base
+    assert vllm_hybrid_pages(half).block_tokens == vllm_hybrid_pages(base).block_tokens // 2
+    cfg = ReplayConfig(discipline="sequential", budget=0.1, max_requests=N)
+    assert kv_footprint(trace, cfg, half) == kv_footprint(trace, cfg, base)
+    out = tmp_path / "r.json"
+    assert main(["replay", "--discipline", "sequential", "--budget", "10%", "--state-scale", "0.25",
+                 "--policy", "hybridstore", "--max-requests", "20", "--json", str(out),
+                 "--no-progress"]) == 0
+    assert json.loads(out.read_text())["config"]["state_scale"] == 0.25
+    for bad in ("0", "-1", "inf", "x"):
+        with pytest.raises(SystemExit):
+            main(["replay", "--state-scale", bad])
 
 
 def test_a_tight_budget_evicts_and_hits_less_and_unlimited_bounds_everyone(trace):

@@ -956,6 +956,24 @@ class HybridIndex:
     def touch_page(self, nid: int) -> None:
         self._atime[nid] = self._tick()
 
+    def age_pages(self, prompt: PrefixKeys, first: int, last_used: np.ndarray) -> None:
+        """Rank the pages of blocks ``first..first+len(last_used)-1`` of ``prompt`` as last
+        used at ``last_used`` (logical times; a page already older keeps its own).  The path
+        must be known to the index.  An accounting replay's second copy of a block ranks as
+        the older copy it stands for (``replay/sim.py``, ``put_duplicates``).
+
+        Raises:
+            InvalidTokensError: the blocks are outside the prompt or the index does not
+                know their path.
+        """
+        stop = first + len(last_used)
+        ids = self._walk_ids(prompt)
+        if not 0 <= first <= stop <= len(ids):
+            raise InvalidTokensError(f"blocks {first}..{stop - 1} of the prompt are not all "
+                                     f"known to the index ({len(ids)} are)")
+        nids = ids[first:stop]
+        self._atime[nids] = np.minimum(self._atime[nids], np.asarray(last_used, np.int64))
+
     @property
     def n_pages(self) -> int:
         return self._n_nodes - 1

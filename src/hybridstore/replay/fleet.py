@@ -56,7 +56,7 @@ from tqdm import tqdm
 
 from hybridstore.errors import ConfigError
 from hybridstore.objects import ObjectKind
-from hybridstore.replay.model_presets import ModelPreset, model_preset
+from hybridstore.replay.model_presets import ModelPreset
 from hybridstore.replay.planes import SizedObjects, TierBudget
 from hybridstore.replay.pool import PoolView, RemotePool
 from hybridstore.replay.sim import (
@@ -245,7 +245,7 @@ def fleet_policy(trace: Trace, name: str, cfg: ReplayConfig, *, nodes: int, rout
     router = Router(routing, nodes)
     remote = remote or RemoteModel()
     p = preset(name)
-    full = model_preset(cfg.model)
+    full = cfg.full_model()
     model = full.scaled(cfg.scale)
     scale = full.kv_bytes_per_token / model.kv_bytes_per_token
     footprint = kv_footprint(trace, cfg, full) if cfg.budget is not None else None

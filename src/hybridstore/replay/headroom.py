@@ -31,7 +31,6 @@ import numpy as np
 from tqdm import tqdm
 
 from hybridstore.replay.divergence import shared_blocks
-from hybridstore.replay.model_presets import model_preset
 from hybridstore.replay.sim import ReplayConfig, kv_footprint, merged_requests
 from hybridstore.replay.trace import Request, Trace
 
@@ -81,7 +80,7 @@ def headroom(trace: Trace, budgets: Sequence[float], cfg: ReplayConfig, *,
     reqs = merged_requests(trace)
     if cfg.max_requests is not None:
         reqs = reqs[:cfg.max_requests]
-    model = model_preset(cfg.model)
+    model = cfg.full_model()
     tokens = kv_footprint(trace, cfg, model) / model.kv_bytes_per_token
     share = 1.0 if cfg.pools == "split" else 1.0 + cfg.mamba_ratio
     block = trace.block_size

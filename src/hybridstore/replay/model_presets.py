@@ -67,6 +67,21 @@ class ModelPreset:
         """N_s of HiState eq. 4: one checkpoint in token equivalents of KV."""
         return self.checkpoint_bytes / self.kv_bytes_per_token
 
+    def with_state_scale(self, factor: float) -> ModelPreset:
+        """The same model with checkpoints ``factor`` times its own (a what-if: a model with
+        smaller or larger recurrent states, or states kept at another precision).  KV,
+        compute and the layer counts are unchanged; vLLM's hybrid block follows the state
+        (:func:`vllm_hybrid_pages`), as it would for such a model.
+
+        Raises:
+            ConfigError: ``factor`` is not positive and finite.
+        """
+        if factor == 1:
+            return self
+        if not (math.isfinite(factor) and factor > 0):
+            raise ConfigError(f"state scale must be positive and finite, got {factor!r}")
+        return replace(self, checkpoint_bytes=max(1, round(self.checkpoint_bytes * factor)))
+
     def scaled(self, factor: float) -> ModelPreset:
         """The same model with KV and checkpoints ``factor`` times smaller (data-mode replay).
 

@@ -60,7 +60,11 @@ from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import ResumePlan
 from hybridstore.objects import TIER_BITS, TIER_ORDER, ObjectKind
 from hybridstore.policy.tiering import TierPolicy, tier_policy
-from hybridstore.replay.model_presets import ModelPreset, model_preset
+from hybridstore.replay.model_presets import (
+    ModelPreset,
+    model_preset,
+    vllm_hybrid_pages,
+)
 from hybridstore.replay.planes import ObjectPlane, SizedObjects, TierBudget
 from hybridstore.replay.systems import Preset, preset
 from hybridstore.replay.tokens import session_tokens
@@ -136,6 +140,9 @@ class ReplayConfig:
         disk_ratio: with ``host_ratio``, a disk tier of ``disk_ratio`` times the first
             tier's bytes for presets that have one (``vllm-disk``); ``math.inf``: no limit
             (vLLM's ``fs`` tier never evicts).  ``None``: no disk tier.
+        state_scale: checkpoints ``state_scale`` times the model's own
+            (:meth:`~hybridstore.replay.model_presets.ModelPreset.with_state_scale`): how
+            much of a gap the states' bytes make (docs/replay.md).
     """
 
     model: str = "qwen3.5-9b"
@@ -157,6 +164,7 @@ class ReplayConfig:
     pools: str = "preset"
     host_ratio: float | None = None
     disk_ratio: float | None = None
+    state_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.pools not in POOLS:
@@ -179,10 +187,16 @@ class ReplayConfig:
             raise ConfigError(f"mamba_ratio must be >= 0, got {self.mamba_ratio!r}")
         if self.live_sessions < 1:
             raise ConfigError("live_sessions must be at least 1")
+        self.full_model()   # a known model and a valid state scale
         if min(self.gpu_gib, self.host_gib, self.disk_gib) < 0:
             raise ConfigError("tier budgets must be non-negative")
         if not self.scale >= 1:
             raise ConfigError(f"scale must be at least 1, got {self.scale}")
+
+    def full_model(self) -> ModelPreset:
+        """The replayed model at full size: ``model``'s preset, its checkpoints
+        ``state_scale`` times its own."""
+        return model_preset(self.model).with_state_scale(self.state_scale)
 
 
 @dataclass(slots=True)
@@ -223,6 +237,7 @@ class PolicyRun:
     scale: float = 1.0
     data: dict[str, Any] | None = None
     refused: int = 0
+    duplicated_pages: int = 0
 
     def summary(self) -> dict[str, Any]:
         """The per-policy figures the CLI prints and writes to JSON."""
@@ -247,6 +262,7 @@ class PolicyRun:
             "requests_per_s": len(res) / self.wall_s if self.wall_s else 0.0,
             "block_lookups_per_s": self.lookups / self.wall_s if self.wall_s else 0.0,
             "scale": self.scale, "refused_requests": self.refused,
+            "duplicated_pages": self.duplicated_pages,
         }
 
 
@@ -382,7 +398,7 @@ def replay_policy(trace: Trace, name: str, cfg: ReplayConfig, *,
                               "data_planes(cfg.data_dir))")
         plane_for = sized_planes
     p = preset(name)
-    full = model_preset(cfg.model)
+    full = cfg.full_model()
     model = full.scaled(cfg.scale)
     scale = full.kv_bytes_per_token / model.kv_bytes_per_token  # the factor applied exactly
     footprint = kv_footprint(trace, cfg, full) if cfg.budget is not None else None
@@ -437,11 +453,14 @@ def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPres
     cost = store.restore_cost(plan)
     page_bytes = model.page_bytes(prompt.block_size)
     refused = kv_pool is not None and prompt.nblocks > kv_pool
+    held, last_used = 0, _NO_TIMES
     try:
         measured = objects.restore(store, plan) if plan.position else None
         if kv_pool is not None and not refused:
             start = _device_prefix(store, plan) if p.loads_into_device else plan.position
             _allocate(store, prompt, start, page_bytes)
+        if p.duplicates and not refused:
+            held, last_used = _cached_past(store, prompt, plan.position)
     finally:
         store.release(plan)
     # The simulated clock runs on the modeled restore, in data mode too.
@@ -454,11 +473,69 @@ def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPres
         run.refused += 1
     else:
         _put_segment(store, objects, prompt, plan.position, hints, page_bytes,
-                     model.checkpoint_bytes, kv_to_last_state=p.kv_to_last_state)
+                     p.state_bytes(model), kv_to_last_state=p.kv_to_last_state)
+        if p.duplicates:
+            grain = vllm_hybrid_pages(model).block_tokens // prompt.block_size
+            run.duplicated_pages += put_duplicates(store, objects, prompt, plan.position, held,
+                                                   page_bytes, serial=len(run.results) + 1,
+                                                   grain=grain, last_used=last_used)
         if p.loads_into_device:
             _land_in_device(store, prompt, plan, hints)
     return _Served(plan.position, restore_s, recompute_s,
                    {t: round(n * scale) for t, (n, _) in cost.items()}, measured)
+
+
+_NO_TIMES = np.zeros(0, np.int64)
+
+
+def _cached_past(store: HybridStore, prompt: PrefixKeys, position: int) -> tuple[int, np.ndarray]:
+    """The prompt's leading pages the store holds, and when each page from ``position`` on
+    was last used (before the engine's put touches them again)."""
+    held = store.present_pages(prompt)
+    first = position // prompt.block_size
+    if held <= first:
+        return held, _NO_TIMES
+    ids = store.index.known_ids(prompt)[first:held]
+    return held, store.index.page_columns(ids, ("atime",))["atime"].copy()
+
+
+_DUPLICATE_SALT = 0x9E3779B97F4A7C15
+"""Odd 64-bit multiplier of a request's serial: the salt of its second copies' keys."""
+
+
+def put_duplicates(store: HybridStore, objects: ObjectPlane, prompt: PrefixKeys, position: int,
+                   held: int, page_bytes: int, *, serial: int, grain: int = 1,
+                   last_used: np.ndarray | None = None) -> int:
+    """vLLM's second copies (``Preset.duplicates``): a prefill resumed at ``position`` while
+    the cache held the prompt's first ``held`` pages recomputes the full blocks
+    ``[position, held)`` into fresh blocks and caches them next to the copies already
+    there (vLLM's block pool does not de-duplicate: two blocks hold the same KV, each
+    evicted at its own rank in the free queue, and the KV stays cached while either does).
+    vLLM caches whole blocks of ``grain`` pages (its hybrid block), so the copies end at
+    the last such block boundary: the pages past it were a partial block, never cached.
+
+    The store is content-addressed and keeps one copy, so the second one is put as a branch
+    of pages that no prompt holds: the prompt's keys from ``position`` on, salted with the
+    request's ``serial``.  The store's copy is the one the engine's put has just used; the
+    branch ranks as the older copy, last used at ``last_used`` (one time per page from
+    ``position``, read before that put; :meth:`HybridStore.age_sized`), which is what goes
+    first when nothing hits it.  A one-byte marker state at the branch's end keeps its
+    pages ranked as cached blocks (KV that no state needs is what vLLM never caches, and
+    ``lru-vllm`` offers it first).  Returns the pages stored twice.
+    """
+    B = prompt.block_size
+    first, stop = position // B, min(held, prompt.length // B) // grain * grain
+    if stop <= first:
+        return 0
+    keys = prompt.keys[:stop].copy()
+    keys[first:] ^= np.array([_DUPLICATE_SALT * serial % 2**64, serial], dtype=np.uint64)
+    copy = PrefixKeys(block_size=B, length=stop * B, root=prompt.root, keys=keys, tokens=None,
+                      hash_key=prompt.hash_key)
+    objects.put_pages(store, copy, first, page_bytes)
+    objects.put_state(store, copy, stop * B, 1)
+    if last_used is not None and len(last_used) >= stop - first:
+        store.age_sized(copy, first_block=first, last_used=last_used[:stop - first])
+    return stop - first
 
 
 def _fastest(store: HybridStore) -> str:

@@ -18,7 +18,6 @@ from typing import Any
 from tqdm import tqdm
 
 from hybridstore.errors import ConfigError
-from hybridstore.replay.model_presets import model_preset
 from hybridstore.replay.sim import (
     PlaneFactory,
     PolicyRun,
@@ -82,7 +81,7 @@ def sweep(trace: Trace, names: Sequence[str], cfg: ReplayConfig, budgets: Sequen
     for name in names:
         preset(name)
     names = list(dict.fromkeys([REFERENCE, *names]))
-    footprint = kv_footprint(trace, cfg, model_preset(cfg.model))
+    footprint = kv_footprint(trace, cfg, cfg.full_model())
     bar = tqdm(total=1 + len(budgets) * (len(names) - 1), desc="sweep", unit="run",
                disable=not progress)
     ref_run = replay(trace, [REFERENCE], cfg, plane_for=plane_for, progress=False)[REFERENCE]

@@ -18,7 +18,10 @@ preset              models
                     its free-queue LRU (``lru-vllm`` with ``running_state``: a
                     request's tail first, states its prefill passed before its
                     KV, KV no state needs first, no slack), which may leave
-                    states without their KV.  Calibrated against vLLM's own
+                    states without their KV; a state charged as vLLM pads it (one
+                    hybrid block per Mamba group), and a second copy of the KV a
+                    prefill recomputes while the pool still holds it (vLLM does not
+                    de-duplicate blocks).  Calibrated against vLLM's own
                     KVCacheManager (``python -m benchmarks calibrate --engine
                     vllm``, docs/replay.md)
 ``vllm-cpu``        vLLM 0.33 with CPU offloading (``--kv-offloading-size``:
@@ -152,6 +155,17 @@ class Preset:
             offloading connector loads it into fresh GPU blocks, cached there
             from then on): the engine's KV allocation counts from the end of
             the device-resident prefix, not from the resume point.
+        duplicates: the engine keeps a second copy of the KV it recomputes while its
+            cache still holds it (vLLM's block pool does not de-duplicate blocks:
+            ``block_pool.py``, ``BlockHashToBlockMap``, "we don't de-duplicate the blocks
+            in the cache", so that block tables stay append-only): a request that resumes
+            from a state before the end of its cached KV caches those blocks again
+            (:func:`~hybridstore.replay.sim.put_duplicates`).  GPU-only presets: vLLM's
+            CPU offloading looks its blocks up by hash and stores one copy.
+        padded_states: a checkpoint takes what vLLM gives a state in its one block pool,
+            one hybrid block in each Mamba group (:func:`~hybridstore.replay.model_presets.vllm_hybrid_pages`:
+            qwen3.5-9b's 50 MB state takes 3 blocks of 17.2 MB, ``platforms/interface.py``
+            pads the Mamba page to the attention page), not the model's state bytes.
     """
 
     name: str
@@ -166,6 +180,20 @@ class Preset:
     unlimited: bool = False
     kv_to_last_state: bool = False
     loads_into_device: bool = False
+    duplicates: bool = False
+    padded_states: bool = False
+
+    def __post_init__(self) -> None:
+        if self.duplicates and len(self.tiers) > 1:
+            raise ConfigError(f"preset {self.name}: duplicates model one GPU block pool; "
+                              f"it has the tiers {self.tiers}")
+
+    def state_bytes(self, model: ModelPreset) -> int:
+        """Bytes one checkpoint of ``model`` takes in the preset's cache (``padded_states``)."""
+        if not self.padded_states:
+            return model.checkpoint_bytes
+        pages = vllm_hybrid_pages(model)
+        return round(pages.mamba_groups * pages.block_bytes)
 
     def policies(self, model: ModelPreset) -> tuple[EvictionPolicy, AdmissionPolicy]:
         """The eviction and admission policy instances for ``model``."""
@@ -217,6 +245,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset(name="unlimited", eviction="lru", unlimited=True, tiers=("device",),
            placement=_place(("interval", {"interval": "$B"}), ("request-end", {}))),
     Preset(name="vllm-marconi", eviction="lru-vllm", tiers=("device",), branch=True,
+           duplicates=True, padded_states=True,
            params=lambda model: {"eviction": {"running_state": True}},
            placement=_place(VLLM_ALIGN)),
     Preset(name="vllm-cpu", eviction="lru-vllm", tiers=("device", "host"), branch=True,

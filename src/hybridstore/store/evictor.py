@@ -419,6 +419,12 @@ class Evictor:
             self.res.residence.observe_many(ObjectKind.PAGE, ages)
         index.drop_pages_tier(nids, tier)
 
+    def forget_rankings(self) -> None:
+        """Rank afresh next time: objects whose rank changed other than by use (aged
+        pages, :meth:`~hybridstore.index.trie.HybridIndex.age_pages`) are not where a
+        reused ranking has them."""
+        self._rankings.clear()
+
     def _ranking(self, tier: str, kind: ObjectKind | None, fresh: bool) -> tuple[_Victims, int]:
         """The policy's victim order for ``tier``, reused when the tier is large (see :meth:`evict`)."""
         n = self.res.objects[tier]

@@ -625,6 +625,26 @@ class HybridStore:
             self._refresh()
             return self._landing.put_state(prompt, p, nbytes, None)
 
+    def age_sized(self, tokens: Any, *, first_block: int, last_used: Sequence[int] | np.ndarray) -> None:
+        """Rank pages recorded by size as last used at earlier logical times (accounting
+        tiers: the trace simulator's second copies of vLLM's blocks, which rank as the older
+        copy they stand for; ``replay/sim.py``, ``put_duplicates``).
+
+        Args:
+            tokens: the prompt (token ids, or :class:`PrefixKeys` from block ids).
+            first_block: the first page to age.
+            last_used: one logical time per page from ``first_block`` on (see
+                :meth:`~hybridstore.index.trie.HybridIndex.now`); a page already older keeps
+                its own.
+        """
+        prompt = self.prefix(tokens)
+        first_block = args.whole(first_block, "first_block")
+        with self._lock:
+            self._check_open()
+            self._refresh()
+            self.index.age_pages(prompt, first_block, np.asarray(last_used, np.int64))
+            self._evictor.forget_rankings()
+
     # -- match / load / release ---------------------------------------------------------
     def match(self, tokens: Any, *, max_position: int | None = None) -> ResumePlan:
         """The deepest complete resume point of a prompt; pinned until :meth:`release`.
