@@ -119,9 +119,12 @@ def test_duplicates_model_one_gpu_pool_only():
                tiers=("device", "host"), duplicates=True)
 
 
-def test_the_replay_counts_the_copies_of_the_preset_that_makes_them():
+@pytest.mark.parametrize("state_scale", [1.0, 0.02])
+def test_the_replay_counts_the_copies_of_the_preset_that_makes_them(state_scale):
+    """Also where vLLM's hybrid block (16 tokens at 1 MB states) is smaller than a page."""
     trace = load(str(weka_sample()))
-    cfg = ReplayConfig(discipline="sequential", budget=0.5, max_requests=120)
+    cfg = ReplayConfig(discipline="sequential", budget=0.5, max_requests=120,
+                       state_scale=state_scale)
     runs = replay(trace, ["vllm-marconi", "hybridstore"], cfg, progress=False)
     assert runs["vllm-marconi"].summary()["duplicated_pages"] > 0
     assert runs["hybridstore"].summary()["duplicated_pages"] == 0

@@ -475,10 +475,10 @@ def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPres
         _put_segment(store, objects, prompt, plan.position, hints, page_bytes,
                      p.state_bytes(model), kv_to_last_state=p.kv_to_last_state)
         if p.duplicates:
-            grain = vllm_hybrid_pages(model).block_tokens // prompt.block_size
-            run.duplicated_pages += put_duplicates(store, objects, prompt, plan.position, held,
-                                                   page_bytes, serial=len(run.results) + 1,
-                                                   grain=grain, last_used=last_used)
+            run.duplicated_pages += put_duplicates(
+                store, objects, prompt, plan.position, held, page_bytes,
+                serial=len(run.results) + 1, last_used=last_used,
+                block_tokens=vllm_hybrid_pages(model).block_tokens)
         if p.loads_into_device:
             _land_in_device(store, prompt, plan, hints)
     return _Served(plan.position, restore_s, recompute_s,
@@ -504,14 +504,14 @@ _DUPLICATE_SALT = 0x9E3779B97F4A7C15
 
 
 def put_duplicates(store: HybridStore, objects: ObjectPlane, prompt: PrefixKeys, position: int,
-                   held: int, page_bytes: int, *, serial: int, grain: int = 1,
+                   held: int, page_bytes: int, *, serial: int, block_tokens: int = 1,
                    last_used: np.ndarray | None = None) -> int:
     """vLLM's second copies (``Preset.duplicates``): a prefill resumed at ``position`` while
     the cache held the prompt's first ``held`` pages recomputes the full blocks
     ``[position, held)`` into fresh blocks and caches them next to the copies already
     there (vLLM's block pool does not de-duplicate: two blocks hold the same KV, each
     evicted at its own rank in the free queue, and the KV stays cached while either does).
-    vLLM caches whole blocks of ``grain`` pages (its hybrid block), so the copies end at
+    vLLM caches whole blocks of ``block_tokens`` (its hybrid block), so the copies end at
     the last such block boundary: the pages past it were a partial block, never cached.
 
     The store is content-addressed and keeps one copy, so the second one is put as a branch
@@ -524,7 +524,8 @@ def put_duplicates(store: HybridStore, objects: ObjectPlane, prompt: PrefixKeys,
     ``lru-vllm`` offers it first).  Returns the pages stored twice.
     """
     B = prompt.block_size
-    first, stop = position // B, min(held, prompt.length // B) // grain * grain
+    first = position // B
+    stop = min(held * B, prompt.length) // block_tokens * block_tokens // B
     if stop <= first:
         return 0
     keys = prompt.keys[:stop].copy()
