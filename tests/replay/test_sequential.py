@@ -134,7 +134,8 @@ def test_a_host_ratio_adds_a_host_tier_behind_the_budget(trace):
         assert [t.name for t in tier_budgets(preset("vllm-disk"), cfg, 1.0, fp)] == \
             ["device", "host"]
         (only,) = tier_budgets(preset("vllm-marconi"), cfg, 1.0, fp)
-        assert only.capacity_bytes == int(0.1 * fp * 1.9)
+        block = vllm_hybrid_pages(model_preset("qwen3.5-9b")).block_bytes   # vLLM's pool:
+        assert only.capacity_bytes == int((int(0.1 * fp * 1.9 // block) - 1) * block)  # less block 0
     # a disk tier behind it (vLLM's fs tier: no limit)
     inf = ReplayConfig(discipline="sequential", budget=0.1, host_ratio=2.0, disk_ratio=math.inf)
     *_, disk = tier_budgets(preset("vllm-disk"), inf, 1.0, fp)

@@ -1,5 +1,5 @@
 """What the vLLM preset takes from vLLM's one block pool beyond its order: a state charged
-as vLLM pads it (``Preset.padded_states``), and second copies of recomputed KV
+as vLLM pads it (``Preset.vllm_blocks``), and second copies of recomputed KV
 (``Preset.duplicates``, ``sim.put_duplicates``): its block pool does not de-duplicate, so a
 prefill resumed before the end of the cached KV caches those blocks twice; the
 content-addressed store models the second copy as a branch no prompt reaches."""
@@ -103,13 +103,20 @@ def test_aging_pages_the_index_does_not_know_is_refused(store):
 
 def test_a_vllm_state_takes_a_hybrid_block_in_each_mamba_group():
     """qwen3.5-9b: 3 Mamba groups of 512-token blocks of 17.2 MB: 51.6 MB for a 50 MB state;
-    our own store charges the state's bytes."""
+    our own store charges the state's bytes.  vLLM's pool is whole blocks less block 0."""
     model = model_preset("qwen3.5-9b")
     pages = vllm_hybrid_pages(model)
     assert preset("vllm-marconi").state_bytes(model) == round(3 * pages.block_bytes)
     assert model.checkpoint_bytes < preset("vllm-marconi").state_bytes(model) < 1.05 * model.checkpoint_bytes
     assert preset("hybridstore").state_bytes(model) == model.checkpoint_bytes
     small = model.with_state_scale(0.5)                 # the block follows the state
+    # the pool: whole blocks, less the null block; at a quarter scale the same blocks
+    assert preset("vllm-marconi").pool_bytes(model, 100 * pages.block_bytes + 5) == \
+        int(99 * pages.block_bytes)
+    assert preset("vllm-marconi").pool_bytes(model, 25 * pages.block_bytes, scale=4) == \
+        int(99 * pages.block_bytes / 4)
+    assert preset("vllm-marconi").pool_bytes(model, pages.block_bytes // 2) == 0
+    assert preset("hybridstore").pool_bytes(model, 12345) == 12345
     assert preset("vllm-marconi").state_bytes(small) == round(3 * vllm_hybrid_pages(small).block_bytes)
 
 

@@ -329,6 +329,8 @@ def tier_budgets(p: Preset, cfg: ReplayConfig, scale: float = 1.0,
     for name, cap in caps.items():
         nbytes = _UNLIMITED_BYTES if p.unlimited or math.isinf(cap) \
             else min(_UNLIMITED_BYTES, int(cap / scale))
+        if name == "device" and not p.unlimited:
+            nbytes = p.pool_bytes(cfg.full_model(), nbytes, scale)
         if nbytes > 0:
             out.append(TierBudget(name, nbytes, gbps[name]))
     if not out:

@@ -18,9 +18,10 @@ preset              models
                     its free-queue LRU (``lru-vllm`` with ``running_state``: a
                     request's tail first, states its prefill passed before its
                     KV, KV no state needs first, no slack), which may leave
-                    states without their KV; a state charged as vLLM pads it (one
-                    hybrid block per Mamba group), and a second copy of the KV a
-                    prefill recomputes while the pool still holds it (vLLM does not
+                    states without their KV; the pool accounted as vLLM's (a state
+                    padded to one hybrid block per Mamba group, whole blocks less
+                    the null block), and a second copy of the KV a prefill
+                    recomputes while the pool still holds it (vLLM does not
                     de-duplicate blocks).  Calibrated against vLLM's own
                     KVCacheManager (``python -m benchmarks calibrate --engine
                     vllm``, docs/replay.md)
@@ -162,10 +163,12 @@ class Preset:
             from a state before the end of its cached KV caches those blocks again
             (:func:`~hybridstore.replay.sim.put_duplicates`).  GPU-only presets: vLLM's
             CPU offloading looks its blocks up by hash and stores one copy.
-        padded_states: a checkpoint takes what vLLM gives a state in its one block pool,
-            one hybrid block in each Mamba group (:func:`~hybridstore.replay.model_presets.vllm_hybrid_pages`:
-            qwen3.5-9b's 50 MB state takes 3 blocks of 17.2 MB, ``platforms/interface.py``
-            pads the Mamba page to the attention page), not the model's state bytes.
+        vllm_blocks: the device tier is accounted as vLLM's one block pool
+            (:func:`~hybridstore.replay.model_presets.vllm_hybrid_pages`): a checkpoint
+            takes one hybrid block in each Mamba group (qwen3.5-9b's 50 MB state takes 3
+            blocks of 17.2 MB: ``platforms/interface.py`` pads the Mamba page to the
+            attention page), and the budget is whole blocks less the null block
+            (``block_pool.py``: block 0 is never allocated).
     """
 
     name: str
@@ -181,7 +184,7 @@ class Preset:
     kv_to_last_state: bool = False
     loads_into_device: bool = False
     duplicates: bool = False
-    padded_states: bool = False
+    vllm_blocks: bool = False
 
     def __post_init__(self) -> None:
         if self.duplicates and len(self.tiers) > 1:
@@ -189,11 +192,19 @@ class Preset:
                               f"it has the tiers {self.tiers}")
 
     def state_bytes(self, model: ModelPreset) -> int:
-        """Bytes one checkpoint of ``model`` takes in the preset's cache (``padded_states``)."""
-        if not self.padded_states:
+        """Bytes one checkpoint of ``model`` takes in the preset's cache (``vllm_blocks``)."""
+        if not self.vllm_blocks:
             return model.checkpoint_bytes
         pages = vllm_hybrid_pages(model)
         return round(pages.mamba_groups * pages.block_bytes)
+
+    def pool_bytes(self, model: ModelPreset, nbytes: int, scale: float = 1.0) -> int:
+        """What the device tier may hold of a budget of ``nbytes`` (``vllm_blocks``: whole
+        hybrid blocks of ``model`` at full size, divided by ``scale``, less the null block)."""
+        if not self.vllm_blocks:
+            return nbytes
+        block = vllm_hybrid_pages(model).block_bytes / scale
+        return int(max(0, int(nbytes // block) - 1) * block)
 
     def policies(self, model: ModelPreset) -> tuple[EvictionPolicy, AdmissionPolicy]:
         """The eviction and admission policy instances for ``model``."""
@@ -245,7 +256,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset(name="unlimited", eviction="lru", unlimited=True, tiers=("device",),
            placement=_place(("interval", {"interval": "$B"}), ("request-end", {}))),
     Preset(name="vllm-marconi", eviction="lru-vllm", tiers=("device",), branch=True,
-           duplicates=True, padded_states=True,
+           duplicates=True, vllm_blocks=True,
            params=lambda model: {"eviction": {"running_state": True}},
            placement=_place(VLLM_ALIGN)),
     Preset(name="vllm-cpu", eviction="lru-vllm", tiers=("device", "host"), branch=True,
