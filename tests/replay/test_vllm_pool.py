@@ -117,6 +117,9 @@ def test_a_vllm_state_takes_a_hybrid_block_in_each_mamba_group():
         int(99 * pages.block_bytes / 4)
     assert preset("vllm-marconi").pool_bytes(model, pages.block_bytes // 2) == 0
     assert preset("hybridstore").pool_bytes(model, 12345) == 12345
+    # while it prefills: the partial last block and two running states (3 blocks each)
+    assert preset("vllm-marconi").transient_bytes(model) == round(7 * pages.block_bytes)
+    assert preset("hybridstore").transient_bytes(model) == 0
     assert preset("vllm-marconi").state_bytes(small) == round(3 * vllm_hybrid_pages(small).block_bytes)
 
 
@@ -155,3 +158,24 @@ def test_aged_pages_go_first_in_a_tier_that_reuses_its_ranking(store):
     s.evict(4 * page, tier="device")
     assert s.present_pages(late) == 0         # the aged prompt went, not the ranked ones
     assert sum(s.present_pages(p) for p in prompts) == n * 16 - 1
+
+
+def test_a_prefill_makes_room_for_the_blocks_it_holds_only_while_it_runs():
+    """vLLM's pool holds the prompt's partial last block and two running states while it
+    prefills: the preset's KV allocation makes room for them too, so an idle prompt that
+    would fit beside the new segment alone is evicted."""
+    from hybridstore.replay.sim import _allocate
+
+    model = model_preset("qwen3.5-9b")
+    page = model.page_bytes(B)
+    transient = preset("vllm-marconi").transient_bytes(model)
+    for extra, kept in ((0, 8), (transient, 0)):
+        cfg = ReplayConfig(gpu_gib=(16 * page + transient) / 2**30)
+        s = build_store(preset("vllm-marconi"), cfg, model, B)
+        objects = SizedObjects()
+        idle = _prompt(s, range(1, 9))
+        objects.put_pages(s, idle, 0, page)
+        new = _prompt(s, range(100, 108))
+        _allocate(s, new, 0, page, extra)
+        assert s.present_pages(idle) == kept
+        s.close()

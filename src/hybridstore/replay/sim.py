@@ -460,7 +460,7 @@ def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPres
         measured = objects.restore(store, plan) if plan.position else None
         if kv_pool is not None and not refused:
             start = _device_prefix(store, plan) if p.loads_into_device else plan.position
-            _allocate(store, prompt, start, page_bytes)
+            _allocate(store, prompt, start, page_bytes, p.transient_bytes(model))
         if p.duplicates and not refused:
             held, last_used = _cached_past(store, prompt, plan.position)
     finally:
@@ -579,16 +579,19 @@ def _land_in_device(store: HybridStore, prompt: PrefixKeys, plan: ResumePlan,
     store.promote(prompt, positions=positions, tier="device", sources=("host",))
 
 
-def _allocate(store: HybridStore, prompt: PrefixKeys, cached: int, page_bytes: int) -> None:
+def _allocate(store: HybridStore, prompt: PrefixKeys, cached: int, page_bytes: int,
+              transient: int = 0) -> None:
     """The engine's KV allocation for the segment ``[cached, len)`` it is about to compute:
-    room for its pages in the fastest tier, the resumed prefix pinned by the caller's plan.
-    Best effort: where everything left is pinned or needed, the put makes what room it can."""
+    room for its pages in the fastest tier, the resumed prefix pinned by the caller's plan,
+    plus ``transient`` bytes the engine holds only while it computes
+    (:meth:`~hybridstore.replay.systems.Preset.transient_bytes`).  Best effort: where
+    everything left is pinned or needed, the put makes what room it can."""
     pages = prompt.nblocks - cached // prompt.block_size
     if pages <= 0:
         return
     tier = store.tiers[_fastest(store)]
     try:
-        store.make_room(pages * tier.charge(page_bytes), ObjectKind.PAGE)
+        store.make_room(pages * tier.charge(page_bytes) + transient, ObjectKind.PAGE)
     except CapacityError:
         pass
 

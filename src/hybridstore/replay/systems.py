@@ -167,8 +167,10 @@ class Preset:
             (:func:`~hybridstore.replay.model_presets.vllm_hybrid_pages`): a checkpoint
             takes one hybrid block in each Mamba group (qwen3.5-9b's 50 MB state takes 3
             blocks of 17.2 MB: ``platforms/interface.py`` pads the Mamba page to the
-            attention page), and the budget is whole blocks less the null block
-            (``block_pool.py``: block 0 is never allocated).
+            attention page), the budget is whole blocks less the null block
+            (``block_pool.py``: block 0 is never allocated), and a prefill's allocation
+            also makes room for the blocks vLLM holds only while it runs
+            (:meth:`transient_bytes`).
     """
 
     name: str
@@ -197,6 +199,16 @@ class Preset:
             return model.checkpoint_bytes
         pages = vllm_hybrid_pages(model)
         return round(pages.mamba_groups * pages.block_bytes)
+
+    def transient_bytes(self, model: ModelPreset) -> int:
+        """Bytes the engine holds in the device tier only while it prefills a prompt
+        (``vllm_blocks``: vLLM's pool then holds the prompt's partial last block and two
+        running states, double-buffered across chunks, ``MambaManager``): room its KV
+        allocation makes, which the store never fills (:func:`~hybridstore.replay.sim._serve`)."""
+        if not self.vllm_blocks:
+            return 0
+        pages = vllm_hybrid_pages(model)
+        return round((1 + 2 * pages.mamba_groups) * pages.block_bytes)
 
     def pool_bytes(self, model: ModelPreset, nbytes: int, scale: float = 1.0) -> int:
         """What the device tier may hold of a budget of ``nbytes`` (``vllm_blocks``: whole
