@@ -14,7 +14,13 @@ from hybridstore.replay.loaders import load
 from hybridstore.replay.model_presets import model_preset, vllm_hybrid_pages
 from hybridstore.replay.planes import SizedObjects
 from hybridstore.replay.samples import weka_sample
-from hybridstore.replay.sim import ReplayConfig, _cached_past, build_store, put_duplicates, replay
+from hybridstore.replay.sim import (
+    ReplayConfig,
+    _cached_past,
+    build_store,
+    put_duplicates,
+    replay,
+)
 from hybridstore.replay.systems import Preset, preset
 
 B = 64
@@ -96,7 +102,7 @@ def test_the_copies_rank_as_the_older_copy_and_free_their_room(store):
 
 
 def test_aging_pages_the_index_does_not_know_is_refused(store):
-    s, page = store
+    s, _ = store
     with pytest.raises(InvalidTokensError):
         s.age_sized(_prompt(s, range(500, 504)), first_block=0, last_used=[0, 0])
 
