@@ -20,9 +20,9 @@ preset              models
                     KV, KV no state needs first, no slack), which may leave
                     states without their KV; the pool accounted as vLLM's (a state
                     padded to one hybrid block per Mamba group, whole blocks less
-                    the null block), and a second copy of the KV a prefill
-                    recomputes while the pool still holds it (vLLM does not
-                    de-duplicate blocks).  Calibrated against vLLM's own
+                    the null block, room for the blocks a prefill holds while it
+                    runs), and a second copy of the KV a prefill recomputes while
+                    the pool still holds it (vLLM does not de-duplicate blocks).  Calibrated against vLLM's own
                     KVCacheManager (``python -m benchmarks calibrate --engine
                     vllm``, docs/replay.md)
 ``vllm-cpu``        vLLM 0.33 with CPU offloading (``--kv-offloading-size``:
