@@ -50,10 +50,10 @@ def test_a_resume_before_the_cached_kv_end_stores_the_recomputed_blocks_again(st
     s.release(plan)
     tier = s.tiers["device"]
     before = tier.used_bytes
-    held = s.present_pages(second)
+    cached = _cached_past(s, second, plan.position)           # blocks 3..6, before the put
     objects.put_pages(s, second, plan.position // B, page)   # the engine's own put
     assert tier.used_bytes - before == 2 * page               # blocks 7, 8: new
-    copied = put_duplicates(s, objects, second, plan.position, held, page, serial=1)
+    copied = put_duplicates(s, objects, second, plan.position, cached, page, serial=1)
     assert copied == 4                                        # blocks 3..6 cached twice
     assert tier.used_bytes - before == 6 * page + 1           # and a one-byte marker state
     # the copies are invisible to lookups: the same resume point, the same pages
@@ -61,11 +61,11 @@ def test_a_resume_before_the_cached_kv_end_stores_the_recomputed_blocks_again(st
     assert (again.position, again.kv_tokens) == (2 * B, 8 * B)
     s.release(again)
     # another request's copies of the same blocks are other objects
-    assert put_duplicates(s, objects, second, plan.position, held, page, serial=2) == 4
+    assert put_duplicates(s, objects, second, plan.position, cached, page, serial=2) == 4
     assert tier.used_bytes - before == 10 * page + 2
     # nothing to copy: a resume at the end of the cached KV, or past it
-    assert put_duplicates(s, objects, second, 6 * B, held, page, serial=3) == 0
-    assert put_duplicates(s, objects, second, 2 * B, 2, page, serial=4) == 0
+    assert put_duplicates(s, objects, second, 6 * B, cached[4:], page, serial=3) == 0
+    assert put_duplicates(s, objects, second, 2 * B, cached[:0], page, serial=4) == 0
 
 
 def test_the_copies_rank_as_the_older_copy_and_free_their_room(store):
@@ -83,11 +83,10 @@ def test_the_copies_rank_as_the_older_copy_and_free_their_room(store):
     objects.put_pages(s, other, 0, page)
     objects.put_state(s, other, 4 * B, 50_000_000)
     second = _prompt(s, [1, 2, 3, 4, 5, 6, 100, 101])     # resumes at 2, KV cached to 6
-    held, last_used = _cached_past(s, second, 2 * B)
-    assert held == 6 and len(last_used) == 4
+    last_used = _cached_past(s, second, 2 * B)
+    assert 2 + len(last_used) == 6 and len(last_used) == 4
     objects.put_pages(s, second, 2, page)                 # touches 3..6, adds 7, 8 (no state)
-    assert put_duplicates(s, objects, second, 2 * B, held, page, serial=1,
-                          last_used=last_used) == 4
+    assert put_duplicates(s, objects, second, 2 * B, last_used, page, serial=1) == 4
     tier = s.tiers["device"]
     used = tier.used_bytes
     # six pages of room: the second prompt's tail (no state needs it), then what was last

@@ -15,6 +15,7 @@ configs; where a figure is rounded it says so.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -147,6 +148,7 @@ class VLLMPages:
     block_bytes: float
 
 
+@functools.cache
 def vllm_hybrid_pages(model: ModelPreset, kernel_block: int = 16) -> VLLMPages:
     """vLLM's hybrid page layout for ``model``.
 

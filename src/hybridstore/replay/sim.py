@@ -455,14 +455,14 @@ def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPres
     cost = store.restore_cost(plan)
     page_bytes = model.page_bytes(prompt.block_size)
     refused = kv_pool is not None and prompt.nblocks > kv_pool
-    held, last_used = 0, _NO_TIMES
+    last_used = _NO_TIMES
     try:
         measured = objects.restore(store, plan) if plan.position else None
         if kv_pool is not None and not refused:
             start = _device_prefix(store, plan) if p.loads_into_device else plan.position
             _allocate(store, prompt, start, page_bytes, p.transient_bytes(model))
         if p.duplicates and not refused:
-            held, last_used = _cached_past(store, prompt, plan.position)
+            last_used = _cached_past(store, prompt, plan.position)
     finally:
         store.release(plan)
     # The simulated clock runs on the modeled restore, in data mode too.
@@ -478,9 +478,8 @@ def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPres
                      p.state_bytes(model), kv_to_last_state=p.kv_to_last_state)
         if p.duplicates:
             run.duplicated_pages += put_duplicates(
-                store, objects, prompt, plan.position, held, page_bytes,
-                serial=len(run.results) + 1, last_used=last_used,
-                block_tokens=vllm_hybrid_pages(model).block_tokens)
+                store, objects, prompt, plan.position, last_used, page_bytes,
+                serial=len(run.results) + 1, block_tokens=vllm_hybrid_pages(model).block_tokens)
         if p.loads_into_device:
             _land_in_device(store, prompt, plan, hints)
     return _Served(plan.position, restore_s, recompute_s,
@@ -490,15 +489,13 @@ def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPres
 _NO_TIMES = np.zeros(0, np.int64)
 
 
-def _cached_past(store: HybridStore, prompt: PrefixKeys, position: int) -> tuple[int, np.ndarray]:
-    """The prompt's leading pages the store holds, and when each page from ``position`` on
-    was last used (before the engine's put touches them again)."""
-    held = store.present_pages(prompt)
-    first = position // prompt.block_size
-    if held <= first:
-        return held, _NO_TIMES
-    ids = store.index.known_ids(prompt)[first:held]
-    return held, store.index.page_columns(ids, ("atime",))["atime"].copy()
+def _cached_past(store: HybridStore, prompt: PrefixKeys, position: int) -> np.ndarray:
+    """When each page of the prompt's leading held run from ``position`` on was last used
+    (read before the engine's put touches them again; one walk of the prompt)."""
+    ids = store.index.known_ids(prompt)[position // prompt.block_size:]
+    cols = store.index.page_columns(ids, ("tiers", "atime"))
+    missing = np.flatnonzero(cols["tiers"] == 0)
+    return cols["atime"][:int(missing[0]) if missing.size else len(ids)]
 
 
 _DUPLICATE_SALT = 0x9E3779B97F4A7C15
@@ -506,11 +503,11 @@ _DUPLICATE_SALT = 0x9E3779B97F4A7C15
 
 
 def put_duplicates(store: HybridStore, objects: ObjectPlane, prompt: PrefixKeys, position: int,
-                   held: int, page_bytes: int, *, serial: int, block_tokens: int = 1,
-                   last_used: np.ndarray | None = None) -> int:
+                   last_used: np.ndarray, page_bytes: int, *, serial: int,
+                   block_tokens: int = 1) -> int:
     """vLLM's second copies (``Preset.duplicates``): a prefill resumed at ``position`` while
-    the cache held the prompt's first ``held`` pages recomputes the full blocks
-    ``[position, held)`` into fresh blocks and caches them next to the copies already
+    the cache held the ``len(last_used)`` pages from there on (:func:`_cached_past`: when
+    each was last used) recomputes those full blocks into fresh blocks and caches them next to the copies already
     there (vLLM's block pool does not de-duplicate: two blocks hold the same KV, each
     evicted at its own rank in the free queue, and the KV stays cached while either does).
     vLLM caches whole blocks of ``block_tokens`` (its hybrid block), so the copies end at
@@ -519,15 +516,15 @@ def put_duplicates(store: HybridStore, objects: ObjectPlane, prompt: PrefixKeys,
     The store is content-addressed and keeps one copy, so the second one is put as a branch
     of pages that no prompt holds: the prompt's keys from ``position`` on, salted with the
     request's ``serial``.  The store's copy is the one the engine's put has just used; the
-    branch ranks as the older copy, last used at ``last_used`` (one time per page from
-    ``position``, read before that put; :meth:`HybridStore.age_sized`), which is what goes
+    branch ranks as the older copy, last used at ``last_used`` (read before that put;
+    :meth:`HybridStore.age_sized`), which is what goes
     first when nothing hits it.  A one-byte marker state at the branch's end keeps its
     pages ranked as cached blocks (KV that no state needs is what vLLM never caches, and
     ``lru-vllm`` offers it first).  Returns the pages stored twice.
     """
     B = prompt.block_size
     first = position // B
-    stop = min(held * B, prompt.length) // block_tokens * block_tokens // B
+    stop = min((first + len(last_used)) * B, prompt.length) // block_tokens * block_tokens // B
     if stop <= first:
         return 0
     keys = prompt.keys[:stop].copy()
@@ -536,8 +533,7 @@ def put_duplicates(store: HybridStore, objects: ObjectPlane, prompt: PrefixKeys,
                       hash_key=prompt.hash_key)
     objects.put_pages(store, copy, first, page_bytes)
     objects.put_state(store, copy, stop * B, 1)
-    if last_used is not None and len(last_used) >= stop - first:
-        store.age_sized(copy, first_block=first, last_used=last_used[:stop - first])
+    store.age_sized(copy, first_block=first, last_used=last_used[:stop - first])
     return stop - first
 
 
