@@ -1,4 +1,4 @@
-"""hybridstore as vLLM 0.33's KV offloading medium (``docs/engines/vllm.md``).
+"""hybridstore as vLLM's KV offloading medium, 0.32 to 0.34 (``docs/engines/vllm.md``).
 
 * :class:`HybridStoreSpec` — an ``OffloadingSpec`` for vLLM's
   ``OffloadingConnector`` (``"spec_name": "HybridStoreSpec", "spec_module_path":
@@ -8,10 +8,14 @@
 * :class:`HybridStoreTier` — a ``SecondaryTierManager`` for vLLM's
   ``TieringOffloadingSpec``: vLLM keeps its own DRAM tier, hybridstore is the SSD
   tier beneath it.
+* :class:`HybridStoreConnector` — vLLM's ``OffloadingConnector`` that hands the
+  spec its ``KVCacheConfig``: what hybrid models need on vLLM 0.32
+  (``compat.py``, where every difference between the releases is answered).
 
 Importing this package imports vLLM.
 """
 
+from hybridstore.adapters.vllm.compat import HybridStoreConnector
 from hybridstore.adapters.vllm.manager import HybridStoreManager
 from hybridstore.adapters.vllm.settings import GroupPlan, VllmSettings
 from hybridstore.adapters.vllm.spec import HybridStoreSpec
@@ -21,6 +25,7 @@ from hybridstore.adapters.vllm.worker import HybridStoreWorker, StagedKeys
 
 __all__ = [
     "GroupPlan",
+    "HybridStoreConnector",
     "HybridStoreManager",
     "HybridStoreSpec",
     "HybridStoreTier",

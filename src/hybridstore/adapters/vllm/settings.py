@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,17 +65,25 @@ class GroupPlan:
     tokens_per_chunk: tuple[int, ...]
 
     @classmethod
-    def of(cls, groups: Any, blocks_per_chunk: int) -> GroupPlan:
+    def of(cls, groups: Any, blocks_per_chunk: int,
+           windows: Sequence[int | None] | None = None) -> GroupPlan:
         """Classify ``OffloadingConfig.groups``.
+
+        Args:
+            groups: ``OffloadingConfig.groups``.
+            blocks_per_chunk: GPU blocks per offloaded chunk.
+            windows: each group's window in chunks (``compat.group_windows``);
+                by default read from the groups (vLLM 0.33+).
 
         Raises:
             UnsupportedModelError: no full-attention group, more than one, or a
                 sliding-window group wider than one chunk (its window of
                 several chunks is not a prefix page nor a single state).
         """
+        if windows is None:
+            windows = [g.sliding_window_size_in_chunks for g in groups]
         full, states = [], []
-        for pos, g in enumerate(groups):
-            window = g.sliding_window_size_in_chunks
+        for pos, (g, window) in enumerate(zip(groups, windows, strict=True)):
             if window is None:
                 full.append(pos)
             elif window == 1:

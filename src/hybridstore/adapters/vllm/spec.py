@@ -19,6 +19,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from hybridstore import HybridStore
+from hybridstore.adapters.vllm.compat import group_windows
 from hybridstore.adapters.vllm.manager import HybridStoreManager
 from hybridstore.adapters.vllm.settings import GroupPlan, VllmSettings
 from hybridstore.adapters.vllm.staging import ALIGN, StagingRegion
@@ -36,7 +37,8 @@ class HybridStoreSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
-        self.plan = GroupPlan.of(config.groups, self.blocks_per_chunk)
+        self.plan = GroupPlan.of(config.groups, self.blocks_per_chunk,
+                                 group_windows(config.groups, self.blocks_per_chunk))
         self.settings = VllmSettings.from_config(config, self.plan)
         world = config.parallel.world_size
         per_key = world * self.blocks_per_chunk * config.worker_kv_bytes_per_block

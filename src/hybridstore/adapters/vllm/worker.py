@@ -22,17 +22,18 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
-    GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
 )
 
+from hybridstore.adapters.vllm.compat import BlockSpan, block_span
 from hybridstore.adapters.vllm.staging import StagingRegion
 from hybridstore.errors import ConfigError
 
@@ -105,16 +106,16 @@ class HybridStoreWorker(OffloadingWorker):
         self._lock = threading.Lock()
 
     # -- OffloadingWorker ---------------------------------------------------------------
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
-                     ) -> bool:
+    # The GPU side is vLLM 0.32/0.33's GPULoadStoreSpec or 0.34's DevicePointers (compat.py).
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, StagedKeys), dst_spec
-        self._submit(job_id, self._store, src_spec, dst_spec)
+        self._submit(job_id, self._store, self._span(src_spec), dst_spec)
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: Any,
                     expedited: bool = False) -> bool:
         assert isinstance(src_spec, StagedKeys), src_spec
-        self._submit(job_id, self._load, dst_spec, src_spec)
+        self._submit(job_id, self._load, self._span(dst_spec), src_spec)
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -133,7 +134,10 @@ class HybridStoreWorker(OffloadingWorker):
         self._region.close()
 
     # -- jobs -----------------------------------------------------------------------------
-    def _submit(self, job_id: int, fn, gpu: GPULoadStoreSpec, staged: StagedKeys) -> None:
+    def _span(self, gpu: Any) -> BlockSpan:
+        return block_span(gpu, self._tensors, self._refs)
+
+    def _submit(self, job_id: int, fn, gpu: BlockSpan, staged: StagedKeys) -> None:
         def run() -> None:
             t0 = time.perf_counter()
             try:
@@ -150,7 +154,7 @@ class HybridStoreWorker(OffloadingWorker):
         with self._lock:
             self._jobs[job_id] = self._pool.submit(run)
 
-    def _runs(self, gpu: GPULoadStoreSpec, slots: np.ndarray):
+    def _runs(self, gpu: BlockSpan, slots: np.ndarray):
         """Per layer ref: (tensor index, page bytes, GPU block ids, byte offsets in the region)."""
         bpc, rank = self._bpc, self._rank
         slot_bytes = self._region.slot_bytes
@@ -161,7 +165,7 @@ class HybridStoreWorker(OffloadingWorker):
             skip = first % bpc
             nkeys = -(-(skip + n) // bpc)
             gslots = slots[key_at: key_at + nkeys]
-            blocks = np.asarray(gpu.block_ids[blk_at: blk_at + n], dtype=np.int64)
+            blocks = gpu.block_ids[blk_at: blk_at + n]
             key_at += nkeys
             blk_at += n
             sub = skip + np.arange(n)
@@ -172,7 +176,7 @@ class HybridStoreWorker(OffloadingWorker):
             raise ValueError(f"job of {len(gpu.block_ids)} blocks / {len(slots)} slots maps "
                              f"{blk_at} blocks onto {key_at} keys")
 
-    def _store(self, gpu: GPULoadStoreSpec, staged: StagedKeys) -> int:
+    def _store(self, gpu: BlockSpan, staged: StagedKeys) -> int:
         flat, moved = self._flat, 0
         for t_idx, psz, blocks, offs in list(self._runs(gpu, staged.slots)):
             t = self._tensors[t_idx]
@@ -188,7 +192,7 @@ class HybridStoreWorker(OffloadingWorker):
             moved += len(blocks) * psz
         return moved
 
-    def _load(self, gpu: GPULoadStoreSpec, staged: StagedKeys) -> int:
+    def _load(self, gpu: BlockSpan, staged: StagedKeys) -> int:
         assert staged.tokens is not None
         self._await(staged)
         flat, moved = self._flat, 0

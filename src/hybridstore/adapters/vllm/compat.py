@@ -1,0 +1,169 @@
+"""The one place that knows how vLLM 0.32, 0.33 and 0.34 differ for the adapter.
+
+Every difference the adapter meets between the releases it supports is answered
+here, by what the running vLLM *has* (an attribute, a type), never by reading
+version strings or stack frames:
+
+========================  ==========================================  ==========================
+what                      0.32                                        0.33 / 0.34
+========================  ==========================================  ==========================
+a group's window          not in ``OffloadingGroupConfig``: computed  ``OffloadingGroupConfig.
+                          from the ``KVCacheConfig`` that             sliding_window_size_in_
+                          :class:`HybridStoreConnector` hands over    chunks``
+worker job's GPU side     ``GPULoadStoreSpec`` (block ids)            0.33: ``GPULoadStoreSpec``;
+                                                                      0.34: ``DevicePointers``
+                                                                      (one address per block
+                                                                      and layer)
+``OffloadingManager.      called                                      0.34: never called
+touch``
+========================  ==========================================  ==========================
+
+On 0.32 an offloading spec sees only ``OffloadingConfig``, which does not say
+which KV cache groups are Mamba groups. Models with one KV cache group need
+nothing more; hybrid models name this package's connector, a subclass of vLLM's
+``OffloadingConnector`` that only passes the ``KVCacheConfig`` vLLM gives every
+connector on to the spec::
+
+    --kv-transfer-config '{"kv_connector": "HybridStoreConnector",
+      "kv_connector_module_path": "hybridstore.adapters.vllm", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "HybridStoreSpec",
+        "spec_module_path": "hybridstore.adapters.vllm", "disk_path": "/nvme/hs"}}'
+
+(it works the same on 0.33 and 0.34, where ``OffloadingConnector`` itself is
+enough).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.v1.kv_cache_interface import iter_layer_specs
+
+from hybridstore.errors import UnsupportedModelError
+
+# The KVCacheConfig of the connector being built in this thread (0.32 only needs it).
+_KV_CACHE_CONFIG: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "hybridstore_vllm_kv_cache_config", default=None)
+
+
+def _window_function() -> Callable[[Any, int], int | None]:
+    """vLLM's own ``get_sliding_window_size_in_chunks`` (0.32: scheduler, 0.33+: config)."""
+    for module in ("vllm.distributed.kv_transfer.kv_connector.v1.offloading.config",
+                   "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"):
+        fn = getattr(importlib.import_module(module), "get_sliding_window_size_in_chunks", None)
+        if fn is not None:
+            return fn
+    raise UnsupportedModelError(  # pragma: no cover - every supported release has it
+        "this vLLM has no get_sliding_window_size_in_chunks; the hybridstore adapter supports "
+        "vLLM 0.32, 0.33 and 0.34")
+
+
+class HybridStoreConnector(OffloadingConnector):
+    """vLLM's ``OffloadingConnector``, handing its ``KVCacheConfig`` to the offloading spec.
+
+    Needed on vLLM 0.32 for hybrid (Mamba / GDN) models only: 0.32's
+    ``OffloadingConfig`` leaves out which groups are Mamba groups, so the spec
+    reads each group's window from the ``KVCacheConfig`` with vLLM's own
+    ``get_sliding_window_size_in_chunks``. Behaves as ``OffloadingConnector``
+    otherwise.
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        token = _KV_CACHE_CONFIG.set(kv_cache_config)
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        finally:
+            _KV_CACHE_CONFIG.reset(token)
+
+
+def group_windows(groups: Sequence[Any], blocks_per_chunk: int) -> tuple[int | None, ...]:
+    """Each offloaded group's window in chunks (``None``: full attention; 1: Mamba).
+
+    Args:
+        groups: ``OffloadingConfig.groups``.
+        blocks_per_chunk: GPU blocks per offloaded chunk.
+
+    Raises:
+        UnsupportedModelError: vLLM 0.32 with several KV cache groups, built by
+            vLLM's plain ``OffloadingConnector`` (it does not say which are Mamba
+            groups): name :class:`HybridStoreConnector` instead.
+    """
+    if all(hasattr(g, "sliding_window_size_in_chunks") for g in groups):
+        return tuple(g.sliding_window_size_in_chunks for g in groups)
+    kv_cache_config = _KV_CACHE_CONFIG.get()
+    if kv_cache_config is None:
+        if len(groups) == 1:
+            return (None,)
+        raise UnsupportedModelError(
+            f"this vLLM (0.32) does not tell an offloading spec which of the model's "
+            f"{len(groups)} KV cache groups are Mamba groups. Name hybridstore's connector: "
+            '"kv_connector": "HybridStoreConnector", "kv_connector_module_path": '
+            '"hybridstore.adapters.vllm" in --kv-transfer-config (or use vLLM 0.33+).')
+    window = _window_function()
+    specs = kv_cache_config.kv_cache_groups
+    out = []
+    for g in groups:
+        # as 0.33's build_offloading_config: the group's first layer spec decides
+        spec = next(iter(iter_layer_specs(specs[g.group_id].kv_cache_spec)))
+        out.append(window(spec, g.tokens_per_block * blocks_per_chunk))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSpan:
+    """A worker job's GPU side, as block ids (what ``GPULoadStoreSpec`` says).
+
+    Attributes:
+        block_ids: the job's GPU blocks, group-major.
+        group_sizes: blocks of each group.
+        block_indices: logical index of each group's first block.
+    """
+
+    block_ids: np.ndarray
+    group_sizes: tuple[int, ...]
+    block_indices: tuple[int, ...]
+
+
+def block_span(gpu: Any, tensors: Sequence[Any], group_refs: Sequence[Sequence[Any]]
+               ) -> BlockSpan:
+    """A job's GPU side as block ids, from 0.32/0.33's ``GPULoadStoreSpec`` or 0.34's pointers.
+
+    0.34 hands the worker ``DevicePointers``: for each group, for each of its
+    layer refs, one address per block, ``base + block_id * row stride``
+    (``vllm/v1/kv_offload/pointer_utils.py``); the block ids are read back from
+    each group's first ref.
+
+    Args:
+        gpu: the ``GPULoadStoreSpec`` or ``DevicePointers`` of a job.
+        tensors: the worker's canonical KV tensors.
+        group_refs: per group, its refs' ``(tensor index, page bytes, offset)``.
+
+    Raises:
+        ValueError: a pointer that is no block of the group's tensor.
+    """
+    if not hasattr(gpu, "ptrs"):
+        return BlockSpan(np.asarray(gpu.block_ids, dtype=np.int64), tuple(gpu.group_sizes),
+                         tuple(gpu.block_indices))
+    ptrs = np.asarray(gpu.ptrs, dtype=np.uint64)
+    ids, at = [], 0
+    for n, nrefs, refs in zip(gpu.group_block_counts, gpu.group_data_ref_counts, group_refs):
+        if n == 0:
+            continue
+        t = tensors[refs[0][0]]
+        stride = t.stride(0) * t.element_size()
+        rel = ptrs[at: at + n].astype(np.int64) - int(t.data_ptr())
+        blocks, rem = np.divmod(rel, stride)
+        if rem.any() or (blocks < 0).any() or (blocks >= t.shape[0]).any():
+            raise ValueError("a DevicePointers address is not a block of this worker's KV cache")
+        ids.append(blocks)
+        at += n * nrefs
+    block_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+    return BlockSpan(block_ids, tuple(gpu.group_block_counts), tuple(gpu.block_indices))
