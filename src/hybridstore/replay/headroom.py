@@ -31,7 +31,7 @@ split``: SGLang's KV pool), in pages of ``block`` tokens (the KV of one full blo
   These are heuristics, not bounds: contexts are whole, Belady over objects of different
   sizes is not optimal, and pages shared across sessions or kept from older branches are
   ignored; ``session_belady`` was labelled a clairvoyant bound before the exact one
-  existed and lies up to 2.5 points below it (docs/replay.md).
+  existed and lies up to 22 points below it (docs/replay.md).
 """
 
 from __future__ import annotations
