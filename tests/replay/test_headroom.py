@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from hybridstore.cli import main
+from hybridstore.replay.bound import belady_hits
 from hybridstore.replay.headroom import headroom, session_hit_rate
 from hybridstore.replay.loaders import load
 from hybridstore.replay.samples import weka_sample
@@ -29,6 +30,19 @@ def test_session_belady_keeps_the_context_that_returns_first_and_lru_does_not():
     assert session_hit_rate(reqs, 8, "lru", 4) == 0.0                  # C pushed A out, A pushed B
     assert session_hit_rate(reqs, 8, "session_belady", 4) == 16 / total   # B went at C's arrival
     assert session_hit_rate(reqs, 3, "session_belady", 4) == 0.0          # no context fits
+
+
+def test_session_belady_is_no_bound_the_page_bound_keeps_more():
+    # Two 4-block contexts alternate in room for 6 blocks: whole contexts keep only the
+    # one just served, which never returns next; the exact bound keeps one context and
+    # half the other (4 and 2 blocks at the returns).
+    reqs = [req(s, i, [base + k for k in range(4)])
+            for i in range(3) for s, base in (("A", 10), ("B", 20))]
+    total = sum(r.input_tokens for r in reqs)
+    prompts = [r.block_ids for r in reqs]
+    exact = belady_hits(prompts, 6)
+    assert exact.tolist() == [0, 0, 4, 2, 4, 2]
+    assert session_hit_rate(reqs, 6, "session_belady", 4) == 0.0 < exact.sum() * 4 / total == 0.5
 
 
 @pytest.fixture(scope="module")
