@@ -6,9 +6,11 @@ import itertools
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridstore.errors import ConfigError
 from hybridstore.replay.bound import NEVER, belady_hits, next_uses
 
 
@@ -68,6 +70,8 @@ def test_it_drops_the_deepest_pages_of_a_tie_and_keeps_the_cache_prefix_closed()
     assert belady_hits([p, q, p], 3).tolist() == [0, 0, 3]
     assert belady_hits([p, q, p], 0).tolist() == [0, 0, 0]
     assert belady_hits([p, q, p], None).tolist() == [0, 0, 4]
+    with pytest.raises(ConfigError, match="capacity must be >= 0"):
+        belady_hits([p], -1)
     # A tie across requests: after the third request x and y are both due at the last,
     # x from the second request, y from the first; the page of 7 pushes one out: y, the
     # deeper (x without y still hits; y without x would be no use).

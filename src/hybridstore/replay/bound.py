@@ -41,6 +41,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hybridstore.errors import ConfigError
+
 NEVER = np.iinfo(np.int64).max   # the next use of a page no later request holds
 
 
@@ -76,10 +78,16 @@ def belady_hits(prompts: Sequence[np.ndarray], capacity: int | None) -> np.ndarr
 
     Returns:
         int64 array: per request, the pages of its prompt the cache held when it came.
+
+    Raises:
+        ConfigError: ``capacity`` is negative.
     """
     uses = next_uses(prompts)
     hits = np.zeros(len(prompts), dtype=np.int64)
-    # a run: [shallow end, deep end, alive]; runs by next use; heap of (-next, -deep end, id)
+    if capacity is not None and capacity < 0:
+        raise ConfigError(f"capacity must be >= 0 pages (None: no limit), got {capacity}")
+    # runs: id -> [shallow end, deep end) of its prompt; due: next use -> run ids;
+    # heap: (-next use, -deep end, id), stale entries skipped
     runs: dict[int, list[int]] = {}
     due: dict[int, list[int]] = {}
     heap: list[tuple[int, int, int]] = []

@@ -129,7 +129,8 @@ def headroom(trace: Trace, budgets: Sequence[float], cfg: ReplayConfig, *,
     def rate(hit_pages: np.ndarray) -> float:
         return float(hit_pages.sum()) * block / total if total else 0.0
 
-    ks = sorted(set(states if states is not None else (1, open_sessions(reqs))))
+    live = open_sessions(reqs)
+    ks = sorted(set(states if states is not None else (1, live)))
     unlimited = rate(belady_hits(prompts, None))
     session_unlimited = session_hit_rate(reqs, None, "lru", block)
     rows = []
@@ -154,7 +155,7 @@ def headroom(trace: Trace, budgets: Sequence[float], cfg: ReplayConfig, *,
     return {"trace": trace.name, "requests": len(reqs), "pools": cfg.pools,
             "footprint_tokens": footprint / model.kv_bytes_per_token, "model": model.name,
             "state_bytes": model.checkpoint_bytes, "page_bytes": page,
-            "open_sessions": open_sessions(reqs), "rows": rows}
+            "open_sessions": live, "rows": rows}
 
 
 def print_headroom(doc: dict) -> None:
@@ -187,7 +188,7 @@ def plot_headroom(doc: dict, path: str | Path) -> None:
     lines = [("unlimited", [r["unlimited"] for r in rows], "k--"),
              ("exact bound (free states)", [r["bound"] for r in rows], "r-o")]
     for k in rows[0]["bound_holding_states"] if rows else ():
-        lines.append((f"bound holding {k} states",
+        lines.append((f"bound holding k={k} states",
                       [r["bound_holding_states"][k] for r in rows], "m:^"))
     lines += [("session Belady (heuristic)", [r["session_belady"] for r in rows], "g-o"),
               ("session LRU", [r["lru"] for r in rows], "b-s")]
