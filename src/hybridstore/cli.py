@@ -43,6 +43,12 @@ def _ratio_or_inf(text: str) -> float:
     """An argparse type: a number >= 0, or ``inf`` (no limit)."""
     return math.inf if text.strip().lower() in ("inf", "unlimited") else _NON_NEGATIVE(text)
 _COUNT = _number(int, low=1, strict=False)
+_NON_NEGATIVE_INT = _number(int, low=0, strict=False)
+
+
+def _counts(text: str) -> list[int]:
+    """An argparse type: comma-separated ints >= 0, e.g. ``0,1,22``."""
+    return [int(_NON_NEGATIVE_INT(part)) for part in text.split(",")]
 
 
 def _check_outputs(parser: argparse.ArgumentParser, *paths: str | None) -> None:
@@ -125,7 +131,8 @@ def _replay(args: argparse.Namespace) -> int:
     if args.headroom:
         from hybridstore.replay.headroom import headroom, plot_headroom, print_headroom
 
-        doc = headroom(trace, budgets or [0.05, 0.1, 0.2, 0.4], cfg, progress=not args.no_progress)
+        doc = headroom(trace, budgets or [0.05, 0.1, 0.2, 0.4], cfg, states=args.hold_states,
+                       progress=not args.no_progress)
         print_headroom(doc)
         return _outputs(args, doc, lambda path: plot_headroom(doc, path))
     if args.nodes:
@@ -310,9 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="instead of a replay: where each request leaves its predecessor's "
                           "prefix, a histogram per trace (--json/--plot get it)")
     rep.add_argument("--headroom", action="store_true",
-                     help="instead of a replay: what any eviction order could keep at each --sweep "
-                          "budget (default 5%%,10%%,20%%,40%%), session by session, by LRU and "
-                          "clairvoyantly (--pools, --json/--plot get it; docs/replay.md)")
+                     help="instead of a replay: what any cache could keep at each --sweep budget "
+                          "(default 5%%,10%%,20%%,40%%): the exact free-state bound (Belady per "
+                          "page), the same holding k states, and session-level LRU and Belady "
+                          "(heuristics) (--pools, --json/--plot get it; docs/replay.md)")
+    rep.add_argument("--hold-states", type=_counts, default=None, metavar="K,...",
+                     help="with --headroom, the k of the bound holding k states in the budget "
+                          "(default: 1 and the median number of open sessions)")
     fl = rep.add_argument_group("fleet model (docs/replay.md, The fleet model)")
     fl.add_argument("--nodes", default=None,
                     help="instead of one replay: N engine nodes per point, e.g. 1,4,16,64, "

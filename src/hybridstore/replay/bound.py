@@ -1,0 +1,132 @@
+"""The exact hit bound of a free-state KV cache: Belady at page granularity.
+
+The model (``hybridstore replay --headroom``): requests are served one at a time in a
+fixed order; each prompt is a chain of pages (its full blocks, ``Request.block_ids``:
+chained ids, equal id ⇔ equal prefix); the cache holds at most ``capacity`` pages of any
+requests, and a request **hits the leading pages of its prompt that are cached** (a
+page behind a missing one is no use: its KV needs the missing one's).  After a request
+the cache may keep any pages it held or the request brought, within ``capacity``.
+Recurrent states are free and wherever they are needed, so no hybrid cache — any
+eviction order, any state placement — keeps more under the same page budget.
+
+The optimum of that model is Belady's rule at page granularity:
+
+* a page's *next use* is the next request (in serving order) whose prompt holds it: the
+  next request of any session whose prompt carries that page's block chain;
+* after each request its pages are cached, then the page of farthest next use goes
+  while the cache is over capacity, the **deepest first on ties** (pages never used
+  again go first).
+
+A deeper page of a chain is never used before a shallower one (a prompt that holds it
+holds its parent), so its next use is never earlier and the tie rule evicts it first:
+the cache stays prefix-closed and every cached page of a prompt is one of its leading
+pages.  Belady's rule maximises the cached pages of each prompt summed over the
+requests (uniform pages, a page may be dropped at once), that sum bounds the leading
+cached pages whatever the cache does, and the rule's cache reaches it; so it is exact.
+``tests/replay/test_bound.py`` checks it against an exhaustive search of every cache
+content on small cases.
+
+The simulation works on *runs*, not pages: a prompt's next uses never decrease with
+depth, so its pages fall into a few runs of one next use each.  A run sits in a heap
+keyed by (farthest next use, deepest end), is evicted from its deep end, and is
+consumed whole when the request of its next use arrives (its pages are that prompt's; the
+hit is the leading ones, which by the tie rule is all of them); stale heap entries are
+skipped (lazy invalidation).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import numpy as np
+
+from hybridstore.errors import ConfigError
+
+NEVER = np.iinfo(np.int64).max   # the next use of a page no later request holds
+
+
+def next_uses(prompts: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """For each prompt, the index of the next prompt that holds each of its pages.
+
+    Args:
+        prompts: page ids per request in serving order (chained: an id once per prompt).
+
+    Returns:
+        one int64 array per prompt, :data:`NEVER` where no later prompt holds the page;
+        non-decreasing along a prompt for chained ids.
+    """
+    lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
+    if not lengths.sum():
+        return [np.empty(0, dtype=np.int64) for _ in prompts]
+    ids = np.concatenate([np.asarray(p) for p in prompts])
+    owner = np.repeat(np.arange(len(prompts), dtype=np.int64), lengths)
+    order = np.lexsort((owner, ids))             # by page, then by request
+    sorted_ids, sorted_owner = ids[order], owner[order]
+    following = np.full(len(ids), NEVER, dtype=np.int64)
+    same = sorted_ids[1:] == sorted_ids[:-1]
+    following[order[:-1][same]] = sorted_owner[1:][same]
+    return np.split(following, np.cumsum(lengths)[:-1])
+
+
+def belady_hits(prompts: Sequence[np.ndarray], capacity: int | None) -> np.ndarray:
+    """Cached leading pages of each prompt under Belady's rule (module docstring).
+
+    Args:
+        prompts: page ids per request in serving order (chained).
+        capacity: pages the cache holds; ``None``: no limit.
+
+    Returns:
+        int64 array: per request, the pages of its prompt the cache held when it came.
+
+    Raises:
+        ConfigError: ``capacity`` is negative.
+    """
+    uses = next_uses(prompts)
+    hits = np.zeros(len(prompts), dtype=np.int64)
+    if capacity is not None and capacity < 0:
+        raise ConfigError(f"capacity must be >= 0 pages (None: no limit), got {capacity}")
+    # runs: id -> [shallow end, deep end) of its prompt; due: next use -> run ids;
+    # heap: (-next use, -deep end, id), stale entries skipped
+    runs: dict[int, list[int]] = {}
+    due: dict[int, list[int]] = {}
+    heap: list[tuple[int, int, int]] = []
+    held = serial = 0
+    for i, nxt in enumerate(uses):
+        cached = sorted(runs.pop(rid) for rid in due.pop(i, ()) if rid in runs)
+        for a, b in cached:                      # the leading ones hit (all, by the tie rule)
+            if a != hits[i]:
+                break
+            hits[i] = b
+        held -= sum(b - a for a, b in cached)
+        if not len(nxt):
+            continue
+        cuts = np.flatnonzero(nxt[1:] != nxt[:-1]) + 1
+        starts = [0, *cuts.tolist()]
+        ends = [*cuts.tolist(), len(nxt)]
+        for a, b in zip(starts, ends, strict=True):
+            j = int(nxt[a])
+            if j == NEVER:                       # never used again: dropped at once
+                continue
+            runs[serial] = [a, b]
+            due.setdefault(j, []).append(serial)
+            heapq.heappush(heap, (-j, -b, serial))
+            held += b - a
+            serial += 1
+        while capacity is not None and held > capacity:
+            neg_next, neg_end, rid = heapq.heappop(heap)
+            run = runs.get(rid)
+            if run is None or run[1] != -neg_end:
+                continue                         # consumed, or shrunk since pushed
+            excess = held - capacity
+            if run[1] - run[0] <= excess:
+                held -= run[1] - run[0]
+                del runs[rid]
+            else:
+                run[1] -= excess
+                held -= excess
+                heapq.heappush(heap, (neg_next, -run[1], rid))
+    return hits
+
+
+__all__ = ["NEVER", "belady_hits", "next_uses"]
