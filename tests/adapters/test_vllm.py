@@ -478,3 +478,49 @@ def test_worker_in_another_process(tmp_path):
         d.close()
         proc.join(30)
     assert proc.exitcode == 0
+
+
+def test_staging_files_of_killed_engines_are_reclaimed_at_the_next_start(tmp_path):
+    """An engine killed before its shutdown leaves its staging file (64-256 MiB of
+    /dev/shm by default); the next engine's manager removes it, never a live one's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from hybridstore.adapters.vllm.staging import StagingRegion
+
+    def mapped_by_child(name: str, *, killed: bool) -> subprocess.Popen:
+        code = ("import os, signal, sys, time\n"
+                "from hybridstore.adapters.vllm.staging import StagingRegion\n"
+                f"r = StagingRegion({str(tmp_path / name)!r}, slot_bytes=4096, nslots=8, "
+                "world=1, ngroups=1)\n"
+                "print('mapped', flush=True)\n"
+                + ("os.kill(os.getpid(), signal.SIGKILL)\n" if killed else "time.sleep(120)\n"))
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "mapped"
+        return proc
+
+    dead = mapped_by_child("hybridstore-vllm-dead.staging", killed=True)
+    assert dead.wait(30) == -signal.SIGKILL
+    live = mapped_by_child("hybridstore-vllm-live.staging", killed=False)
+    unrelated = tmp_path / "other.staging"
+    unrelated.write_bytes(b"x")
+    try:
+        assert (tmp_path / "hybridstore-vllm-dead.staging").exists()
+        engine = Engine(extra(tmp_path))
+        try:
+            names = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".staging")
+            own = os.path.basename(engine.manager._region.path)
+            assert names == sorted(["hybridstore-vllm-live.staging", own, "other.staging"])
+            # a second start reclaims nothing of a running engine
+            assert StagingRegion.reclaim(str(tmp_path)) == []
+        finally:
+            engine.shutdown()
+    finally:
+        live.kill()
+        live.wait(30)
+    time.sleep(0.05)
+    assert StagingRegion.reclaim(str(tmp_path)) == [str(tmp_path / "hybridstore-vllm-live.staging")]
+    assert unrelated.exists()

@@ -146,3 +146,27 @@ def test_a_failed_write_is_a_failed_key_then_a_miss(tmp_path, monkeypatch):
         assert s.lookup()[:4] == [s.v.base.LookupResult.HIT] * 4
     finally:
         s.tier.shutdown()
+
+
+def test_a_load_right_after_a_successful_store_job_is_served(tmp_path, monkeypatch):
+    """vLLM's tiering manager promotes a chunk as soon as its store job succeeded, without
+    asking this tier first: the chunk is readable then, even while its write is still
+    on its way to being durable (issue 26 §2: the load failed)."""
+    import os
+
+    sync = os.fdatasync
+
+    def slow_sync(fd):          # durability lags the write by a wide margin
+        time.sleep(0.3)
+        sync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", slow_sync)
+    s = Setup(tmp_path)
+    try:
+        (res,) = s.run(s.keys[:4], range(4), load=False)
+        assert res.success
+        (res,) = s.run(s.keys[:4], range(N, N + 4), load=True, rid="now")   # no lookup first
+        assert res.success and sorted(res.successful_keys) == sorted(s.keys[:4])
+        assert np.array_equal(s.primary.array[N:N + 4], s.primary.array[:4])
+    finally:
+        s.tier.shutdown()

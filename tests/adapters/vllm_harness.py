@@ -1,4 +1,4 @@
-"""Drive vLLM 0.33's own scheduler and worker-side offloading connector on CPU.
+"""Drive vLLM's own scheduler and worker-side offloading connector on CPU (0.32 to 0.34).
 
 What runs is vLLM's code: a real ``vllm.v1.core.sched.scheduler.Scheduler`` (it
 builds the scheduler-role ``OffloadingConnector`` and, through it, the spec's
@@ -9,10 +9,17 @@ model runs: the loop plays the model runner the way upstream's
 does, returning one sampled token per running request and the worker
 connector's outputs (INTERFACES.md §2.7).  The local ``tinyopt`` config keeps
 vLLM off the network.
+
+The connector is hybridstore's ``HybridStoreConnector`` (vLLM's
+``OffloadingConnector``, handing the spec its ``KVCacheConfig``, which hybrid
+models need on 0.32) unless ``connector="OffloadingConnector"`` asks for vLLM's
+own; what differs between the releases in the harness itself is
+:func:`runner_output`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +58,22 @@ MODEL_DIR = Path(__file__).with_name("tinyopt")
 BLOCK = 16
 """Tokens per GPU block (and per offloaded chunk, ``block_size`` in the extra config)."""
 
+from hybridstore.adapters.vllm.compat import HybridStoreConnector, block_span
+
 init_none_hash(sha256)
+
+_OUTPUT_FIELDS = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+
+
+def runner_output(req_ids: list[str], sampled: list[list[int]], connector_output: Any
+                  ) -> ModelRunnerOutput:
+    """A model runner's step output (0.34 dropped ``req_id_to_index``)."""
+    kw: dict[str, Any] = {}
+    if "req_id_to_index" in _OUTPUT_FIELDS:
+        kw["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=None,
+                             prompt_logprobs_dict={}, pooler_output=None,
+                             kv_connector_output=connector_output, **kw)
 
 
 @dataclass
@@ -90,6 +112,7 @@ class Engine:
     hybrid: int = 0
     num_blocks: int = 64
     hash_block: int = BLOCK
+    connector: str = "HybridStoreConnector"
     sched: Scheduler = field(init=False)
     worker: OffloadingConnector = field(init=False)
     kv: dict[str, torch.Tensor] = field(init=False)
@@ -105,8 +128,11 @@ class Engine:
                          **({"prefix_match_unit": self.hash_block}
                             if self.hash_block != BLOCK else {}))
         cc.kv_cache_layout = "LBNHC"
-        ktc = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                               kv_connector_extra_config=dict(self.extra))
+        own = self.connector == "HybridStoreConnector"
+        ktc = KVTransferConfig(kv_connector=self.connector, kv_role="kv_both",
+                               kv_connector_extra_config=dict(self.extra),
+                               **({"kv_connector_module_path": "hybridstore.adapters.vllm"}
+                                  if own else {}))
         self.config = vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc,
                                       kv_transfer_config=ktc, device_config=DeviceConfig("cpu"))
         groups = [KVCacheGroupSpec(["layer0"], FullAttentionSpec(
@@ -121,7 +147,8 @@ class Engine:
         self.sched = Scheduler(vllm_config=vc, kv_cache_config=kvc, log_stats=True,
                                structured_output_manager=StructuredOutputManager(vc),
                                block_size=BLOCK)
-        self.worker = OffloadingConnector(vc, KVConnectorRole.WORKER, kvc)
+        self.worker = (HybridStoreConnector if own else OffloadingConnector)(
+            vc, KVConnectorRole.WORKER, kvc)
         self.kv = {ln: torch.zeros((self.num_blocks, g.kv_cache_spec.page_size_bytes),
                                    dtype=torch.int8)
                    for g in groups for ln in g.layer_names}
@@ -161,11 +188,8 @@ class Engine:
                 run.tables.append(tuple(list(b) for b in
                                         self.sched.kv_cache_manager.get_block_ids(rid)))
             reqs = self.sched.running
-            out = ModelRunnerOutput(
-                req_ids=[r.request_id for r in reqs],
-                req_id_to_index={r.request_id: i for i, r in enumerate(reqs)},
-                sampled_token_ids=[[7] for _ in reqs], logprobs=None, prompt_logprobs_dict={},
-                pooler_output=None, kv_connector_output=connector_output)
+            out = runner_output([r.request_id for r in reqs], [[7] for _ in reqs],
+                                connector_output)
             self.sched.update_from_output(so, out)
             run.steps = step + 1
             if not self.sched.requests:
@@ -179,10 +203,7 @@ class Engine:
     def step(self) -> None:
         """One engine step with nothing scheduled (workers report, the manager completes)."""
         so = self.sched.schedule()
-        self.sched.update_from_output(so, ModelRunnerOutput(
-            req_ids=[], req_id_to_index={}, sampled_token_ids=[], logprobs=None,
-            prompt_logprobs_dict={}, pooler_output=None,
-            kv_connector_output=self._worker_step(so)))
+        self.sched.update_from_output(so, runner_output([], [], self._worker_step(so)))
 
     def _worker_step(self, so: Any) -> Any:
         """The worker-role connector's part of one step, as vLLM's model runner drives it
@@ -224,7 +245,6 @@ class Engine:
 # -- tiering (route B): vLLM's TieringOffloadingSpec with a CPU copy worker -------------------
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
-    GPULoadStoreSpec,
     OffloadingWorker,
     TransferResult,
 )
@@ -245,7 +265,10 @@ class CPUCopyWorker(OffloadingWorker):
         self.refs = kv_caches.group_data_refs
         self.done: list[TransferResult] = []
 
-    def _pairs(self, gpu_spec: GPULoadStoreSpec, chunks: Any):
+    def _pairs(self, gpu: Any, chunks: Any):
+        # 0.32/0.33 hand a GPULoadStoreSpec, 0.34 DevicePointers: block ids either way
+        gpu_spec = block_span(gpu, self.gpu, [refs[0].tensor_idx if refs else -1
+                                              for refs in self.refs])
         at = 0
         for g, n in enumerate(gpu_spec.group_sizes):
             blocks = gpu_spec.block_ids[at: at + n].tolist()

@@ -16,6 +16,7 @@ worker job's GPU side     ``GPULoadStoreSpec`` (block ids)            0.33: ``GP
                                                                       and layer)
 ``OffloadingManager.      called                                      0.34: never called
 touch``
+``OffloadingEvent``       keys, medium, removed, locality             0.34: + ``req_context``
 ========================  ==========================================  ==========================
 
 On 0.32 an offloading spec sees only ``OffloadingConfig``, which does not say
@@ -36,8 +37,9 @@ enough).
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 from vllm.v1.kv_cache_interface import iter_layer_specs
+from vllm.v1.kv_offload.base import Medium, OffloadingEvent
 
 from hybridstore.errors import UnsupportedModelError
 
@@ -132,8 +135,7 @@ class BlockSpan:
     block_indices: tuple[int, ...]
 
 
-def block_span(gpu: Any, tensors: Sequence[Any], group_refs: Sequence[Sequence[Any]]
-               ) -> BlockSpan:
+def block_span(gpu: Any, tensors: Sequence[Any], group_tensor: Sequence[int]) -> BlockSpan:
     """A job's GPU side as block ids, from 0.32/0.33's ``GPULoadStoreSpec`` or 0.34's pointers.
 
     0.34 hands the worker ``DevicePointers``: for each group, for each of its
@@ -144,7 +146,8 @@ def block_span(gpu: Any, tensors: Sequence[Any], group_refs: Sequence[Sequence[A
     Args:
         gpu: the ``GPULoadStoreSpec`` or ``DevicePointers`` of a job.
         tensors: the worker's canonical KV tensors.
-        group_refs: per group, its refs' ``(tensor index, page bytes, offset)``.
+        group_tensor: per group, the tensor index of its first layer ref
+            (``CanonicalKVCaches.group_data_refs[g][0].tensor_idx``).
 
     Raises:
         ValueError: a pointer that is no block of the group's tensor.
@@ -154,10 +157,10 @@ def block_span(gpu: Any, tensors: Sequence[Any], group_refs: Sequence[Sequence[A
                          tuple(gpu.block_indices))
     ptrs = np.asarray(gpu.ptrs, dtype=np.uint64)
     ids, at = [], 0
-    for n, nrefs, refs in zip(gpu.group_block_counts, gpu.group_data_ref_counts, group_refs):
+    for n, nrefs, t_idx in zip(gpu.group_block_counts, gpu.group_data_ref_counts, group_tensor):
         if n == 0:
             continue
-        t = tensors[refs[0][0]]
+        t = tensors[t_idx]
         stride = t.stride(0) * t.element_size()
         rel = ptrs[at: at + n].astype(np.int64) - int(t.data_ptr())
         blocks, rem = np.divmod(rel, stride)
@@ -167,3 +170,22 @@ def block_span(gpu: Any, tensors: Sequence[Any], group_refs: Sequence[Sequence[A
         at += n * nrefs
     block_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
     return BlockSpan(block_ids, tuple(gpu.group_block_counts), tuple(gpu.block_indices))
+
+
+_EVENT_FIELDS = frozenset(f.name for f in dataclasses.fields(OffloadingEvent))
+
+
+def offloading_event(keys: Iterable[Any], *, removed: bool, locality: Any = None,
+                     req_context: Any = None) -> OffloadingEvent:
+    """vLLM's KV cache event for keys stored in (or removed from) hybridstore's storage.
+
+    Args:
+        keys: the offload keys.
+        removed: False for stored, True for removed.
+        locality: vLLM's ``Locality`` of the storage, or None.
+        req_context: the request that stored them (0.34 events carry it).
+    """
+    extra: dict[str, Any] = {"locality": locality}
+    if "req_context" in _EVENT_FIELDS and req_context is not None:
+        extra["req_context"] = req_context
+    return OffloadingEvent(keys=list(keys), medium=Medium.STORAGE, removed=removed, **extra)

@@ -46,7 +46,6 @@ from typing import Any
 import numpy as np
 from vllm.v1.kv_offload.base import (
     LookupResult,
-    Medium,
     OffloadingEvent,
     OffloadingManager,
     OffloadKey,
@@ -60,6 +59,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from hybridstore import HybridStore, PrefixKeys, ResumePlan
+from hybridstore.adapters.vllm.compat import offloading_event
 from hybridstore.adapters.vllm.settings import GroupPlan
 from hybridstore.adapters.vllm.staging import SlotPool, StagingRegion
 from hybridstore.adapters.vllm.worker import StagedKeys
@@ -103,11 +103,13 @@ class HybridStoreManager(OffloadingManager):
         region: the staging region shared with the workers.
         plan: which vLLM groups are pages and which are states.
         enable_events: record ``OffloadingEvent`` s for ``take_events``.
+        locality: vLLM's ``Locality`` the events carry (``locality`` setting).
         load_timeout_s: how long a load may wait for staging slots.
     """
 
     def __init__(self, *, store: HybridStore, region: StagingRegion, plan: GroupPlan,
-                 enable_events: bool = False, load_timeout_s: float = 120.0) -> None:
+                 enable_events: bool = False, load_timeout_s: float = 120.0,
+                 locality: Any = None) -> None:
         self.store = store
         self._region = region
         self._plan = plan
@@ -127,6 +129,7 @@ class HybridStoreManager(OffloadingManager):
         self._loads: dict[str, list[_Load]] = {}
         self._tokens = itertools.count(time.time_ns())
         self._events_on = enable_events
+        self._locality = locality
         self._events: list[OffloadingEvent] = []
         self._announced: set[OffloadKey] = set()
         self._timeout = load_timeout_s
@@ -515,14 +518,13 @@ class HybridStoreManager(OffloadingManager):
             return
         with self._mu:
             self._announced.update(keys)
-            self._events.append(OffloadingEvent(keys=list(keys), medium=Medium.STORAGE,
-                                                removed=False))
+            self._events.append(offloading_event(keys, removed=False, locality=self._locality))
 
     def _forget(self, key: OffloadKey) -> None:
         """A key looked up and found gone: announce its removal once."""
         if key in self._announced:
             self._announced.discard(key)
-            self._events.append(OffloadingEvent(keys=[key], medium=Medium.STORAGE, removed=True))
+            self._events.append(offloading_event([key], removed=True, locality=self._locality))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         with self._mu:

@@ -23,10 +23,18 @@ extra-config key           meaning                                      default
                            workers), rounded down to whole slots
 ``staging_dir``            where the staging file lives                 ``/dev/shm``
 ``load_timeout_s``         how long a worker waits for staged bytes     ``120``
+
+``locality``               ``"LOCAL"`` / ``"REMOTE"``: the KV events'      ``None``
+                           locality (vLLM's tier key)
+``enable_kv_events``       emit KV cache events (when vLLM's             ``true``
+                           ``kv_events_config`` enables them)
 =========================  ===========================================  ==================
 
-vLLM's own keys (``spec_name``, ``spec_module_path``, ``block_size`` or
-``blocks_per_chunk``, ``offload_prompt_only``, ...) pass through untouched.
+vLLM's own keys that every offloading spec may be given (:data:`VLLM_KEYS`:
+``spec_name``, ``spec_module_path``, ``block_size`` or ``blocks_per_chunk``,
+``offload_prompt_only``, ...) pass through untouched; any other key is a
+:class:`~hybridstore.errors.ConfigError` (a misspelt ``disk_byte`` must not
+silently leave the budget at its default).
 """
 
 from __future__ import annotations
@@ -37,11 +45,60 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hybridstore.adapters.vllm.staging import PREFIX, SUFFIX
 from hybridstore.config import StoreConfig, parse_bytes
 from hybridstore.errors import ConfigError, UnsupportedModelError
 
 _STORE_KEYS = ("disk_bytes", "host_bytes", "policy", "checkpoint_policy", "tier_policy",
                "disk_engine", "io_threads")
+ADAPTER_KEYS = frozenset(("disk_path", "namespace", "staging_bytes", "staging_dir",
+                          "load_timeout_s", "locality", "enable_kv_events", *_STORE_KEYS))
+"""The ``kv_connector_extra_config`` keys :class:`HybridStoreSpec` reads."""
+VLLM_KEYS = frozenset(("spec_name", "spec_module_path", "block_size", "blocks_per_chunk",
+                       "offload_prompt_only", "canonical_layout", "self_describing_kv_events",
+                       "sync_load_budget_bytes"))
+"""Keys vLLM's ``OffloadingConnector`` itself reads for any offloading spec (0.32-0.34)."""
+
+
+def check_keys(extra: Mapping[str, Any], own: frozenset[str], where: str) -> None:
+    """Reject keys neither the adapter nor vLLM reads (a typo must not pass silently).
+
+    Raises:
+        ConfigError: naming the unknown keys and the known ones.
+    """
+    unknown = sorted(set(extra) - own - VLLM_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in {where}; hybridstore reads "
+                          f"{sorted(own)} and vLLM {sorted(VLLM_KEYS)}")
+
+
+def parse_locality(value: Any) -> Any:
+    """vLLM's ``Locality`` of a ``locality`` setting (``None``: not given).
+
+    Raises:
+        ConfigError: not ``"LOCAL"`` or ``"REMOTE"``.
+    """
+    if value is None:
+        return None
+    from vllm.v1.kv_offload.base import Locality
+    try:
+        return Locality(str(value).upper())
+    except ValueError:
+        raise ConfigError(f"locality must be 'LOCAL' or 'REMOTE', got {value!r}") from None
+
+
+def parse_flag(value: Any, name: str) -> bool:
+    """A boolean setting given as a bool or a string (``"false"``, ``"0"``, ...).
+
+    Raises:
+        ConfigError: neither.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on",
+                                                            "0", "false", "no", "off"):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    raise ConfigError(f"{name} must be true or false, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,12 +179,16 @@ class VllmSettings:
         staging_path: the shared staging file scheduler and workers map.
         staging_bytes: its size budget.
         load_timeout_s: how long a worker waits for the manager to stage a load.
+        locality: vLLM's ``Locality`` the KV events carry, or None.
+        enable_kv_events: emit KV events when vLLM enables them.
     """
 
     store: StoreConfig
     staging_path: str
     staging_bytes: int
     load_timeout_s: float
+    locality: Any = None
+    enable_kv_events: bool = True
 
     @classmethod
     def from_config(cls, config: Any, plan: GroupPlan) -> VllmSettings:
@@ -138,6 +199,7 @@ class VllmSettings:
         bytes), never the engine id: a restarted engine must find its keys.
         """
         extra: Mapping[str, Any] = config.extra_config
+        check_keys(extra, ADAPTER_KEYS, "kv_connector_extra_config")
         disk_path = extra.get("disk_path")
         if not disk_path:
             raise ConfigError("kv_connector_extra_config needs 'disk_path': the directory of "
@@ -163,6 +225,9 @@ class VllmSettings:
         staging_dir = str(extra.get("staging_dir") or
                           ("/dev/shm" if os.path.isdir("/dev/shm") else disk_path))
         return cls(store=store,
-                   staging_path=os.path.join(staging_dir, f"hybridstore-vllm-{engine}.staging"),
+                   staging_path=os.path.join(staging_dir, f"{PREFIX}{engine}{SUFFIX}"),
                    staging_bytes=parse_bytes(extra.get("staging_bytes", 256 << 20)),
-                   load_timeout_s=float(extra.get("load_timeout_s", 120.0)))
+                   load_timeout_s=float(extra.get("load_timeout_s", 120.0)),
+                   locality=parse_locality(extra.get("locality")),
+                   enable_kv_events=parse_flag(extra.get("enable_kv_events", True),
+                                               "enable_kv_events"))

@@ -15,6 +15,8 @@ file (``staging.py``), named after the engine id.
 
 from __future__ import annotations
 
+import os
+
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
@@ -56,6 +58,9 @@ class HybridStoreSpec(OffloadingSpec):
 
     def get_manager(self) -> HybridStoreManager:
         if self._manager is None:
+            # staging files of engines killed before their shutdown (this engine's
+            # workers map theirs later: the manager starts first)
+            StagingRegion.reclaim(os.path.dirname(self.settings.staging_path))
             region = self._region()
             try:
                 store = HybridStore(self.settings.store)
@@ -64,8 +69,9 @@ class HybridStoreSpec(OffloadingSpec):
                 raise
             self._manager = HybridStoreManager(
                 store=store, region=region, plan=self.plan,
-                enable_events=self.kv_events_config.enable_kv_cache_events,
-                load_timeout_s=self.settings.load_timeout_s)
+                enable_events=(self.kv_events_config.enable_kv_cache_events
+                               and self.settings.enable_kv_events),
+                load_timeout_s=self.settings.load_timeout_s, locality=self.settings.locality)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> HybridStoreWorker:

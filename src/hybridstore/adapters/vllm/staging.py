@@ -22,12 +22,18 @@ rank's part the group's layers follow one another, each as ``blocks_per_chunk``
 pages of that layer (the layout of vLLM's CPU tier).
 
 The manager allocates slots (:class:`SlotPool`) and owns the file (it unlinks it
-at shutdown); workers only map it.
+at shutdown); workers only map it.  Every process that maps the file holds a
+shared ``flock`` on it while it does, so a file nobody holds is one a killed
+engine left behind: the next engine's manager removes those at start
+(:meth:`StagingRegion.reclaim`), as vLLM's own CPU tier leaves its region to the
+next start.
 """
 
 from __future__ import annotations
 
 import fcntl
+import glob
+import logging
 import os
 import threading
 from collections import deque
@@ -36,6 +42,10 @@ import numpy as np
 
 from hybridstore.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
+PREFIX = "hybridstore-vllm-"
+SUFFIX = ".staging"
 MAGIC = 0x3147545347565348  # b"HSVGSTG1" little-endian
 VERSION = 1
 _FIXED = 8
@@ -72,30 +82,95 @@ class StagingRegion:
         self.header_bytes = _round_up(8 * (self._flags_at + nslots), ALIGN)
         size = self.header_bytes + nslots * self.slot_bytes
         want = np.array([MAGIC, VERSION, nslots, self.slot_bytes, world, ngroups], np.int64)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = self._open_shared(path, size, want)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             have = os.fstat(fd).st_size
-            if have == 0:
-                os.ftruncate(fd, size)
-                os.pwrite(fd, want.tobytes(), 0)
-            else:
-                got = np.frombuffer(os.pread(fd, want.nbytes, 0), np.int64)
-                if have != size or not np.array_equal(got, want):
-                    raise ConfigError(
-                        f"staging file {path} exists with another geometry "
-                        f"({got.tolist()}, {have} B; this engine wants {want.tolist()}, "
-                        f"{size} B): remove it, or give this engine another engine_id")
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
+            got = np.frombuffer(os.pread(fd, want.nbytes, 0), np.int64)
+            if have != size or not np.array_equal(got, want):
+                raise ConfigError(
+                    f"staging file {path} exists with another geometry "
+                    f"({got.tolist()}, {have} B; this engine wants {want.tolist()}, "
+                    f"{size} B): remove it, or give this engine another engine_id")
+            self._map = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size,))
+        except BaseException:
             os.close(fd)
-        self._map = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size,))
+            raise
+        self._hold: int | None = fd
         words = self._map[: self.header_bytes].view(np.int64)
         self.group_bytes = words[_FIXED: self._flags_at].reshape(world, ngroups)
         """``group_bytes[rank, g]``: bytes of group ``g`` one rank puts in a slot (0: not yet known)."""
         self.flags = words[self._flags_at: self._flags_at + nslots]
         """Load readiness per slot: the load's token when staged, ``-token`` when it failed."""
         self.slots = self._map[self.header_bytes:].reshape(nslots, self.slot_bytes)
+
+    @staticmethod
+    def _open_shared(path: str, size: int, header: np.ndarray) -> int:
+        """Open ``path`` with a shared lock held (creating it, whole, if it is absent).
+
+        A new file is made complete under a temporary name and linked into place, so
+        a process that finds the file never sees it half made; the lock is taken
+        again if another engine's :meth:`reclaim` removed the file between our open
+        and our lock.
+        """
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+                tfd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    os.ftruncate(tfd, size)
+                    os.pwrite(tfd, header.tobytes(), 0)
+                    try:
+                        os.link(tmp, path)
+                    except FileExistsError:
+                        pass                  # another process made it first: use theirs
+                finally:
+                    os.close(tfd)
+                    os.unlink(tmp)
+                continue
+            fcntl.flock(fd, fcntl.LOCK_SH)    # held while mapped: the file is in use
+            try:
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+
+    @staticmethod
+    def reclaim(directory: str) -> list[str]:
+        """Remove the staging files in ``directory`` that no process maps any more.
+
+        A live engine's processes each hold a shared lock on its file; a file whose
+        exclusive lock is free was left by an engine that was killed (SIGKILL, OOM)
+        before its manager's shutdown unlinked it.
+
+        Returns:
+            The paths removed.
+        """
+        removed = []
+        for path in glob.glob(os.path.join(glob.escape(directory), f"{PREFIX}*{SUFFIX}")):
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)           # in use by a live engine
+                continue
+            try:
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    os.unlink(path)
+                    removed.append(path)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        if removed:
+            log.info("hybridstore: removed %d staging files of engines that were killed: %s",
+                     len(removed), removed)
+        return removed
 
     def payload(self, slot: int, nbytes: int) -> np.ndarray:
         """The first ``nbytes`` of ``slot`` (a writable view of the shared file)."""
@@ -106,6 +181,10 @@ class StagingRegion:
         m = getattr(self, "_map", None)
         if m is not None and m._mmap is not None:
             m._mmap.close()
+        fd = getattr(self, "_hold", None)
+        if fd is not None:
+            self._hold = None
+            os.close(fd)              # drops the shared lock
 
     def unlink(self) -> None:
         """Remove the file (the manager, at shutdown)."""

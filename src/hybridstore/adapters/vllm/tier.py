@@ -47,6 +47,7 @@ import numpy as np
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
+    OffloadingEvent,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -54,6 +55,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from hybridstore import HybridStore, PrefixKeys, ResumePlan, StoreConfig
+from hybridstore.adapters.vllm.compat import offloading_event
+from hybridstore.adapters.vllm.settings import parse_flag, parse_locality
 from hybridstore.config import parse_bytes
 from hybridstore.errors import ConfigError, HybridStoreError
 
@@ -77,7 +80,13 @@ class HybridStoreTier(SecondaryTierManager):
         **store_settings: ``disk_bytes``, ``host_bytes``, ``policy``,
             ``tier_policy``, ``disk_engine``, ``io_threads``, ``namespace``,
             ``threads`` (jobs run in parallel, 4), ``direct_store`` (stores
-            written from the primary rows straight to the SSD; default true).
+            written from the primary rows straight to the SSD; default true),
+            and vLLM's generic tier keys ``locality`` (``"LOCAL"``/``"REMOTE"``)
+            and ``enable_kv_events`` (emit KV cache events when vLLM's
+            ``kv_events_config`` enables them; default false, as vLLM's tiers).
+
+    Raises:
+        ConfigError: no ``disk_path``, an unknown key or a bad value.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -97,10 +106,18 @@ class HybridStoreTier(SecondaryTierManager):
             f"tp{par.tp_size}", f"pp{par.pp_size}", f"chunk{chunk}",
             f"bytes{self._primary.shape[1]}", store_settings.pop("namespace", "")))
         threads = int(store_settings.pop("threads", 4))
-        direct = store_settings.pop("direct_store", True)
-        if isinstance(direct, str):
-            direct = direct.strip().lower() not in ("0", "false", "no", "off")
-        self._direct = bool(direct)
+        self._direct = parse_flag(store_settings.pop("direct_store", True), "direct_store")
+        # vLLM's generic tier keys (as its own fs tier takes them)
+        self.locality = parse_locality(store_settings.pop("locality", None))
+        events = parse_flag(store_settings.pop("enable_kv_events", False), "enable_kv_events")
+        self._events: list[OffloadingEvent] | None = None
+        if events:
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                self._events = []
+            else:
+                log.warning("HybridStoreTier: enable_kv_events is set but vLLM's KV cache "
+                            "events are off (kv_events_config); the tier emits none")
+        self._announced: set[OffloadKey] = set()
         kwargs: dict[str, Any] = {}
         for key in _STORE_KEYS:
             if key in store_settings:
@@ -108,8 +125,8 @@ class HybridStoreTier(SecondaryTierManager):
                 kwargs[key] = parse_bytes(value) if key.endswith("_bytes") else value
         if store_settings:
             raise ConfigError(f"HybridStoreTier does not know {sorted(store_settings)}; it takes "
-                              f"disk_path, namespace, threads, direct_store and "
-                              f"{list(_STORE_KEYS)}")
+                              f"disk_path, namespace, threads, direct_store, locality, "
+                              f"enable_kv_events and {list(_STORE_KEYS)}")
         if self._direct:
             kwargs.setdefault("host_bytes", _DIRECT_HOST_BYTES)
         self.store = HybridStore(StoreConfig(block_size=chunk, namespace=namespace,
@@ -119,7 +136,10 @@ class HybridStoreTier(SecondaryTierManager):
         self._jobs: dict[int, Future] = {}
         self._finished: list[JobResult] = []
         self._storing: dict[OffloadKey, int] = {}
+        # written, not durable yet (indexed once durable): a load waits for it, then reads it
+        self._inflight: dict[OffloadKey, Future] = {}
         self._pins: dict[tuple[str, OffloadKey], ResumePlan] = {}
+        self._settle_timeout = 60.0
 
     def _prompt(self, key: OffloadKey) -> PrefixKeys:
         return self.store.engine_prefix([key], prefix=())
@@ -135,6 +155,7 @@ class HybridStoreTier(SecondaryTierManager):
         plan = self.store.match_pages(self._prompt(key))
         if len(plan.pages) != 1:
             self.store.release(plan)
+            self._emit([key], removed=True)
             return LookupResult.MISS
         with self._mu:
             self._pins[pin] = plan        # held until the promotion reads it
@@ -164,6 +185,8 @@ class HybridStoreTier(SecondaryTierManager):
             except Exception:
                 log.exception("HybridStoreTier: job %d failed", job.job_id)
                 result = JobResult(job.job_id, False, successful_keys=[])
+            if fn == self._store and result.successful_keys:
+                self._emit(result.successful_keys, removed=False, req_context=job.req_context)
             with self._mu:
                 self._finished.append(result)
                 self._jobs.pop(job.job_id, None)
@@ -215,6 +238,8 @@ class HybridStoreTier(SecondaryTierManager):
         for i, written, durable in zip(put.new, put.written, put.durable):
             key = keys[i]
             later.append(key)
+            with self._mu:
+                self._inflight[key] = durable
             durable.add_done_callback(partial(self._durable, key))
             if written.exception() is None:       # waits for the write
                 done.append(key)
@@ -224,9 +249,25 @@ class HybridStoreTier(SecondaryTierManager):
             log.warning("HybridStoreTier: no room on the SSD for %d chunks", len(put.refused))
         return done, len(done) * chunk
 
-    def _durable(self, key: OffloadKey, _fut: Future) -> None:
+    def _durable(self, key: OffloadKey, fut: Future) -> None:
         """A direct store's chunk is durable (or its write failed): :meth:`_stored`."""
+        with self._mu:
+            if self._inflight.get(key) is fut:
+                del self._inflight[key]
         self._stored([key])
+
+    def _settled(self, key: OffloadKey) -> None:
+        """Wait until a direct store of ``key`` in flight is durable and indexed.
+
+        vLLM's tiering manager promotes a chunk once its store job succeeded, without a
+        lookup here: the job succeeded when the write returned, so the chunk must be
+        readable from then on. Its durability follows within one ``fdatasync`` and
+        catalog commit; the load job (already asynchronous) waits for it.
+        """
+        with self._mu:
+            fut = self._inflight.get(key)
+        if fut is not None:
+            fut.exception(timeout=self._settle_timeout)
 
     def _stored(self, keys: list[OffloadKey]) -> None:
         """Stores of ``keys`` ended (durable, or failed): lookups answer again."""
@@ -249,6 +290,7 @@ class HybridStoreTier(SecondaryTierManager):
             for i, (key, c) in enumerate(zip(keys, chunks)):
                 plan, plans[i] = plans[i], None
                 if plan is None:     # promoted without a lookup of ours in this request
+                    self._settled(key)
                     plan = self.store.match_pages(self._prompt(key))
                 if len(plan.pages) != 1:
                     self.store.release(plan)
@@ -277,6 +319,33 @@ class HybridStoreTier(SecondaryTierManager):
             for plan in plans:
                 if plan is not None:
                     self.store.release(plan)
+
+    # -- events -----------------------------------------------------------------------------
+    def _emit(self, keys: Iterable[OffloadKey], *, removed: bool, req_context: Any = None
+              ) -> None:
+        """Record a KV cache event: chunks stored (readable from now on), or a chunk
+        announced before and found gone (evicted) by a lookup."""
+        if self._events is None:
+            return
+        with self._mu:
+            if removed:
+                keys = [k for k in keys if k in self._announced]
+                self._announced.difference_update(keys)
+            else:
+                keys = list(keys)
+                self._announced.update(keys)
+            if keys:
+                self._events.append(offloading_event(keys, removed=removed,
+                                                     locality=self.locality,
+                                                     req_context=req_context))
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """The KV cache events since the last call (``enable_kv_events``)."""
+        if self._events is None:
+            return []
+        with self._mu:
+            events, self._events = self._events, []
+        return events
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         with self._mu:

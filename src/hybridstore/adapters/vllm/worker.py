@@ -135,7 +135,7 @@ class HybridStoreWorker(OffloadingWorker):
 
     # -- jobs -----------------------------------------------------------------------------
     def _span(self, gpu: Any) -> BlockSpan:
-        return block_span(gpu, self._tensors, self._refs)
+        return block_span(gpu, self._tensors, [refs[0][0] if refs else -1 for refs in self._refs])
 
     def _submit(self, job_id: int, fn, gpu: BlockSpan, staged: StagedKeys) -> None:
         def run() -> None:
