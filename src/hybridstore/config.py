@@ -51,7 +51,8 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "device_bytes": (int,), "policy": (str,), "checkpoint_policy": (str,), "tier_policy": (str,),
     "disk_engine": (str,), "disk_segment_bytes": (int,), "io_threads": (int,),
     "pin_host_memory": (bool,), "h2d_gbps": (int, float), "ssd_gbps": (int, float),
-    "verify_checksums": (bool,), "remote_bytes": (int,), "disk_shared": (bool,)}
+    "verify_checksums": (bool,), "remote_bytes": (int,), "disk_shared": (bool,),
+    "remote_encrypt": (bool,)}
 """The type of each scalar field (``disk_path``, ``kvikio_keep``, ``hash_secret`` and
 ``remote`` are checked apart)."""
 
@@ -109,6 +110,11 @@ class StoreConfig:
             find each other's objects there share ``namespace``, ``hash_secret``,
             ``block_size`` and the URL's ``prefix``.
         remote_bytes: this store's budget in the remote pool.
+        remote_encrypt: encrypt what goes to the remote pool (AES-256-GCM under a key
+            derived from the hash secret; the ``cryptography`` package, extra
+            ``remote-encrypt``).  Every remote value is authenticated either way (an
+            HMAC keyed by the hash secret and namespace): without encryption, anyone
+            who reaches the pool can read the KV bytes, but not replace them.
         kvikio_keep: kvikio settings the kvikio engine leaves as kvikio has them
             (``"auto_direct_io_read"``, ``"task_size"``) instead of applying its
             own measured values (kvikio's earlier values come back when the last
@@ -136,6 +142,7 @@ class StoreConfig:
     hash_secret: bytes | None = dataclasses.field(default=None, repr=False)
     remote: str | None = None
     remote_bytes: int = 16 << 30
+    remote_encrypt: bool = False
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -171,6 +178,9 @@ class StoreConfig:
             from hybridstore.remote_url import parse_remote
 
             parse_remote(self.remote)          # ConfigError on a bad URL
+        elif self.remote_encrypt:
+            raise ConfigError("remote_encrypt=True applies to a remote tier: set remote= too "
+                              "(or drop remote_encrypt)")
         if self.disk_path is not None and not isinstance(self.disk_path, (str, os.PathLike)):
             raise ConfigError(f"disk_path must be a path or None, got {self.disk_path!r}")
         if self.disk_path is not None and "\0" in os.fsdecode(self.disk_path):

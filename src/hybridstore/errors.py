@@ -113,6 +113,12 @@ class CorruptObjectError(HybridStoreError):
         self.got = got
 
 
+class UnauthenticValueError(CorruptObjectError):
+    """A remote value whose seal (a MAC keyed by the store's hash secret and namespace)
+    does not verify: damaged, written by another tenant, or forged by a client of the
+    shared pool.  It is a miss, never returned."""
+
+
 class BackendIOError(HybridStoreError, OSError):
     """A read or write of a tier failed.
 
@@ -187,6 +193,7 @@ __all__ = [
     "ObjectTooLargeError",
     "PlanReleasedError",
     "StoreClosedError",
+    "UnauthenticValueError",
     "UnknownTierError",
     "UnsupportedModelError",
 ]

@@ -147,18 +147,22 @@ class HybridStore:
         disk = self.tiers["disk"] if "disk" in self.tiers and self.tiers["disk"].durable else None
         shared = getattr(disk, "shared", None)
         opening = shared.evict_lease() if shared is not None else contextlib.nullcontext()
+        self._layouts: dict[ObjectKind, Layout] = {}
         try:
             with opening:          # processes opening one shared directory agree on its key
                 self._hash_key = self._keying(disk)
                 if disk is not None:
                     self._claim(disk, self._hash_key.root(cfg.namespace))
+            self._root = self._hash_key.root(cfg.namespace)
+            if tiers is None and cfg.remote is not None:    # sealed under the store's key
+                remote = open_remote(cfg, self._hash_key.secret, self._root, self._layouts)
+                if remote is not None:
+                    self.tiers["remote"] = remote
         except BaseException:
             for tier in self.tiers.values():
                 tier.close()
             raise
-        self._root = self._hash_key.root(cfg.namespace)
         self.index = HybridIndex(cfg.block_size, self._root)
-        self._layouts: dict[ObjectKind, Layout] = {}
         self._res = res = Residency(self.index, self.tiers, tiering or tier_policy(cfg.tier_policy),
                                     cfg.block_size)
         self.residence = res.residence
@@ -210,16 +214,7 @@ class HybridStore:
             except BaseException:
                 tiers["host"].close()
                 raise
-        if cfg.remote is not None:
-            try:
-                remote = open_remote(cfg.remote, cfg.remote_bytes, cfg.h2d_gbps)
-            except BaseException:
-                for tier in tiers.values():
-                    tier.close()
-                raise
-            if remote is not None:
-                tiers["remote"] = remote
-        return tiers
+        return tiers          # the remote tier opens once the store's hash key is known
 
     def _keying(self, disk: Tier | None) -> hashing.HashKey:
         """The store's hash key: its secret from the config, else the one the disk tier

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from hybridstore.config import StoreConfig
 from hybridstore.errors import CatalogError
 from hybridstore.index import meta
 from hybridstore.index.prefix import PrefixKeys
@@ -44,19 +45,29 @@ MAX_PROBE = 4096
 """Keys asked about in one probe at most (a very long prompt asks about its first ones)."""
 
 
-def open_remote(url: str, capacity_bytes: int, h2d_gbps: float) -> Any:
-    """The remote tier of ``StoreConfig.remote``, or ``None`` when its master cannot be
+def open_remote(config: StoreConfig, secret: bytes, tenant: bytes,
+                layouts: dict[ObjectKind, Layout]) -> Any:
+    """The remote tier of ``config.remote``, its values sealed under ``secret`` and
+    ``tenant`` (the store's namespace root), or ``None`` when its master cannot be
     reached now: the store then opens without it (logged), as an engine whose remote
     pool is down still serves from its own tiers.
 
     Raises:
-        MissingExtraError: Mooncake is not installed (the config asks for it).
+        MissingExtraError: Mooncake (or, with ``remote_encrypt``, cryptography) is not
+            installed (the config asks for it).
     """
     from hybridstore.backends.remote.tier import MooncakeTier
     from hybridstore.errors import ConfigError
 
+    assert config.remote is not None
+    if config.hash_secret is None:
+        log.warning("the remote tier is used without hash_secret: this store keys and seals "
+                    "its remote objects with its own secret, so no other store finds them; "
+                    "give every store that shares the pool the same hash_secret")
     try:
-        return MooncakeTier(url, capacity_bytes, h2d_gbps=h2d_gbps)
+        return MooncakeTier(config.remote, config.remote_bytes, h2d_gbps=config.h2d_gbps,
+                            secret=secret, tenant=tenant, encrypt=config.remote_encrypt,
+                            layouts=layouts)
     except ConfigError as e:
         log.warning("the remote tier is not used: %s", e)
         return None

@@ -4,7 +4,7 @@
 module             role
 =================  ===============================================================
 ``hybridstore.remote_url``  ``StoreConfig.remote`` (``mooncake://HOST:PORT?...``) parsed (beside config)
-``frame.py``       a value's header, meta and checksum; object names
+``frame.py``       a value's header, meta and seal (keyed MAC, optional encryption); names
 ``client.py``      the Mooncake client, imported lazily, every call bounded, a
                    failed master counted down for a while
 ``staging.py``     the registered staging arena puts and gets go through

@@ -4,24 +4,33 @@ bounded in time, a master that fails counted down for a while (no call waits on 
 Mooncake's own client retries a dead master for seconds per call (and 20 times at
 ``setup``); an engine must never wait on that.  :class:`MooncakeClient` therefore
 
-* checks that the master's port accepts a connection before ``setup`` (a refused
-  or silent port fails at once, or after ``timeout``);
+* checks that the master's port accepts a connection *and answers an RPC* before
+  ``setup``, in plain Python (the wait releases the GIL): a refused port fails at
+  once, a port that accepts but never answers after ``timeout`` (Mooncake's
+  ``setup`` holds the GIL and retries such a port for minutes: the whole process
+  would stop);
 * runs every call on a daemon thread and waits at most ``timeout`` seconds for it
   (a call that does not come back is abandoned: the thread never blocks exit);
 * counts the master *down* when a call times out or fails with an RPC error, and for
   ``retry`` seconds then answers :class:`RemoteDown` at once; after that, the
   client's own ``health_check`` (a local flag, no round trip) says when it is back;
 * logs why, at most once per ``LOG_EVERY`` seconds (with the number of calls
-  refused in between).
+  refused in between);
+* closes every client still open when the interpreter exits (an ``atexit`` hook, while
+  threads still run), so that a store left open never waits on a dead master at exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import socket
+import struct
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -36,6 +45,9 @@ T = TypeVar("T")
 PIP_PACKAGE = "mooncake-transfer-engine-non-cuda"
 """The CPU build of Mooncake (``mooncake-transfer-engine`` is the CUDA one)."""
 
+RPC_PROBE = struct.pack("<BBBBIIII", 21, 0, 0, 0, 1, 0xDEADBEEF, 0, 0)
+"""A coro_rpc request (magic 21) for a function no master has: a master answers it with
+an error reply (magic 21 again) at once."""
 OBJECT_NOT_FOUND = -704
 TRANSFER_FAIL = -800
 LOG_EVERY = 30.0
@@ -61,7 +73,10 @@ def import_store() -> Any:
 
 def bounded(fn: Callable[[], T], timeout: float, what: str) -> T:
     """``fn()`` on a daemon thread; ``TimeoutError`` after ``timeout`` seconds (the
-    thread is abandoned, never joined)."""
+    thread is abandoned, never joined), and at once while the interpreter exits (no
+    thread starts then: waiting for one would never end)."""
+    if sys.is_finalizing():
+        raise TimeoutError(f"{what} not attempted: the interpreter is exiting")
     box: list[tuple[bool, Any]] = []
     done = threading.Event()
 
@@ -115,6 +130,7 @@ class MooncakeClient:
                               f"(protocol={spec.protocol!r}, metadata={spec.metadata!r})")
         self.store: Any = store
         self.staging = Staging(store, spec.staging_bytes)
+        _OPEN.add(self)
 
     # -- the breaker ------------------------------------------------------------------
     @property
@@ -210,11 +226,37 @@ class MooncakeClient:
         store.close()
 
 
+_OPEN: weakref.WeakSet[MooncakeClient] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Close the clients still open at exit (see the module docstring)."""
+    for client in list(_OPEN):
+        try:
+            client.close()
+        except Exception as e:   # exiting: log, never raise
+            log.warning("Mooncake client of %s not closed at exit: %s", client.spec.master, e)
+
+
 def _probe(spec: RemoteSpec) -> None:
-    """Fail fast when nothing listens on the master's port."""
+    """Fail within ``timeout`` unless the master's port accepts a connection and answers
+    an RPC (:data:`RPC_PROBE`) as a Mooncake master does."""
+    bound = spec.timeout_s
     try:
-        with socket.create_connection((spec.host, spec.port), timeout=min(spec.timeout_s, 3.0)):
-            pass
+        with socket.create_connection((spec.host, spec.port), timeout=bound) as sock:
+            sock.settimeout(bound)
+            sock.sendall(RPC_PROBE)
+            reply = sock.recv(16)
+    except TimeoutError:
+        raise ConfigError(f"Mooncake master {spec.master} accepted a connection but did not "
+                          f"answer an RPC within {bound:g} s: check that it is the master's "
+                          f"--rpc_port and that the master is not stuck (or raise the URL's "
+                          f"timeout=)") from None
     except OSError as e:
         raise ConfigError(f"Mooncake master {spec.master} is unreachable ({e}); start it "
                           f"with: mooncake_master --rpc_port={spec.port}") from None
+    if reply[:1] != RPC_PROBE[:1]:
+        raise ConfigError(f"{spec.master} answered, but not as a Mooncake master does "
+                          f"({'it closed the connection' if not reply else 'not coro_rpc'}): "
+                          "point the URL at mooncake_master's --rpc_port")

@@ -32,8 +32,8 @@ def free_port() -> int:
 
 
 class Master:
-    """A ``mooncake_master`` started on a free loopback port; :meth:`kill` it (SIGKILL)
-    or :meth:`stop` it.
+    """A ``mooncake_master`` started on a free loopback port; :meth:`kill` it (SIGKILL),
+    :meth:`restart` it (on the same port, with no metadata) or :meth:`stop` it.
 
     Args:
         binary: the ``mooncake_master`` executable (:func:`master_binary`).
@@ -42,7 +42,12 @@ class Master:
 
     def __init__(self, binary: str, log_path: Path) -> None:
         self.port = free_port()
+        self.binary = binary
         self.log = open(log_path, "wb")  # noqa: SIM115  (closed by stop())
+        self._start()
+
+    def _start(self) -> None:
+        binary, log_path = self.binary, self.log.name
         self.proc = subprocess.Popen(
             [binary, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
              f"--metrics_port={free_port()}", "--default_kv_lease_ttl=100"],
@@ -59,6 +64,12 @@ class Master:
                 time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"mooncake_master did not listen on {self.port} within 20 s")
+
+    def restart(self) -> None:
+        """Kill the master and start a fresh one on the same port (it knows no object,
+        client or segment of the one before, as after a crash)."""
+        self.kill()
+        self._start()
 
     def url(self, **options: object) -> str:
         """``mooncake://127.0.0.1:PORT?options`` of this master."""

@@ -19,8 +19,10 @@ nothing, and the objects the table held are dropped (they are listed by
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -41,11 +43,16 @@ from hybridstore.errors import (
     CapacityError,
     CorruptObjectError,
     ObjectTooLargeError,
+    UnauthenticValueError,
 )
-from hybridstore.objects import ObjectKey, byte_view
+from hybridstore.layout import Layout
+from hybridstore.objects import ObjectKey, ObjectKind, byte_view, key_kind
 from hybridstore.remote_url import RemoteSpec, parse_remote
 
 _SLOT = 4096
+REPUBLISH_S = 2.0
+"""How often (at most) a tier checks that the pool still holds its info records (a
+master restart loses them all) and writes back those it lost."""
 
 
 class RemoteMiss(BackendIOError, KeyError):
@@ -62,6 +69,7 @@ class _Entry:
     nbytes: int
     meta: bytes
     own: bool
+    layout: bytes
 
 
 def _get_ranges(store: Any, args: tuple[Any, ...]) -> Any:
@@ -85,18 +93,32 @@ class MooncakeTier(ObjectTable):
         client: an open :class:`MooncakeClient` of the same master to share (it stays
             open when this tier closes; Mooncake's ``close`` takes about 2 s); by
             default the tier opens its own and closes it.
+        secret, tenant: what every value is sealed under (:class:`~hybridstore.backends.
+            remote.frame.Sealer`): the store's hash secret and namespace root.  Without a
+            secret the tier draws its own: its values open for it alone.
+        encrypt: encrypt payloads too (AES-256-GCM; the ``cryptography`` package).
+        layouts: the store's layouts by kind (read at each put and adopt): a value names
+            the layout it was written with, and one of another layout is never adopted.
 
     Raises:
-        MissingExtraError: Mooncake is not installed.
-        ConfigError: a bad URL, or the master is unreachable.
+        MissingExtraError: Mooncake (or, with ``encrypt``, cryptography) is not installed.
+        ConfigError: a bad URL, or the master is unreachable or does not answer.
     """
 
     name = "remote"
 
     def __init__(self, remote: str | RemoteSpec, capacity_bytes: int, *, net_gbps: float = 10.0,
-                 h2d_gbps: float = 64.0, client: MooncakeClient | None = None) -> None:
+                 h2d_gbps: float = 64.0, client: MooncakeClient | None = None,
+                 secret: bytes | None = None, tenant: bytes = b"", encrypt: bool = False,
+                 layouts: Mapping[ObjectKind, Layout] | None = None) -> None:
         super().__init__()
         self.spec = parse_remote(remote) if isinstance(remote, str) else remote
+        self._seal = frame.Sealer(secret if secret is not None else os.urandom(32), tenant,
+                                  encrypt=encrypt)
+        self._layouts: Mapping[ObjectKind, Layout] = layouts if layouts is not None else {}
+        self._layout_tags: dict[ObjectKind, tuple[Layout, bytes]] = {}
+        self._records: dict[str, bytes] = {}     # info records, written back when lost
+        self._republish_at = 0.0
         self._capacity = int(capacity_bytes)
         self._net = net_gbps
         self._h2d = h2d_gbps
@@ -105,7 +127,8 @@ class MooncakeTier(ObjectTable):
         self._reserved = 0       # charges of puts in flight
         self._lost: list[ObjectKey] = []
         self._keylocks = [threading.RLock() for _ in range(64)]
-        self._counts = dict.fromkeys(("puts", "gets", "misses", "corrupt", "failed"), 0)
+        self._counts = dict.fromkeys(("puts", "gets", "misses", "corrupt", "unauthentic",
+                                      "other_layout", "failed", "republished"), 0)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hybridstore-remote")
         self._owns_client = client is None
         self.client = client if client is not None else MooncakeClient(self.spec)
@@ -138,6 +161,18 @@ class MooncakeTier(ObjectTable):
 
     def _keylock(self, key: bytes) -> threading.RLock:
         return self._keylocks[hash(key) % len(self._keylocks)]
+
+    def _layout_of(self, key: ObjectKey) -> bytes:
+        """The id of the store's layout of ``key``'s kind (:data:`frame.NO_LAYOUT` when it
+        has none yet)."""
+        kind = key_kind(key)
+        layout = self._layouts.get(kind)
+        if layout is None:
+            return frame.NO_LAYOUT
+        cached = self._layout_tags.get(kind)
+        if cached is None or cached[0] is not layout:
+            cached = self._layout_tags[kind] = (layout, frame.layout_tag(layout.to_json()))
+        return cached[1]
 
     # -- objects ------------------------------------------------------------------
     def put(self, key: ObjectKey, data: np.ndarray | None, *, nbytes: int,
@@ -172,7 +207,7 @@ class MooncakeTier(ObjectTable):
                     replacing = key in self._objects
                 if replacing:
                     self._remove(key)
-                self._write(key, payload, meta)
+                layout = self._write(key, payload, meta)
             except BaseException as e:
                 with self._lock:
                     self._reserved -= charged
@@ -184,15 +219,18 @@ class MooncakeTier(ObjectTable):
                 self._reserved -= charged
                 old = self._objects.get(key)
                 self._used += charged - (self.charge(old.nbytes) if old is not None else 0)
-                self._objects[key] = _Entry(nbytes, meta, True)
+                self._objects[key] = _Entry(nbytes, meta, True, layout)
                 self._counts["puts"] += 1
+        self._republish()
 
-    def _write(self, key: bytes, payload: np.ndarray, meta: bytes) -> None:
-        """One value in the pool: through a registered slot, or the client's buffer.  A
-        transfer that fails (the segment chosen belongs to a lender that just left: the
-        master learns of it only after its ``client_ttl``) is tried once more, elsewhere."""
-        head = frame.header(key, meta, payload)
+    def _write(self, key: ObjectKey, payload: np.ndarray, meta: bytes) -> bytes:
+        """One sealed value in the pool: through a registered slot, or the client's buffer.
+        A transfer that fails (the segment chosen belongs to a lender that just left: the
+        master learns of it only after its ``client_ttl``) is tried once more, elsewhere.
+        Returns the id of the layout it was written with."""
         name = self._name(key)
+        layout = self._layout_of(key)
+        head, payload = self._seal.seal(name, meta, layout, payload)
         total = len(head) + payload.nbytes
         for attempt in range(2):
             if self.staging.fits(total):
@@ -209,6 +247,7 @@ class MooncakeTier(ObjectTable):
         if rc != 0:
             raise BackendIOError(f"remote put of {key.hex()} failed with Mooncake code {rc}",
                                  key=key, expected=total)
+        return layout
 
     def _remove(self, key: bytes) -> None:
         rc = self.client.call("remove", lambda s: s.remove(self._name(key), True))
@@ -305,12 +344,15 @@ class MooncakeTier(ObjectTable):
     def _copy_checked(self, key: ObjectKey, entry: _Entry, value: np.ndarray,
                       dst: np.ndarray) -> None:
         try:
-            meta, payload = frame.check(key, value)
-            if payload.nbytes != entry.nbytes or meta != entry.meta:
-                raise CorruptObjectError(f"remote object {key.hex()} changed size or meta",
-                                         key=key)
+            meta, layout, payload = self._seal.open(self._name(key), value)
+            if payload.nbytes != entry.nbytes or meta != entry.meta or layout != entry.layout:
+                raise CorruptObjectError(f"remote object {key.hex()} changed size, meta or "
+                                         "layout", key=key)
         except CorruptObjectError as e:
             self._counts["corrupt"] += 1
+            if isinstance(e, UnauthenticValueError):
+                self._counts["unauthentic"] += 1
+            e.key = key
             self._vanished(key, str(e), e)
         dst[:] = payload
 
@@ -367,6 +409,7 @@ class MooncakeTier(ObjectTable):
         except RemoteDown:
             self._drop_all()
             return [False] * len(keys)
+        self._republish()
         return [c == 1 for c in got]
 
     def adopt(self, keys: Sequence[ObjectKey]) -> list[tuple[ObjectKey, int, bytes]]:
@@ -379,13 +422,18 @@ class MooncakeTier(ObjectTable):
             return []
         try:
             heads = self._ranges(keys, [0] * len(keys), [frame.HEADER_BYTES] * len(keys))
-            parsed: dict[ObjectKey, tuple[int, int]] = {}
+            parsed: dict[ObjectKey, tuple[int, int, bytes]] = {}
             for key, head in zip(keys, heads):
                 try:
                     if head is not None:
-                        meta_len, nbytes, _ = frame.parse_header(key, head)
-                        parsed[key] = (meta_len, nbytes)
+                        meta_len, nbytes, layout = self._seal.parse(self._name(key), head)
+                        if layout != self._layout_of(key):
+                            self._counts["other_layout"] += 1
+                            raise CorruptObjectError(f"remote object {key.hex()} was written "
+                                                     "with another layout (another model?)")
+                        parsed[key] = (meta_len, nbytes, layout)
                 except CorruptObjectError as e:
+                    self._counts["unauthentic"] += isinstance(e, UnauthenticValueError)
                     self.client.warn(f"{e}: ignored")
             todo = [k for k in parsed if parsed[k][0]]
             metas = dict(zip(todo, self._ranges(todo, [frame.HEADER_BYTES] * len(todo),
@@ -395,7 +443,7 @@ class MooncakeTier(ObjectTable):
             return []
         out = []
         with self._lock:
-            for key, (meta_len, nbytes) in parsed.items():
+            for key, (meta_len, nbytes, layout) in parsed.items():
                 meta = metas.get(key, b"") if meta_len else b""
                 if meta is None or key in self._objects:
                     continue
@@ -403,7 +451,7 @@ class MooncakeTier(ObjectTable):
                 if self.used_bytes + charged > self._capacity:
                     break
                 self._used += charged
-                self._objects[key] = _Entry(nbytes, meta, False)
+                self._objects[key] = _Entry(nbytes, meta, False, layout)
                 out.append((key, nbytes, meta))
         return out
 
@@ -429,36 +477,68 @@ class MooncakeTier(ObjectTable):
 
     # -- info blobs ---------------------------------------------------------------
     def put_info(self, name: str, value: bytes) -> None:
-        """Kept here and in the pool (``PREFIX/info/NAME``), where other stores read it."""
+        """Kept here and in the pool (``PREFIX/info/TENANT/NAME``, sealed), where the other
+        stores of this tenant read it; written back there when the pool loses it."""
         super().put_info(name, value)
-        blob = np.frombuffer(bytes(value), np.uint8)
-        key = name.encode()
+        with self._lock:
+            self._records[name] = bytes(value)
         try:
-            self.client.call("remove", lambda s: s.remove(frame.info_name(self.spec.prefix, name),
-                                                          True))
-            rc = self.client.call("put", lambda s: s.put_parts(
-                frame.info_name(self.spec.prefix, name), frame.header(key, b"", blob), blob))
-            if rc != 0:
-                self.client.warn(f"remote put_info {name!r}: Mooncake code {rc}")
+            self._put_record(name, bytes(value))
+        except RemoteDown:
+            pass
+
+    def _put_record(self, name: str, value: bytes) -> None:
+        full = self._seal.info_name(self.spec.prefix, name)
+        head, body = self._seal.seal(full, b"", frame.NO_LAYOUT, np.frombuffer(value, np.uint8))
+        self.client.call("remove", lambda s: s.remove(full, True))
+        rc = self.client.call("put", lambda s: s.put_parts(full, head, body))
+        if rc != 0:
+            self.client.warn(f"remote put_info {name!r}: Mooncake code {rc}")
+
+    def _republish(self) -> None:
+        """Write back the info records the pool lost (a master restart loses every one):
+        checked at most once per :data:`REPUBLISH_S`, one ``batch_is_exist``."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._republish_at or not self._records or self._closed:
+                return
+            self._republish_at = now + REPUBLISH_S
+            records = dict(self._records)
+        names = list(records)
+        try:
+            there = self.client.call("exist", lambda s: s.batch_is_exist(
+                [self._seal.info_name(self.spec.prefix, n) for n in names]))
+            for name, ok in zip(names, there):
+                if ok != 1:
+                    self._put_record(name, records[name])
+                    self._counts["republished"] += 1
         except RemoteDown:
             pass
 
     def get_info(self, name: str) -> bytes | None:
+        """This store's blob, else this tenant's record in the pool (kept here once read,
+        so that this store writes it back too if the pool loses it)."""
         local = super().get_info(name)
         if local is not None:
             return local
+        full = self._seal.info_name(self.spec.prefix, name)
         try:
-            raw = self.client.call("get", lambda s: s.get(frame.info_name(self.spec.prefix, name)))
+            raw = self.client.call("get", lambda s: s.get(full))
         except RemoteDown:
             return None
         if not raw:
             return None
         try:
-            _, payload = frame.check(name.encode(), np.frombuffer(raw, np.uint8))
+            _, _, payload = self._seal.open(full, np.frombuffer(raw, np.uint8))
         except CorruptObjectError as e:
+            self._counts["unauthentic"] += 1
             self.client.warn(f"{e}: ignored")
             return None
-        return payload.tobytes()
+        value = payload.tobytes()
+        super().put_info(name, value)
+        with self._lock:
+            self._records[name] = value
+        return value
 
     # -- the rest of the contract ---------------------------------------------------
     def read_seconds(self, nbytes: int) -> float:
