@@ -123,6 +123,7 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
         self._foreign_used = 0              # slot bytes of visible objects in others' segments
         self._full_at: float | None = None  # when the file system last refused a segment room
         self._full_logged = False
+        self._starved = False               # said that the others hold the whole budget
         self._catalog_lock = threading.Lock()  # orders catalog mutations (commit, delete, drop)
         self._files: dict[int, Any] = {}  # segment id -> engine handle; under the allocator lock
         self._objects: dict[bytes, _Object] = {}
@@ -619,9 +620,17 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
             raise
 
     def _over_budget(self, nbytes: int) -> CapacityError:
-        return CapacityError(f"the disk tier at {self.path} has no room for {nbytes} more "
-                             f"bytes of segments: the processes that share it have committed "
-                             f"its {self._capacity}-byte budget; evict objects and retry")
+        """The budget is committed (in a shared directory, perhaps by the others): say so,
+        once per process that holds no room of its own, since making room then evicts the
+        others' objects."""
+        msg = (f"the disk tier at {self.path} has no room for {nbytes} more bytes of "
+               f"segments: the processes that share it have committed its "
+               f"{self._capacity}-byte budget; evict objects and retry")
+        if self._shared is not None and not self._alloc.grown_bytes and not self._starved:
+            self._starved = True
+            log.warning("%s (this process holds none of it: its puts evict the other "
+                        "processes' objects in the policy's order; raise disk_bytes)", msg)
+        return CapacityError(msg)
 
     def _open_segment(self, segment: int, path: str) -> None:
         try:
