@@ -653,12 +653,15 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
         what its grown segments hold for :data:`FULL_RECHECK_S`."""
         segment = self._base | arena
         least = round_up(need, ALIGN)
-        try:            # reopening: the file holds its former size already (charged so)
+        try:
             held = os.stat(self._segment_path(segment)).st_size // ALIGN * ALIGN
         except OSError:
             held = 0
-        new = (min(size, held) if held >= least
-               else min(size, max(least, limit + max(limit, GROW_MIN_BYTES))))
+        if held >= least:       # its blocks are there (reopening): charged, nothing to reserve
+            if self._shared is not None:
+                self.catalog.add_segment(segment, min(size, held), None)
+            return min(size, held)
+        new = min(size, max(least, limit + max(limit, GROW_MIN_BYTES)))
         for size_ in dict.fromkeys((new, least)):    # the device (or a shared budget) may
             try:                                     # have less: then the least
                 self._extend_segment(segment, limit, size_)
