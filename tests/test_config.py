@@ -156,7 +156,6 @@ def test_parse_bytes_rejects_what_it_cannot_read(text):
     ({"disk_path": 5}, "disk_path"),
     # issue 13 fuzz: wrong types raised TypeError, NaN and inf were accepted
     ({"block_size": True}, "block_size"),
-    ({"disk_segment_bytes": None}, "disk_segment_bytes"),
     ({"disk_segment_bytes": "1MiB"}, "disk_segment_bytes"),
     ({"io_threads": "8"}, "io_threads"),
     ({"io_threads": 1.5}, "io_threads"),

@@ -49,7 +49,7 @@ TIER_POLICY_NAMES = ("write-through", "write-back", "partition", "asymmetric")
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "block_size": (int,), "namespace": (str, bytes), "host_bytes": (int,), "disk_bytes": (int,),
     "device_bytes": (int,), "policy": (str,), "checkpoint_policy": (str,), "tier_policy": (str,),
-    "disk_engine": (str,), "disk_segment_bytes": (int,), "io_threads": (int,),
+    "disk_engine": (str,), "disk_segment_bytes": (int, type(None)), "io_threads": (int,),
     "pin_host_memory": (bool,), "h2d_gbps": (int, float), "ssd_gbps": (int, float),
     "verify_checksums": (bool,), "remote_bytes": (int,), "disk_shared": (bool,),
     "remote_encrypt": (bool,)}
@@ -83,7 +83,10 @@ class StoreConfig:
         disk_engine: ``"kvikio"`` (kvikio ``CuFile``: GDS, or its POSIX compat
             mode), ``"posix"`` (O_DIRECT + a thread pool), or ``"auto"``
             (kvikio when a CUDA driver is present, POSIX otherwise).
-        disk_segment_bytes: size of one segment file of the disk tier.
+        disk_segment_bytes: size of one segment file of the disk tier; ``None``, the
+            default: from ``disk_bytes`` (1/16 of it, a power of two in [4 MiB,
+            256 MiB]).  A directory keeps the size it was created with; segment files
+            grow as their objects need room.
         disk_shared: share ``disk_path`` with the other processes that open it with
             ``disk_shared=True`` (engine processes on one host: vLLM's scheduler
             and workers, SGLang's ranks, several replicas): each sees what the
@@ -131,7 +134,7 @@ class StoreConfig:
     checkpoint_policy: str = "keep-all"
     tier_policy: str = "write-through"
     disk_engine: str = "auto"
-    disk_segment_bytes: int = 256 << 20
+    disk_segment_bytes: int | None = None
     disk_shared: bool = False
     io_threads: int = 8
     pin_host_memory: bool = True
@@ -156,7 +159,9 @@ class StoreConfig:
             raise ConfigError(f"disk_engine must be one of {DISK_ENGINES}, got {self.disk_engine!r}")
         if self.tier_policy not in TIER_POLICY_NAMES:
             raise ConfigError(f"tier_policy must be one of {TIER_POLICY_NAMES}, got {self.tier_policy!r}")
-        if not (1 << 20) <= self.disk_segment_bytes <= (1 << 40) or self.disk_segment_bytes % 4096:
+        if self.disk_segment_bytes is not None and (
+                not (1 << 20) <= self.disk_segment_bytes <= (1 << 40)
+                or self.disk_segment_bytes % 4096):
             raise ConfigError("disk_segment_bytes must be a multiple of 4096 in [1 MiB, 1 TiB], "
                               f"got {self.disk_segment_bytes}")
         if not 1 <= self.io_threads <= 256:

@@ -406,3 +406,91 @@ def test_a_segment_file_made_again_is_read_anew(tmp_path: Path) -> None:
         a.put(key(3), second, nbytes=second.size).result()
         assert a._objects[key(3)].extent.arena == segment        # the same id, a new file
         assert np.array_equal(b.get(key(3)), second)
+
+
+_JOINING = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    from hybridstore import HybridStore, StoreConfig
+    path, me, other = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    segment = int(sys.argv[4]) or None
+    cfg = StoreConfig(block_size=16, host_bytes=1 << 20, disk_path=path + "/d",
+                      disk_bytes=256 << 20, disk_segment_bytes=segment, disk_shared=True,
+                      disk_engine="posix")
+
+    def prompt(who, i):
+        toks = np.arange(64) + 1000 * i + 100_000 * who
+        return toks, [np.full((2, 16, 8), who * 100 + i + b / 8, np.float32) for b in range(4)]
+
+    def wait_for(name):
+        deadline = time.monotonic() + 90
+        while not os.path.exists(os.path.join(path, name)):
+            assert time.monotonic() < deadline, name
+            time.sleep(0.02)
+
+    if me == 1:
+        wait_for("open-0")                  # the second process joins the first
+    with HybridStore(cfg) as store:
+        open(os.path.join(path, f"open-{me}"), "w").close()
+        for i in range(20):
+            store.put_kv(*prompt(me, i))
+        store.flush()
+        open(os.path.join(path, f"done-{me}"), "w").close()
+        wait_for(f"done-{other}")
+        seen = mine = 0
+        for i in range(20):
+            for who in (me, other):
+                toks, pages = prompt(who, i)
+                plan = store.match_pages(toks)
+                if len(plan.pages) == 4:
+                    got, _ = store.load(plan).result()
+                    assert all(np.array_equal(np.asarray(g), p) for g, p in zip(got, pages))
+                    if who == me:
+                        mine += 1
+                    else:
+                        seen += 1
+                store.release(plan)
+        open(os.path.join(path, f"checked-{me}"), "w").close()
+        wait_for(f"checked-{other}")
+    print("seen", seen, "mine", mine)
+""")
+
+
+@pytest.mark.parametrize("segment", [0, 256 * MiB], ids=["from-budget", "256MiB"])
+def test_a_process_joining_a_small_shared_budget_keeps_the_others_objects(
+        tmp_path: Path, segment: int) -> None:
+    """Issue 26, item 6: with 256 MiB segments, a process joining a directory whose
+    disk_bytes (256 MiB) is below processes x segment size found the budget committed by the
+    first process's one segment, and evicted every object of the first to get one: of 20
+    small prompts each, one process saw 20 of the other's and the other 0.  Now segments
+    are sized from the budget and a shared directory charges a segment the bytes it grew to,
+    so both keep their prompts and each sees all of the other's (also in a directory made
+    with 256 MiB segments)."""
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    procs = [subprocess.Popen([sys.executable, "-c", _JOINING, str(tmp_path), str(me),
+                               str(1 - me), str(segment)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for me in (0, 1)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    assert [out.split() for out, _ in outs] == [["seen", "20", "mine", "20"]] * 2, outs
+    cat = Catalog(tmp_path / "d" / CATALOG_DIR)
+    try:
+        assert sum(cat.segments().values()) <= 256 * MiB
+    finally:
+        cat.close()
+
+
+def test_a_process_whose_room_the_others_hold_says_so(tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Making room for a process that holds none of a shared budget evicts the others'
+    objects: never silently."""
+    with shared_tier(tmp_path, 2 * MiB) as a, shared_tier(tmp_path, 2 * MiB) as b:
+        for i in range(2):
+            d = payload(900_000, i)
+            a.put(key(i), d, nbytes=d.size).result()
+        with caplog.at_level("WARNING", logger="hybridstore.backends.disk"), \
+                pytest.raises(CapacityError):
+            b.put(key(9), payload(9000, 9), nbytes=9000)
+        assert "holds none of it" in caplog.text and "raise disk_bytes" in caplog.text
+        assert all(np.array_equal(b.get(key(i)), payload(900_000, i)) for i in range(2))

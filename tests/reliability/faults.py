@@ -417,11 +417,11 @@ def full_round(root: Path, kind: str, rng: Random, tally: Tally, setup: Setup) -
 
 
 def _count_disk_full(tier: Any, full: Counter[str]) -> None:
-    """Count the DiskFullErrors the tier's segment creation raises."""
+    """Count the DiskFullErrors the tier's segment creation and growth raise."""
     from hybridstore.errors import DiskFullError
 
     alloc = tier._alloc
-    create = alloc._on_new_arena
+    create, grow = alloc._on_new_arena, alloc._on_grow_arena
 
     def on_new_arena(arena: int, nbytes: int) -> None:
         try:
@@ -430,7 +430,15 @@ def _count_disk_full(tier: Any, full: Counter[str]) -> None:
             full["segment"] += 1
             raise
 
+    def on_grow_arena(arena: int, limit: int, need: int, size: int) -> int:
+        try:
+            return int(grow(arena, limit, need, size))
+        except DiskFullError:
+            full["growth"] += 1
+            raise
+
     alloc._on_new_arena = on_new_arena
+    alloc._on_grow_arena = on_grow_arena
 
 
 def _filler(mnt: Path, leave: int) -> None:

@@ -23,15 +23,20 @@ Layout:
 * **Dedicated arenas.** A slot larger than ``arena_bytes`` gets an arena of
   its own (ids from the number of regular arenas upward), released as soon as
   the object is freed (``on_release_arena``).
+* **Grown arenas.** With ``on_grow_arena`` an arena starts with none of its
+  bytes usable and is grown from its start as allocations need them (the disk
+  tier extends a segment file as it fills): a request is served from the grown
+  bytes first, then by growing an arena that exists, then by a new arena.  A
+  dedicated arena is grown whole when it is made.
 
 Placement is a function of the extent alone (a slab starts at the slab-aligned
 offset below a slot; a run or dedicated arena starts at the slot), so
 :meth:`SlabAllocator.reserve` can rebuild the state from the live extents of a
 reopened disk tier, in any order.
 
-The budget is charged on committed arena bytes: ``committed_bytes`` never
-exceeds ``budget_bytes``.  All methods are thread-safe; callbacks run under the
-allocator's lock and must not call back into it.
+The budget is charged on committed arena bytes (whole arenas, grown or not):
+``committed_bytes`` never exceeds ``budget_bytes``.  All methods are thread-safe;
+callbacks run under the allocator's lock and must not call back into it.
 """
 
 from __future__ import annotations
@@ -97,11 +102,12 @@ class Window:
 class _Arena:
     """One arena's free runs (``starts`` sorted; ``runs``: start -> length)."""
 
-    __slots__ = ("id", "size", "dedicated", "starts", "runs", "ends", "spans")
+    __slots__ = ("id", "size", "limit", "dedicated", "starts", "runs", "ends", "spans")
 
-    def __init__(self, arena_id: int, size: int, dedicated: bool) -> None:
+    def __init__(self, arena_id: int, size: int, dedicated: bool, limit: int) -> None:
         self.id = arena_id
         self.size = size
+        self.limit = limit  # bytes usable from its start (grown arenas: up to size)
         self.dedicated = dedicated
         self.starts: list[int] = []
         self.runs: dict[int, int] = {}
@@ -144,6 +150,11 @@ class SlabAllocator:
             is first used; if it raises, the allocation fails and nothing changes.
         on_release_arena: ``on_release_arena(arena_id)``, called after an empty
             arena was dropped (its budget returned).
+        on_grow_arena: ``on_grow_arena(arena_id, limit, need, size)`` -> the new limit,
+            in ``[need, size]``: make the arena's bytes up to at least ``need`` usable
+            (they are ``[0, limit)`` now; ``size`` is the arena's).  Without it every
+            arena is usable whole once made.  If it raises, the allocation fails with
+            its error and nothing changes.
 
     Raises:
         ConfigError: a size is not a positive int, or ``arena_bytes`` is below
@@ -153,7 +164,8 @@ class SlabAllocator:
     def __init__(self, *, budget_bytes: int, arena_bytes: int, alignment: int = 4096,
                  slab_bytes: int = SLAB_BYTES,
                  on_new_arena: Callable[[int, int], None] | None = None,
-                 on_release_arena: Callable[[int], None] | None = None) -> None:
+                 on_release_arena: Callable[[int], None] | None = None,
+                 on_grow_arena: Callable[[int, int, int, int], int] | None = None) -> None:
         for name, value in (("alignment", alignment), ("arena_bytes", arena_bytes),
                             ("slab_bytes", slab_bytes)):
             if not isinstance(value, int) or value < 1:
@@ -179,6 +191,8 @@ class SlabAllocator:
         self._next_dedicated = self._n_regular
         self._on_new_arena = on_new_arena
         self._on_release_arena = on_release_arena
+        self._on_grow_arena = on_grow_arena
+        self._grown = 0
         self._arenas: dict[int, _Arena] = {}
         self._creating: set[int] = set()  # regular arenas grow_ahead is creating
         self._empty: dict[int, None] = {}  # regular arenas with no spans
@@ -207,6 +221,12 @@ class SlabAllocator:
         return self._committed
 
     @property
+    def grown_bytes(self) -> int:
+        """Usable bytes of the arenas that exist now (``committed_bytes`` unless arenas
+        are grown as needed: ``on_grow_arena``)."""
+        return self._grown
+
+    @property
     def arena_count(self) -> int:
         """Number of arenas that exist now."""
         return len(self._arenas)
@@ -216,10 +236,12 @@ class SlabAllocator:
         """Every offset and slot size is a multiple of this."""
         return self._align
 
-    def arena_sizes(self) -> dict[int, int]:
-        """``{arena_id: nbytes}`` of the arenas that exist now."""
+    def arena_sizes(self, grown: bool = False) -> dict[int, int]:
+        """``{arena_id: nbytes}`` of the arenas that exist now (``grown``: their usable
+        bytes, see ``on_grow_arena``)."""
         with self._lock:
-            return {aid: arena.size for aid, arena in self._arenas.items()}
+            return {aid: arena.limit if grown else arena.size
+                    for aid, arena in self._arenas.items()}
 
     def slot_size(self, nbytes: int) -> int:
         """The slot size charged for an object of ``nbytes``.
@@ -331,7 +353,7 @@ class SlabAllocator:
                 failure = e
             finally:
                 for start, length in runs:
-                    self._add_run(arena, start, length)
+                    self._add_free(arena, start, length)   # it may border grown bytes
                 for slot, key, slab in hidden:
                     if slab.free:
                         self._partial.setdefault(slot, {})[key] = slab
@@ -371,7 +393,7 @@ class SlabAllocator:
         with self._lock:
             live = list(self._live.items())
             slabs = [(slab.arena, slab.start) for slab in self._slabs.values()]
-            arenas = {a.id: a.size for a in self._arenas.values() if not a.dedicated}
+            arenas = {a.id: a.limit for a in self._arenas.values() if not a.dedicated}
         # occupied intervals per arena: (start, end, extents inside)
         occupied: dict[int, dict[int, tuple[int, list[Extent]]]] = {a: {} for a in arenas}
         for arena_id, start in slabs:
@@ -432,10 +454,7 @@ class SlabAllocator:
             raise
         with self._lock:
             self._creating.discard(arena_id)
-            arena = _Arena(arena_id, size, False)
-            self._arenas[arena_id] = arena
-            self._add_run(arena, 0, size)
-            self._empty[arena_id] = None
+            self._install(arena_id, size, False, 0 if self._on_grow_arena else size)
         return True
 
     def trim(self) -> int:
@@ -552,20 +571,69 @@ class SlabAllocator:
     def _commit(self, arena_id: int, size: int, dedicated: bool) -> _Arena:
         if self._on_new_arena is not None:
             self._on_new_arena(arena_id, size)
-        arena = _Arena(arena_id, size, dedicated)
-        self._arenas[arena_id] = arena
+        limit = size
+        if self._on_grow_arena is not None:      # grown as allocations need it; a
+            limit = 0                            # dedicated arena's one object needs all
+            if dedicated:
+                try:
+                    limit = self._grow_to(arena_id, 0, size, size)
+                except BaseException:
+                    if self._on_release_arena is not None:
+                        self._on_release_arena(arena_id)
+                    raise
         self._committed += size
+        return self._install(arena_id, size, dedicated, limit)
+
+    def _install(self, arena_id: int, size: int, dedicated: bool, limit: int) -> _Arena:
+        """Record a made arena of ``limit`` usable bytes (its budget is counted already)."""
+        arena = _Arena(arena_id, size, dedicated, limit)
+        self._arenas[arena_id] = arena
+        self._grown += limit
         if not dedicated:
-            self._add_run(arena, 0, size)
+            if limit:
+                self._add_run(arena, 0, limit)
             self._empty[arena_id] = None
         return arena
 
+    def _grow_to(self, arena_id: int, limit: int, need: int, size: int) -> int:
+        """``on_grow_arena``'s new limit of an arena, checked."""
+        assert self._on_grow_arena is not None
+        new = self._on_grow_arena(arena_id, limit, need, size)
+        if not need <= new <= size or new % self._align:
+            raise RuntimeError(f"on_grow_arena grew arena {arena_id} to {new} bytes, not an "
+                               f"aligned size in [{need}, {size}]")
+        return new
+
+    def _extend(self, arena: _Arena, need: int) -> None:
+        """Grow ``arena`` so that its bytes up to ``need`` are usable (free runs)."""
+        old = arena.limit
+        arena.limit = self._grow_to(arena.id, old, need, arena.size)
+        self._grown += arena.limit - old
+        self._add_free(arena, old, arena.limit - old)
+
+    def _grow_into(self, length: int, align: int) -> tuple[_Arena, int] | None:
+        """Where ``length`` bytes at ``align`` fit once an arena that exists grows (from
+        the free run at the end of its grown bytes), growing it; ``None``: none can."""
+        if self._on_grow_arena is None:
+            return None
+        for arena in self._arenas.values():
+            if arena.dedicated or arena.limit >= arena.size:
+                continue
+            tail = arena.ends.get(arena.limit)
+            start = -(-(arena.limit if tail is None else tail) // align) * align
+            if start + length <= arena.size:
+                self._extend(arena, start + length)
+                return arena, start
+        return None
+
     def _drop_arena(self, arena: _Arena) -> None:
         if not arena.dedicated:
-            self._remove_run(arena, 0)
+            if arena.limit:
+                self._remove_run(arena, 0)
             del self._empty[arena.id]
         del self._arenas[arena.id]
         self._committed -= arena.size
+        self._grown -= arena.limit
         if self._on_release_arena is not None:
             self._on_release_arena(arena.id)
 
@@ -632,9 +700,13 @@ class SlabAllocator:
     # -- free runs ------------------------------------------------------------------
     def _take(self, length: int, align: int) -> tuple[_Arena, int] | None:
         """Carve ``length`` bytes at an ``align``-aligned offset (best fit), growing if needed."""
-        found = self._find_run(length, align)
-        if found is None and self._grow(length):
-            found = self._find_run(length, align)
+        try:
+            found = self._find_run(length, align) or self._grow_into(length, align)
+            if found is None and self._grow(length):
+                found = self._find_run(length, align) or self._grow_into(length, align)
+        except BaseException:
+            self._release_empty()   # the owner refused room: its empty arenas go back too
+            raise
         if found is None:
             return None
         arena, start = found
@@ -651,7 +723,11 @@ class SlabAllocator:
         return None
 
     def _carve_at(self, arena: _Arena, start: int, length: int) -> None:
-        """Mark ``[start, start + length)`` of ``arena`` used; it must lie in one free run."""
+        """Mark ``[start, start + length)`` of ``arena`` used; it must lie in one free run
+        (of its grown bytes: a reserved extent past them grows the arena first)."""
+        if start + length > arena.limit and self._on_grow_arena is not None \
+                and start + length <= arena.size:
+            self._extend(arena, start + length)
         i = bisect.bisect_right(arena.starts, start) - 1
         run_start = arena.starts[i] if i >= 0 else -1
         run_len = arena.runs.get(run_start, 0)
@@ -666,7 +742,14 @@ class SlabAllocator:
         self._empty.pop(arena.id, None)
 
     def _release(self, arena: _Arena, start: int, length: int) -> None:
-        """Return ``[start, start + length)`` to the free runs, coalescing neighbours."""
+        """Return ``[start, start + length)`` of a span to the free runs."""
+        self._add_free(arena, start, length)
+        arena.spans -= 1
+        if not arena.spans:
+            self._empty[arena.id] = None
+
+    def _add_free(self, arena: _Arena, start: int, length: int) -> None:
+        """Add ``[start, start + length)`` to the free runs, coalescing neighbours."""
         prev = arena.ends.get(start)
         if prev is not None:
             self._remove_run(arena, prev)
@@ -675,9 +758,6 @@ class SlabAllocator:
         if start + length in arena.runs:
             length += self._remove_run(arena, start + length)
         self._add_run(arena, start, length)
-        arena.spans -= 1
-        if not arena.spans:
-            self._empty[arena.id] = None
 
     def _add_run(self, arena: _Arena, start: int, length: int) -> None:
         arena.runs[start] = length

@@ -7,6 +7,10 @@ Directory layout (``path``)::
     seg-000000.dat    segment files: the SlabAllocator's arenas, one file each;
     seg-000001.dat    objects sit at 4 KiB-aligned offsets (O_DIRECT / GDS)
 
+Segments are 1/16 of the budget (a power of two in [4 MiB, 256 MiB]) unless
+``segment_bytes`` says otherwise, and each file grows as its objects need room
+(twice its size at a time): a new directory takes a few MiB, whatever its budget.
+
 Write path (``put``): allocate an extent, write the caller's bytes straight
 from its buffer (the engine bounces only what is unaligned), ``fdatasync`` the
 segment, *then* commit the catalog entry.  An object is visible
@@ -23,11 +27,14 @@ object that still fails is dropped from the catalog, a warning is logged, and
 are pinned: a concurrent delete or replacement frees them after the read.
 
 A full file system: segment files (and the catalog's slack, reserved before
-each new segment) have their blocks allocated when they are created, so
-``ENOSPC``/``EDQUOT`` arrives there as :class:`~hybridstore.errors.DiskFullError`
-(a ``CapacityError``: the store evicts from the tier, as from any full tier);
-one under a write, ``fdatasync`` or commit fails that put with
-``DiskFullError``, with nothing of it visible.
+a segment grows) have their blocks allocated before anything is written into
+them, so ``ENOSPC``/``EDQUOT`` arrives there as
+:class:`~hybridstore.errors.DiskFullError` (a ``CapacityError``).  The tier then
+holds what its grown segments hold (its ``capacity_bytes`` is their bytes for a
+few seconds, then it tries to grow again), so the store evicts from them what a
+put needs, not a share of a budget the device cannot hold.  One under a write,
+``fdatasync`` or commit fails that put with ``DiskFullError``, with nothing of it
+visible.
 
 Reopen: the catalog is the truth.  Every entry whose segment file exists and
 is long enough is reserved in a fresh allocator and visible again; others are

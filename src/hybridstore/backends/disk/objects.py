@@ -47,6 +47,22 @@ COALESCE_BYTES = 8 << 20
 _STOP = object()
 _EMPTY = np.empty(0, dtype=np.uint8)
 
+SEGMENT_MIN_BYTES = 4 << 20
+SEGMENT_MAX_BYTES = 256 << 20
+SEGMENTS_PER_BUDGET = 16
+"""A tier's segments are the power of two nearest below 1/16 of its budget, within
+[:data:`SEGMENT_MIN_BYTES`, :data:`SEGMENT_MAX_BYTES`] (:func:`segment_bytes_for`): a
+small budget is not one segment that the first process of a shared directory takes
+whole, a large one is not thousands of files."""
+
+
+def segment_bytes_for(capacity_bytes: int) -> int:
+    """The segment size of a new tier of ``capacity_bytes`` (see :data:`SEGMENTS_PER_BUDGET`)."""
+    size = SEGMENT_MIN_BYTES
+    while size * 2 <= min(capacity_bytes // SEGMENTS_PER_BUDGET, SEGMENT_MAX_BYTES):
+        size *= 2
+    return size
+
 
 def segment_name(segment: int) -> str:
     """File name of a segment: ``seg-000042.dat``."""

@@ -20,7 +20,7 @@ import xxhash
 
 from hybridstore.backends.alloc import Extent
 from hybridstore.backends.catalog import CatalogRecord
-from hybridstore.backends.disk.objects import LOCK_NAME, _Object, _TierState
+from hybridstore.backends.disk.objects import LOCK_NAME, _Object, _TierState, segment_bytes_for
 from hybridstore.backends.engines import ALIGN
 from hybridstore.errors import CapacityError, DiskPathError
 from hybridstore.objects import OBJECT_KEY_BYTES
@@ -34,7 +34,10 @@ class _Recovery(_TierState):
     """Part of :class:`~hybridstore.backends.disk.DiskTier`: what reopening a tier does."""
 
     # -- open / recovery ----------------------------------------------------------
-    def _geometry(self, segment_bytes: int) -> int:
+    def _geometry(self, segment_bytes: int | None, capacity_bytes: int) -> int:
+        """The segment size: the one the tier was created with, else ``segment_bytes``,
+        else :func:`~hybridstore.backends.disk.objects.segment_bytes_for` the budget."""
+        wanted = segment_bytes_for(capacity_bytes) if segment_bytes is None else segment_bytes
         raw = self.catalog.get_info("disk.geometry")
         stored = _GEOMETRY.unpack(raw)[0] if raw is not None and len(raw) == _GEOMETRY.size \
             else 0
@@ -42,12 +45,12 @@ class _Recovery(_TierState):
             # damaged: the configured size (objects of segments made otherwise are dropped,
             # each with a reason, when their extents do not fit it)
             log.warning("disk tier %s: the geometry record is damaged (%r); using "
-                        "segment_bytes=%d", self.path, raw[:16], segment_bytes)
+                        "segment_bytes=%d", self.path, raw[:16], wanted)
             raw = None
         if raw is None:
-            self.catalog.put_info("disk.geometry", _GEOMETRY.pack(segment_bytes))
-            return segment_bytes
-        if stored != segment_bytes:
+            self.catalog.put_info("disk.geometry", _GEOMETRY.pack(wanted))
+            return wanted
+        if segment_bytes is not None and stored != segment_bytes:
             log.warning("disk tier %s was created with segment_bytes=%d; keeping it (asked for "
                         "%d)", self.path, stored, segment_bytes)
         return int(stored)
@@ -180,7 +183,8 @@ class _Recovery(_TierState):
         """Make the catalog's record of segments (the directory's committed bytes) match
         this process's segment files, and forget the files that are gone."""
         recorded = self.catalog.segments()
-        own = {self._base | arena: size for arena, size in self._alloc.arena_sizes().items()}
+        sizes = self._alloc.arena_sizes(grown=self._shared is not None)  # what is charged
+        own = {self._base | arena: size for arena, size in sizes.items()}
         stale = [seg for seg in recorded
                  if seg not in own and (self._mine(seg)
                                         or not os.path.exists(self._segment_path(seg)))]

@@ -16,6 +16,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,7 +25,13 @@ from hybridstore.backends.alloc import Extent, SlabAllocator, SlabBudget
 from hybridstore.backends.base import Tier
 from hybridstore.backends.catalog import PUT, Catalog, Change
 from hybridstore.backends.disk.compact import _Compaction
-from hybridstore.backends.disk.objects import _STOP, CATALOG_DIR, _Object, segment_name
+from hybridstore.backends.disk.objects import (
+    _STOP,
+    CATALOG_DIR,
+    _Object,
+    segment_bytes_for,
+    segment_name,
+)
 from hybridstore.backends.disk.reader import _ReadPath
 from hybridstore.backends.disk.recovery import _lock_directory, _Recovery
 from hybridstore.backends.disk.shared import SLOT_BITS, SharedDirectory, slot_of
@@ -34,6 +41,7 @@ from hybridstore.backends.engines import (
     Engine,
     allocate_file,
     fsync_path,
+    round_up,
     select_engine,
 )
 from hybridstore.errors import (
@@ -47,6 +55,14 @@ from hybridstore.objects import ObjectKey
 
 log = logging.getLogger("hybridstore.backends.disk")
 
+GROW_MIN_BYTES = 1 << 20
+"""A segment file grows as its objects need room, to twice its size at a time (at least
+by this much): a new directory takes a few MiB, not a whole segment."""
+
+FULL_RECHECK_S = 5.0
+"""After the file system refused to grow a segment, the tier holds only what its grown
+bytes hold for this long before it tries to grow again."""
+
 
 class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
     """Durable SSD tier over segment files; see the module docstring.
@@ -56,8 +72,10 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
         capacity_bytes: hard budget of the segment files.
         engine: ``"auto"``, ``"kvikio"``, ``"posix"``, or an :class:`Engine`
             (the tier then owns it and closes it).
-        segment_bytes: size of one segment file (an existing tier keeps the
-            size it was created with).
+        segment_bytes: size of one segment file; ``None``: from the budget
+            (:func:`~hybridstore.backends.disk.objects.segment_bytes_for`).  An
+            existing tier keeps the size it was created with.  Segment files grow
+            as their objects need room.
         io_threads: threads of the I/O pool (and of the engine).
         ssd_gbps, h2d_gbps: bandwidths of the restore-time model.
         verify_checksums: check every object read back.
@@ -81,7 +99,7 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
     reports_written = True
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *,
-                 engine: str | Engine = "auto", segment_bytes: int = 256 << 20,
+                 engine: str | Engine = "auto", segment_bytes: int | None = None,
                  io_threads: int = 8, ssd_gbps: float = 5.0, h2d_gbps: float = 64.0,
                  verify_checksums: bool = True, shared: bool = False,
                  sync_interval_s: float = 0.1) -> None:
@@ -103,6 +121,9 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
         self._open_lock = threading.Lock()
         self._inodes: dict[int, int] = {}     # another process's segment -> inode opened
         self._foreign_used = 0              # slot bytes of visible objects in others' segments
+        self._full_at: float | None = None  # when the file system last refused a segment room
+        self._full_logged = False
+        self._starved = False               # said that the others hold the whole budget
         self._catalog_lock = threading.Lock()  # orders catalog mutations (commit, delete, drop)
         self._files: dict[int, Any] = {}  # segment id -> engine handle; under the allocator lock
         self._objects: dict[bytes, _Object] = {}
@@ -123,13 +144,14 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
                 self._shared = SharedDirectory(self.path)
                 self._base = self._shared.slot << SLOT_BITS
             self._catalog = Catalog(os.path.join(self.path, CATALOG_DIR))
-            self.segment_bytes = self._geometry(segment_bytes)
+            self.segment_bytes = self._geometry(segment_bytes, capacity_bytes)
             self._engine = (engine if isinstance(engine, Engine)
                             else select_engine(engine, io_threads))
             self._alloc = SlabAllocator(
                 budget_bytes=capacity_bytes, arena_bytes=self.segment_bytes, alignment=ALIGN,
                 on_new_arena=lambda arena, n: self._create_segment(self._base | arena, n),
-                on_release_arena=lambda arena: self._remove_segment(self._base | arena))
+                on_release_arena=lambda arena: self._remove_segment(self._base | arena),
+                on_grow_arena=self._grow_segment)
             self._recover()
         except BaseException:
             self._teardown()
@@ -150,7 +172,17 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
     # -- capacity -----------------------------------------------------------------
     @property
     def capacity_bytes(self) -> int:
-        return self._capacity
+        """The budget; while the file system is full (it refused a segment room less than
+        :data:`FULL_RECHECK_S` ago), only the bytes the segments have grown to (and the
+        others' objects in a shared directory): the store then evicts what a put needs
+        from what is there, not a share of a budget the device cannot hold."""
+        full = self._full_at
+        if full is None:
+            return self._capacity
+        if time.monotonic() - full > FULL_RECHECK_S:
+            self._full_at = None
+            return self._capacity
+        return min(self._capacity, self._alloc.grown_bytes + self._foreign_used)
 
     @property
     def used_bytes(self) -> int:
@@ -421,6 +453,7 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
         out.update(engine=self.engine.name, engine_compat=float(self.engine.compat_mode),
                    used_bytes=self.used_bytes, capacity_bytes=self._capacity,
                    committed_bytes=self._alloc.committed_bytes,
+                   grown_bytes=self._alloc.grown_bytes, device_full=self._full_at is not None,
                    segments=self._alloc.arena_count)
         return out
 
@@ -543,8 +576,8 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
         a new segment's file and catalog transaction (~0.2 s on the development VM during
         a burst of writes).  Not in a shared directory, whose budget other processes
         draw on too."""
-        if self._shared is not None or self._growing or self._closed:
-            return
+        if self._shared is not None or self._growing or self._closed or self._full_at:
+            return                  # (a full device: no empty segment files meanwhile)
         alloc = self._alloc
         if alloc.committed_bytes >= self._capacity or \
                 alloc.committed_bytes - alloc.used_bytes >= self.segment_bytes // 2:
@@ -567,81 +600,151 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
         return os.path.join(self.path, segment_name(segment))
 
     def _create_segment(self, segment: int, nbytes: int) -> None:
-        """Create (or, cut short, restore) a segment file with its blocks reserved.
-
-        For a new segment the catalog's slack is reserved first
-        (:meth:`Catalog.keep_slack`), with room for the records of its objects: a segment
-        never takes the room the catalog needs to commit and delete records on a full
-        device.
-        """
+        """Create (or, reopening, open) a segment file of up to ``nbytes``, admitted against
+        the budget in the catalog.  A new file is empty: :meth:`_grow_segment` reserves its
+        blocks as objects need them.  In a shared directory the catalog charges a segment
+        its grown bytes, so a process's segment that its objects fill only in part leaves
+        the rest of the budget to the others (a process joining a directory whose budget is
+        below processes x segment size finds room without evicting every other process's
+        objects); an exclusive tier charges it whole."""
         path = self._segment_path(segment)
         new = not os.path.exists(path)
-        if new and not self.catalog.keep_slack(nbytes // 32):
-            raise DiskFullError(f"the file system under {self.path} is full: no room for the "
-                                f"catalog of a new {nbytes}-byte segment within the tier's "
-                                f"{self._capacity}-byte budget; lower disk_bytes to what the "
-                                "device can hold")
-        if not self.catalog.add_segment(segment, nbytes, self._capacity if new else None):
-            raise CapacityError(f"the disk tier at {self.path} has no room for a new "
-                                f"{nbytes}-byte segment: the processes that share it have "
-                                f"committed its {self._capacity}-byte budget; evict objects "
-                                "and retry")
+        charged = 0 if self._shared is not None else nbytes
+        if not self.catalog.add_segment(segment, charged, self._capacity if new else None):
+            raise self._over_budget(nbytes)
         try:
-            self._open_segment(segment, path, nbytes)
+            self._open_segment(segment, path)
         except BaseException:
             if new:
                 self.catalog.remove_segments([segment])
             raise
 
-    def _open_segment(self, segment: int, path: str, nbytes: int) -> None:
-        fresh = True
+    def _over_budget(self, nbytes: int) -> CapacityError:
+        """The budget is committed (in a shared directory, perhaps by the others): say so,
+        once per process that holds no room of its own, since making room then evicts the
+        others' objects."""
+        msg = (f"the disk tier at {self.path} has no room for {nbytes} more bytes of "
+               f"segments: the processes that share it have committed its "
+               f"{self._capacity}-byte budget; evict objects and retry")
+        if self._shared is not None and not self._alloc.grown_bytes and not self._starved:
+            self._starved = True
+            log.warning("%s (this process holds none of it: its puts evict the other "
+                        "processes' objects in the policy's order; raise disk_bytes)", msg)
+        return CapacityError(msg)
+
+    def _open_segment(self, segment: int, path: str) -> None:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
-            try:
-                size = os.fstat(fd).st_size
-                fresh = size == 0
-                if size < nbytes:      # new, or cut short (its objects past the cut are gone)
-                    _preallocate(fd, nbytes)
-            finally:
-                os.close(fd)
+            os.close(fd)
             fsync_path(self.path)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                if fresh:
-                    try:
-                        os.unlink(path)        # nothing may stay of a refused segment
-                    except OSError:
-                        pass
-                raise DiskFullError(f"the file system under {self.path} is full: no room for a "
-                                    f"{nbytes}-byte segment ({e.strerror}) within the tier's "
-                                    f"{self._capacity}-byte budget; lower disk_bytes to what the "
-                                    "device can hold") from e
-            raise BackendIOError(f"cannot create segment {path} of {nbytes} bytes: {e.strerror}; "
-                                 "free space on the device or lower disk_bytes") from e
+                raise self._full(f"no room for a new segment file ({e.strerror})") from e
+            raise BackendIOError(f"cannot create segment {path}: {e.strerror}; free space on "
+                                 "the device or lower disk_bytes") from e
         self._files[segment] = self.engine.open(path)
+
+    def _grow_segment(self, arena: int, limit: int, need: int, size: int) -> int:
+        """The allocator's ``on_grow_arena`` (its lock held): reserve the blocks of this
+        process's segment ``arena`` up to at least ``need`` (it holds ``limit`` now, of
+        ``size``), twice its size at a time; returns its new size.  A full file system (or
+        shared budget) gets only what is needed, else :class:`DiskFullError`
+        (:class:`CapacityError`): nothing changes, and on a full file system the tier holds
+        what its grown segments hold for :data:`FULL_RECHECK_S`."""
+        segment = self._base | arena
+        least = round_up(need, ALIGN)
+        try:
+            held = os.stat(self._segment_path(segment)).st_size // ALIGN * ALIGN
+        except OSError:
+            held = 0
+        if held >= least:       # its blocks are there (reopening): charged, nothing to reserve
+            if self._shared is not None:
+                self.catalog.add_segment(segment, min(size, held), None)
+            return min(size, held)
+        new = min(size, max(least, limit + max(limit, GROW_MIN_BYTES)))
+        for size_ in dict.fromkeys((new, least)):    # the device (or a shared budget) may
+            try:                                     # have less: then the least
+                self._extend_segment(segment, limit, size_)
+            except _NoRoom as e:
+                if size_ == least:
+                    raise self._full(str(e)) from e.__cause__
+                continue
+            except CapacityError:
+                if size_ == least:
+                    raise
+                continue
+            self._full_at, self._full_logged = None, False
+            return size_
+        raise AssertionError("unreachable")
+
+    def _extend_segment(self, segment: int, old: int, new: int) -> None:
+        """Reserve blocks ``[old, new)`` of a segment file, the catalog's slack for the
+        records of their objects first (a segment never takes the room the catalog needs
+        to commit and delete records on a full device), and in a shared directory their
+        share of the budget."""
+        if not self.catalog.keep_slack((new - old) // 32):
+            raise _NoRoom(f"no room for the catalog of {new - old} more bytes of segments")
+        if self._shared is not None and not self.catalog.add_segment(segment, new, self._capacity):
+            raise self._over_budget(new - old)
+        path = self._segment_path(segment)
+        try:
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+            try:
+                _preallocate(fd, new)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            if self._shared is not None:
+                self.catalog.add_segment(segment, old, None)     # the budget goes back
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _NoRoom(f"no room to grow segment {path} to {new} bytes "
+                              f"({e.strerror})") from e
+            raise BackendIOError(f"cannot grow segment {path} to {new} bytes: {e.strerror}; "
+                                 "free space on the device or lower disk_bytes") from e
+
+    def _full(self, what: str) -> DiskFullError:
+        """The file system is full: hold what is there (:attr:`capacity_bytes`), say so once."""
+        self._full_at = time.monotonic()
+        msg = (f"the file system under {self.path} is full: {what}; the disk tier holds "
+               f"{self._alloc.grown_bytes} bytes of its {self._capacity}-byte budget and makes "
+               "room among them until the device has room again; lower disk_bytes to what "
+               "the device can hold")
+        if not self._full_logged:
+            self._full_logged = True
+            log.warning("%s", msg)
+        return DiskFullError(msg)
 
     def _remove_segment(self, segment: int) -> None:
         handle = self._files.pop(segment, None)
         if handle is not None:
             self.engine.close_file(handle)
+        path = self._segment_path(segment)
         try:
-            os.unlink(self._segment_path(segment))
+            freed = os.stat(path).st_blocks
+            os.unlink(path)
         except OSError as e:
-            log.warning("could not remove the unused segment %s: %s",
-                        self._segment_path(segment), e.strerror)
+            log.warning("could not remove the unused segment %s: %s", path, e.strerror)
             return
+        if freed:
+            self._full_at = None            # its blocks are free: growing may succeed again
         self.catalog.remove_segments([segment])
 
 
+class _NoRoom(Exception):
+    """The file system has no room for a segment's growth (:meth:`DiskTier._full` says so)."""
+
+
 _preallocate = allocate_file
-"""Reserve the blocks of a new segment (a module name: tests make the device fill up here)."""
+"""Reserve the blocks of a segment as it grows (a module name: tests make the device fill up
+here)."""
 
 
-def _validate(capacity_bytes: int, segment_bytes: int, io_threads: int, ssd_gbps: float,
-              h2d_gbps: float) -> None:
+def _validate(capacity_bytes: int, segment_bytes: int | None, io_threads: int,
+              ssd_gbps: float, h2d_gbps: float) -> None:
     if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
         raise ConfigError(f"capacity_bytes must be a non-negative int, got {capacity_bytes!r}")
-    if not isinstance(segment_bytes, int) or segment_bytes < ALIGN or segment_bytes % ALIGN:
+    if segment_bytes is not None and (not isinstance(segment_bytes, int)
+                                      or segment_bytes < ALIGN or segment_bytes % ALIGN):
         raise ConfigError(f"segment_bytes must be a positive multiple of {ALIGN}, "
                           f"got {segment_bytes!r}")
     if not isinstance(io_threads, int) or not 1 <= io_threads <= 256:
