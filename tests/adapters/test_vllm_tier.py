@@ -151,7 +151,7 @@ def test_a_failed_write_is_a_failed_key_then_a_miss(tmp_path, monkeypatch):
 def test_io_chunk_bytes_and_verify_checksums_reach_the_store(tmp_path, monkeypatch):
     """Issue 26: the tier takes the disk tier's request size and checksum switch; a load
     job of neighbouring chunks is then read in requests of that size, bit-exact."""
-    import os
+    from tests.backends.test_engines import record_preadv
 
     s = Setup(tmp_path, io_chunk_bytes=2 * CHUNK, verify_checksums=False)
     try:
@@ -161,14 +161,7 @@ def test_io_chunk_bytes_and_verify_checksums_reach_the_store(tmp_path, monkeypat
         assert res.success
         s.settle()
         assert s.lookup() == [s.v.base.LookupResult.HIT] * N
-        sizes: list[int] = []
-        real = os.preadv
-
-        def preadv(fd, buffers, offset, *flags):
-            sizes.append(sum(memoryview(b).nbytes for b in buffers))
-            return real(fd, buffers, offset, *flags)
-
-        monkeypatch.setattr(os, "preadv", preadv)
+        sizes = record_preadv(monkeypatch)
         (res,) = s.run(s.keys, range(N, 2 * N), load=True, rid="q")
         monkeypatch.undo()
         assert res.success and np.array_equal(s.primary.array[N:], s.primary.array[:N])

@@ -256,6 +256,20 @@ def test_kvikio_settings_hold_while_any_holder_is_open() -> None:
     assert defaults.sets == sets and defaults.values["num_threads"] == 1
 
 
+def record_preadv(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every ``os.preadv`` from here on (the POSIX engine's read requests),
+    until ``monkeypatch`` is undone."""
+    sizes: list[int] = []
+    real = os.preadv
+
+    def preadv(fd: int, buffers: list[memoryview], offset: int, *flags: int) -> int:
+        sizes.append(sum(memoryview(b).nbytes for b in buffers))
+        return real(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    return sizes
+
+
 @pytest.mark.parametrize(("chunk_bytes", "requests"), [
     (8 * MIB, [1536 * KIB]),                  # one request for the run
     (512 * KIB, [512 * KIB] * 3),             # equal requests of at most chunk_bytes
@@ -275,14 +289,7 @@ def test_read_many_into_requests_follow_the_run(tmp_path: Path, monkeypatch: pyt
         keys = [object_key(ObjectKind.PAGE, i.to_bytes(16, "little")) for i in range(n)]
         for f in tier.put_many(keys, list(data), nbytes=size):
             f.result()
-        sizes: list[int] = []
-        real = os.preadv
-
-        def preadv(fd, buffers, offset, *flags):  # type: ignore[no-untyped-def]
-            sizes.append(sum(memoryview(b).nbytes for b in buffers))
-            return real(fd, buffers, offset, *flags)
-
-        monkeypatch.setattr(os, "preadv", preadv)
+        sizes = record_preadv(monkeypatch)
         dst = aligned_empty(n * size)
         tier.read_many_into(keys, dst, [i * size for i in range(n)]).result()
         monkeypatch.undo()

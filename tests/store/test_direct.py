@@ -12,6 +12,7 @@ import pytest
 from hybridstore import HybridStore
 from hybridstore.errors import BackendIOError, InvalidArgumentError, UnknownTierError
 from hybridstore.objects import aligned_empty
+from tests.backends.test_engines import record_preadv
 from tests.store.test_many import PAGE, cfg, chunks
 
 
@@ -107,21 +108,6 @@ def test_bad_tiers_are_refused(tmp_path):
 MIB = 1 << 20
 
 
-def _preadv_sizes(monkeypatch) -> list[int]:
-    """Record the size of every ``os.preadv`` from here on (the POSIX engine's requests)."""
-    import os
-
-    sizes: list[int] = []
-    real = os.preadv
-
-    def preadv(fd, buffers, offset, *flags):
-        sizes.append(sum(memoryview(b).nbytes for b in buffers))
-        return real(fd, buffers, offset, *flags)
-
-    monkeypatch.setattr(os, "preadv", preadv)
-    return sizes
-
-
 @pytest.mark.parametrize(("io_chunk_bytes", "requests"), [
     (8 * MIB, [6 * MIB]),            # the run of neighbours is one request
     (2 * MIB, [2 * MIB] * 3),        # the fewest equal requests of at most io_chunk_bytes
@@ -146,7 +132,7 @@ def test_a_run_of_neighbours_is_read_in_requests_that_follow_it(tmp_path, monkey
             d.result()
         dst = aligned_empty(n * MIB).view(np.int8).reshape(n, MIB)  # page-aligned, as vLLM's
         plans = [store.match_pages(p) for p in prompts]
-        sizes = _preadv_sizes(monkeypatch)
+        sizes = record_preadv(monkeypatch)
         try:
             store.load_many(plans, [dst[i] for i in range(n)]).result()
         finally:
