@@ -30,6 +30,7 @@ ENV_CASES: dict[str, tuple[str, str, object]] = {
     "HYBRIDSTORE_DISK_ENGINE": ("posix", "disk_engine", "posix"),
     "HYBRIDSTORE_DISK_SHARED": ("1", "disk_shared", True),
     "HYBRIDSTORE_IO_THREADS": ("8", "io_threads", 8),
+    "HYBRIDSTORE_IO_CHUNK_BYTES": ("2MiB", "io_chunk_bytes", 2 << 20),
     "HYBRIDSTORE_HASH_SECRET": ("00" * 16 + "ff" * 16, "hash_secret", bytes(16) + b"\xff" * 16),
 }
 
@@ -151,6 +152,9 @@ def test_parse_bytes_rejects_what_it_cannot_read(text):
     ({"disk_segment_bytes": (1 << 20) + 1}, "disk_segment_bytes"),
     ({"io_threads": 0}, "io_threads"),
     ({"io_threads": 257}, "io_threads"),
+    ({"io_chunk_bytes": 0}, "io_chunk_bytes"),
+    ({"io_chunk_bytes": (1 << 20) + 1}, "io_chunk_bytes"),
+    ({"io_chunk_bytes": (1 << 30) + 4096}, "io_chunk_bytes"),
     ({"h2d_gbps": 0.0}, "h2d_gbps"),
     ({"ssd_gbps": -1.0}, "ssd_gbps"),
     ({"disk_path": 5}, "disk_path"),

@@ -16,6 +16,7 @@ variable                           field                      example
 ``HYBRIDSTORE_DISK_ENGINE``        ``disk_engine``            ``auto``
 ``HYBRIDSTORE_DISK_SHARED``        ``disk_shared``            ``1``
 ``HYBRIDSTORE_IO_THREADS``         ``io_threads``             ``8``
+``HYBRIDSTORE_IO_CHUNK_BYTES``     ``io_chunk_bytes``         ``8MiB``
 ``HYBRIDSTORE_HASH_SECRET``        ``hash_secret``            (64 hex digits)
 ``KVIKIO_AUTO_DIRECT_IO_READ``,    ``kvikio_keep``            (set: kvikio's own)
 ``KVIKIO_TASK_SIZE``
@@ -50,6 +51,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "block_size": (int,), "namespace": (str, bytes), "host_bytes": (int,), "disk_bytes": (int,),
     "device_bytes": (int,), "policy": (str,), "checkpoint_policy": (str,), "tier_policy": (str,),
     "disk_engine": (str,), "disk_segment_bytes": (int, type(None)), "io_threads": (int,),
+    "io_chunk_bytes": (int,),
     "pin_host_memory": (bool,), "h2d_gbps": (int, float), "ssd_gbps": (int, float),
     "verify_checksums": (bool,), "remote_bytes": (int,), "disk_shared": (bool,),
     "remote_encrypt": (bool,)}
@@ -94,7 +96,13 @@ class StoreConfig:
             time evicts (docs/design.md, "Several processes").  ``False``, the
             default: the directory is this store's alone (a second store gets
             ``DiskPathError``).
-        io_threads: threads of the disk tier's I/O pool.
+        io_threads: threads of the disk tier's I/O pool: reads and writes in flight
+            at once (each one request, or one I/O striped over as many threads).
+        io_chunk_bytes: the largest request the disk tier's POSIX engine issues (a
+            multiple of 4096): a read or write of neighbouring objects (up to 8 MiB)
+            is one request up to this size, else the fewest equal requests below it.
+            Larger requests cost less CPU per byte; the kernel splits them into the
+            device's own maximum.  The kvikio engine keeps its ``task_size``.
         pin_host_memory: page-lock the host pool through torch when a GPU is
             present.
         h2d_gbps, ssd_gbps: bandwidths used to *model* restore time (the
@@ -137,6 +145,7 @@ class StoreConfig:
     disk_segment_bytes: int | None = None
     disk_shared: bool = False
     io_threads: int = 8
+    io_chunk_bytes: int = 8 << 20     # = backends.engines.DEFAULT_CHUNK_BYTES
     pin_host_memory: bool = True
     h2d_gbps: float = 64.0
     ssd_gbps: float = 5.0
@@ -166,6 +175,9 @@ class StoreConfig:
                               f"got {self.disk_segment_bytes}")
         if not 1 <= self.io_threads <= 256:
             raise ConfigError(f"io_threads must be in [1, 256], got {self.io_threads}")
+        if not 4096 <= self.io_chunk_bytes <= (1 << 30) or self.io_chunk_bytes % 4096:
+            raise ConfigError("io_chunk_bytes must be a multiple of 4096 in [4 KiB, 1 GiB], "
+                              f"got {self.io_chunk_bytes}")
         if not (0 < self.h2d_gbps < math.inf and 0 < self.ssd_gbps < math.inf):
             raise ConfigError(f"h2d_gbps and ssd_gbps must be positive and finite, got "
                               f"{self.h2d_gbps!r} and {self.ssd_gbps!r}")

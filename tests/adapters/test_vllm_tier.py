@@ -170,3 +170,25 @@ def test_a_load_right_after_a_successful_store_job_is_served(tmp_path, monkeypat
         assert np.array_equal(s.primary.array[N:N + 4], s.primary.array[:4])
     finally:
         s.tier.shutdown()
+
+
+def test_io_chunk_bytes_and_verify_checksums_reach_the_store(tmp_path, monkeypatch):
+    """Issue 26: the tier takes the disk tier's request size and checksum switch; a load
+    job of neighbouring chunks is then read in requests of that size, bit-exact."""
+    from tests.backends.test_engines import record_preadv
+
+    s = Setup(tmp_path, io_chunk_bytes=2 * CHUNK, verify_checksums=False)
+    try:
+        disk = s.tier.store.tiers["disk"]
+        assert disk.engine.chunk_bytes == 2 * CHUNK and disk._verify is False
+        (res,) = s.run(s.keys, range(N), load=False)
+        assert res.success
+        s.settle()
+        assert s.lookup() == [s.v.base.LookupResult.HIT] * N
+        sizes = record_preadv(monkeypatch)
+        (res,) = s.run(s.keys, range(N, 2 * N), load=True, rid="q")
+        monkeypatch.undo()
+        assert res.success and np.array_equal(s.primary.array[N:], s.primary.array[:N])
+        assert sizes and max(sizes) == 2 * CHUNK and sum(sizes) == N * CHUNK
+    finally:
+        s.tier.shutdown()

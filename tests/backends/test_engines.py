@@ -15,7 +15,7 @@ import pytest
 from hybridstore.backends.disk import DiskTier
 from hybridstore.backends.engines import ALIGN, PosixEngine
 from hybridstore.errors import BackendIOError
-from hybridstore.objects import aligned_empty
+from hybridstore.objects import ObjectKind, aligned_empty, object_key
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -33,14 +33,26 @@ def _file(tmp_path: Path, nbytes: int) -> tuple[str, np.ndarray]:
 def test_piece_sizes() -> None:
     engine = PosixEngine(8, chunk_bytes=512 * KIB)
     try:
-        assert engine.piece_bytes(4 * MIB) == 256 * KIB  # two waves of 8 pieces
-        assert engine.piece_bytes(50_000_000) == 512 * KIB
+        # in place: requests follow the I/O, up to chunk_bytes, in equal parts
         assert engine.piece_bytes(100) == ALIGN  # small I/Os go whole
-        assert engine.piece_bytes(1 * MIB) == 1 * MIB
+        assert engine.piece_bytes(512 * KIB) == 512 * KIB
+        assert engine.piece_bytes(4 * MIB) == 512 * KIB
+        assert engine.piece_bytes(1536 * KIB + ALIGN) == 388 * KIB  # 4 equal requests
+        assert engine.piece_bytes(50_000_000) == 512 * KIB
+        # a stream (its checksum overlaps the pieces): two waves of 8 pieces
+        assert engine.piece_bytes(4 * MIB, stream=True) == 256 * KIB
+        assert engine.piece_bytes(1 * MIB, stream=True) == 1 * MIB
+        assert engine.piece_bytes(2 * MIB, stream=True) == 256 * KIB
         assert engine.piece_bytes(1 * MIB, in_place=False) == 256 * KIB  # bounce-sized
-        assert engine.piece_bytes(2 * MIB) == 256 * KIB
     finally:
         engine.close()
+    large = PosixEngine(8, chunk_bytes=8 * MIB)
+    try:
+        assert large.piece_bytes(6 * MIB) == 6 * MIB       # one request
+        assert large.piece_bytes(12 * MIB) == 6 * MIB      # two equal ones
+        assert large.piece_bytes(64 * MIB, in_place=False) == 1 * MIB  # bounce buffers <= 1 MiB
+    finally:
+        large.close()
     small = PosixEngine(3, chunk_bytes=2 * ALIGN)
     try:
         assert small.piece_bytes(10 * MIB) == 2 * ALIGN
@@ -242,3 +254,46 @@ def test_kvikio_settings_hold_while_any_holder_is_open() -> None:
     settings.acquire(kvikio, {"num_threads": 1})  # already so: nothing is set (no pool reset)
     settings.release(kvikio)
     assert defaults.sets == sets and defaults.values["num_threads"] == 1
+
+
+def record_preadv(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every ``os.preadv`` from here on (the POSIX engine's read requests),
+    until ``monkeypatch`` is undone."""
+    sizes: list[int] = []
+    real = os.preadv
+
+    def preadv(fd: int, buffers: list[memoryview], offset: int, *flags: int) -> int:
+        sizes.append(sum(memoryview(b).nbytes for b in buffers))
+        return real(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    return sizes
+
+
+@pytest.mark.parametrize(("chunk_bytes", "requests"), [
+    (8 * MIB, [1536 * KIB]),                  # one request for the run
+    (512 * KIB, [512 * KIB] * 3),             # equal requests of at most chunk_bytes
+    (1 * MIB, [768 * KIB] * 2),
+])
+def test_read_many_into_requests_follow_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                chunk_bytes: int, requests: list[int]) -> None:
+    """Issue 26: neighbours read with ``read_many_into`` cost requests of the run's size up
+    to the engine's ``chunk_bytes`` (the old engine cut every in-place I/O above 1 MiB into
+    256 KiB pieces, whatever ``chunk_bytes``)."""
+    n, size = 6, 256 * KIB
+    tier = DiskTier(str(tmp_path / "d"), 64 * MIB, segment_bytes=16 * MIB,
+                    engine=PosixEngine(4, chunk_bytes=chunk_bytes))
+    try:
+        assert tier.slot_bytes(size) == size          # neighbours' slots touch
+        data = np.random.default_rng(3).integers(0, 256, (n, size), dtype=np.uint8)
+        keys = [object_key(ObjectKind.PAGE, i.to_bytes(16, "little")) for i in range(n)]
+        for f in tier.put_many(keys, list(data), nbytes=size):
+            f.result()
+        sizes = record_preadv(monkeypatch)
+        dst = aligned_empty(n * size)
+        tier.read_many_into(keys, dst, [i * size for i in range(n)]).result()
+        monkeypatch.undo()
+        assert np.array_equal(dst.reshape(n, size), data)
+        assert sorted(sizes) == requests
+    finally:
+        tier.close()

@@ -74,6 +74,9 @@ def test_every_row_is_a_checked_measurement(run) -> None:
             assert r["object_bytes"] == QUICK.state_bytes
         if r["engine"] == "vllm":
             assert r["object_bytes"] >= QUICK.kv_page_bytes
+            assert r["cpu_ms_per_mib"] > 0, r      # process CPU per MiB beside GB/s (issue 26)
+            if r["backend"] == "hybridstore" and r["op"] == "submit_store":
+                assert r["cpu_ms_per_mib_incl_flush"] >= r["cpu_ms_per_mib"], r
 
 
 def test_ratios_pair_ours_with_the_builtin(run) -> None:
@@ -90,6 +93,12 @@ def test_ratios_pair_ours_with_the_builtin(run) -> None:
         for r in rs:
             assert r["ours"] == ours and r["theirs"] == theirs
             assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"] and r["ratio"] > 0
+        if engine == "vllm":     # CPU per MiB of both tiers, paired per repetition
+            for r in rs:
+                assert r["cpu_ms_per_mib_ours"] > 0 and r["cpu_ms_per_mib_theirs"] > 0, r
+                assert r["cpu_ratio_min"] <= r["cpu_ratio"] <= r["cpu_ratio_max"], r
+            assert doc["goals"]["load_cpu_max"] == max(r["cpu_ms_per_mib_ours"] for r in rs
+                                                       if r["op"] == "submit_load")
         if engine == "sglang":   # our zero-copy interface against HiCacheFile's legacy one
             assert {("batch_get_v1/batch_get", "cold"), ("batch_set_v1/batch_set", "write")} <= ops
     ours_writes = [r for r in doc["rows"] if r["backend"] == "hybridstore" and r["cache"] == "write"

@@ -11,6 +11,8 @@ import pytest
 
 from hybridstore import HybridStore
 from hybridstore.errors import BackendIOError, InvalidArgumentError, UnknownTierError
+from hybridstore.objects import aligned_empty
+from tests.backends.test_engines import record_preadv
 from tests.store.test_many import PAGE, cfg, chunks
 
 
@@ -101,3 +103,40 @@ def test_bad_tiers_are_refused(tmp_path):
             store.write_kv_many(prompts, list(rows), tier="remote")
         with pytest.raises(InvalidArgumentError):
             store.write_kv_many(prompts, list(rows[:1]))
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(("io_chunk_bytes", "requests"), [
+    (8 * MIB, [6 * MIB]),            # the run of neighbours is one request
+    (2 * MIB, [2 * MIB] * 3),        # the fewest equal requests of at most io_chunk_bytes
+    (4 * MIB, [3 * MIB] * 2),
+])
+def test_a_run_of_neighbours_is_read_in_requests_that_follow_it(tmp_path, monkeypatch,
+                                                                io_chunk_bytes, requests):
+    """Issue 26: a load of chunks written side by side (vLLM's tier: write_kv_many, then
+    load_many into rows of one array) reads them with requests that follow the run, up
+    to ``io_chunk_bytes`` each; before, every run was cut into 256 KiB preads whatever
+    the run and the setting."""
+    n = 6
+    rng = np.random.default_rng(7)
+    keys = [rng.bytes(32) for _ in range(n)]
+    rows = rng.integers(-128, 128, (n, MIB), dtype=np.int8)
+    config = cfg(tmp_path, disk_bytes=256 << 20, disk_segment_bytes=64 << 20,
+                 io_chunk_bytes=io_chunk_bytes)
+    with HybridStore(config) as store:
+        prompts = [store.engine_prefix([k], prefix=()) for k in keys]
+        put = store.write_kv_many(prompts, list(rows))
+        for d in put.durable:
+            d.result()
+        dst = aligned_empty(n * MIB).view(np.int8).reshape(n, MIB)  # page-aligned, as vLLM's
+        plans = [store.match_pages(p) for p in prompts]
+        sizes = record_preadv(monkeypatch)
+        try:
+            store.load_many(plans, [dst[i] for i in range(n)]).result()
+        finally:
+            for plan in plans:
+                store.release(plan)
+        assert np.array_equal(dst, rows)
+        assert sorted(sizes) == requests

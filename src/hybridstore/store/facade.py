@@ -94,12 +94,15 @@ def _pack_one(layout: Layout, page: Any, _i: int, slot: np.ndarray) -> None:
 
 
 class _PagesOnly:
-    """What :meth:`Loader.run` reads of a plan, for the pages of several (``load_many``)."""
+    """What :meth:`Loader.prepare` and :meth:`Loader.run` read of a plan, for the pages of
+    several (``load_many``: prepared as one plan, one pass over the index for all)."""
 
-    __slots__ = ("pages", "state_key")
+    __slots__ = ("page_blob", "pages", "state_key")
 
-    def __init__(self, pages: np.ndarray) -> None:
-        self.pages = pages
+    def __init__(self, plans: Sequence[ResumePlan]) -> None:
+        self.page_blob = b"".join(plan.page_blob for plan in plans)
+        self.pages = (np.concatenate([plan.pages for plan in plans]) if len(plans) > 1
+                      else plans[0].pages if plans else np.zeros(0, np.int64))
         self.state_key = None
 
 
@@ -204,6 +207,7 @@ class HybridStore:
 
             try:
                 engine = select_engine(cfg.disk_engine, cfg.io_threads,
+                                       chunk_bytes=cfg.io_chunk_bytes,
                                        kvikio_keep=cfg.kvikio_keep)
                 tiers["disk"] = DiskTier(cfg.disk_path, cfg.disk_bytes, engine=engine,
                                          segment_bytes=cfg.disk_segment_bytes,
@@ -834,23 +838,18 @@ class HybridStore:
             raise LayoutMismatchError(f"into has {len(bufs)} page buffers; the plans restore {n}")
         with self._lock:
             self._check_open()
-            jobs: list[Any] = []
-            sources: list[str | None] = []
+            for plan in plans:
+                if not self.index.is_live(plan):
+                    raise PlanReleasedError(f"plan {plan.plan_id} was released; match again "
+                                            "before load")
+            merged = cast(ResumePlan, _PagesOnly(plans))
+            jobs, sources = self._loader.prepare(merged, (), 0)
             try:
-                for plan in plans:
-                    if not self.index.is_live(plan):
-                        raise PlanReleasedError(f"plan {plan.plan_id} was released; match again "
-                                                "before load")
-                    j, src = self._loader.prepare(plan, (), 0)
-                    jobs += j
-                    sources += src
                 layout = self._layouts.get(ObjectKind.PAGE)
                 if n and layout is None:
                     raise LayoutMismatchError("the store holds no page layout yet")
                 targets = [layout.targets(buf) for buf in bufs] if layout is not None else []
-                merged = _PagesOnly(np.concatenate([p.pages for p in plans]) if plans
-                                    else np.zeros(0, np.int64))
-                fut = self._io.submit(self._loader.run, cast(ResumePlan, merged), jobs, sources, (bufs, None),
+                fut = self._io.submit(self._loader.run, merged, jobs, sources, (bufs, None),
                                       targets)
             except BaseException:
                 self._loader.release_sources(jobs, sources)

@@ -216,12 +216,20 @@ class Loader:
             # with one I/O per run of neighbours (the disk tier's read_many_into).
             spacing: dict[tuple[ObjectKind, str], int] = {}   # depends on (kind, tier) only
 
+            slots: dict[tuple[ObjectKind, str], int] = {}
+
+            def slotted(kind: ObjectKind, src: str) -> int:
+                size = slots.get((kind, src))
+                if size is None:
+                    size = slots[(kind, src)] = tiers[src].slot_bytes(self.layouts[kind].nbytes)
+                return size
+
             def spaced(kind: ObjectKind, src: str) -> int:
                 size = spacing.get((kind, src))
                 if size is None:
                     nbytes = self.layouts[kind].nbytes
                     size = spacing[(kind, src)] = max(-(-nbytes // ALIGN) * ALIGN,
-                                                      tiers[src].slot_bytes(nbytes))
+                                                      slotted(kind, src))
                 return size
 
             sizes = [spaced(kind, src) if mine and src is not None else 0
@@ -257,7 +265,7 @@ class Loader:
                     root, place = direct[i]
                     # objects whose slot spans more than them are read one by one: a read of
                     # neighbours would land the slot padding between their destinations
-                    alone = tiers[src].slot_bytes(layout.nbytes) != layout.nbytes
+                    alone = slotted(kind, src) != layout.nbytes
                     group = reads_direct.setdefault((src, id(root), i if alone else -1),
                                                     (root, [], []))
                     group[1].append(i)

@@ -62,7 +62,8 @@ from hybridstore.errors import ConfigError, HybridStoreError
 
 log = logging.getLogger(__name__)
 
-_STORE_KEYS = ("disk_bytes", "host_bytes", "policy", "tier_policy", "disk_engine", "io_threads")
+_STORE_KEYS = ("disk_bytes", "host_bytes", "policy", "tier_policy", "disk_engine", "io_threads",
+               "io_chunk_bytes", "verify_checksums")
 _DIRECT_HOST_BYTES = 64 << 20
 """The store's DRAM tier when stores go straight to the SSD and ``host_bytes`` is not
 given: loads read into vLLM's primary rows in place, so it holds next to nothing."""
@@ -78,7 +79,8 @@ class HybridStoreTier(SecondaryTierManager):
         backpressure_detector: vLLM's, passed through.
         disk_path: the store's SSD directory (required).
         **store_settings: ``disk_bytes``, ``host_bytes``, ``policy``,
-            ``tier_policy``, ``disk_engine``, ``io_threads``, ``namespace``,
+            ``tier_policy``, ``disk_engine``, ``io_threads``, ``io_chunk_bytes``,
+            ``verify_checksums`` (:class:`~hybridstore.StoreConfig`), ``namespace``,
             ``threads`` (jobs run in parallel, 4), ``direct_store`` (stores
             written from the primary rows straight to the SSD; default true),
             and vLLM's generic tier keys ``locality`` (``"LOCAL"``/``"REMOTE"``)

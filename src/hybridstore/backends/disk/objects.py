@@ -13,6 +13,7 @@ import itertools
 import os
 import queue
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -170,6 +171,8 @@ class _TierState:
         def _leave_read(self, view: int) -> None: ...
 
         def _unpin(self, extent: Extent) -> None: ...
+
+        def _unpin_many(self, extents: Iterable[Extent]) -> None: ...
 
         def _segment_path(self, segment: int) -> str: ...
 

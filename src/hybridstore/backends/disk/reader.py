@@ -208,8 +208,7 @@ class _ReadPath(_TierState):
         except BaseException as e:  # noqa: BLE001 - reported through the group's future
             error = error or e
         finally:
-            for _, obj in items:
-                self._unpin(obj.extent)
+            self._unpin_many([obj.extent for _, obj in items])
             group.done(got_bytes, error)
 
     def get(self, key: ObjectKey) -> np.ndarray:

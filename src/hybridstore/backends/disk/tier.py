@@ -558,15 +558,21 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
         return handle
 
     def _unpin(self, extent: Extent) -> None:
+        self._unpin_many((extent,))
+
+    def _unpin_many(self, extents: Iterable[Extent]) -> None:
+        """Drop one read pin of each extent (one lock hold); an extent freed while it was
+        read is given back to the allocator when its last pin goes."""
         with self._lock:
-            left = self._pins[extent] - 1
-            if left:
-                self._pins[extent] = left
-                return
-            del self._pins[extent]
-            if extent in self._deferred:
-                self._deferred.discard(extent)
-                self._alloc.free(self._local(extent))
+            for extent in extents:
+                left = self._pins[extent] - 1
+                if left:
+                    self._pins[extent] = left
+                    continue
+                del self._pins[extent]
+                if extent in self._deferred:
+                    self._deferred.discard(extent)
+                    self._alloc.free(self._local(extent))
 
     # -- segments (allocator callbacks, under the allocator's lock) -----------------
     def _maybe_grow_ahead(self) -> None:

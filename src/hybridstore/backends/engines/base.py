@@ -20,15 +20,19 @@ import numpy as np
 from hybridstore.errors import BackendIOError
 from hybridstore.objects import ALIGN, byte_view
 
-DEFAULT_CHUNK_BYTES = 512 << 10
-"""Largest piece a large I/O is split into (the request size the device sees).
+DEFAULT_CHUNK_BYTES = 8 << 20
+"""Largest request of the POSIX engine (``StoreConfig.io_chunk_bytes``): an in-place I/O
+up to this size, e.g. a run of neighbouring objects the disk tier reads at once (up to
+:data:`~hybridstore.backends.disk.COALESCE_BYTES`, 8 MiB), is one system call.
 
-Measured with ``python -m benchmarks ssd`` (docs/bench/ssd.md): the virtio SSD of
-the development VM reads fastest with 2-4 MiB in flight in 256-512 KiB
-requests and slowest with 4-8 MiB requests (what the former 8 MiB split made
-of every large object); NVMe drives saturate with 128 KiB-1 MiB requests at
-a queue depth of 8 or more.  With the default 8 I/O threads, 512 KiB pieces
-keep 4 MiB in flight."""
+Each request costs CPU (a system call, a wake-up when it changes threads, page pinning)
+whatever its size, so the CPU per byte falls as requests grow: on the 2-core VM of
+docs/bench/engines.md one thread's ``O_DIRECT`` reads cost 0.17 ms of CPU per MiB in
+512 KiB requests and 0.06 in 4-8 MiB ones, at the same GB/s.  The kernel cuts a large
+``O_DIRECT`` request into the device's largest (``max_sectors_kb``) and submits the parts
+together, so the device still sees a queue.  (Until issue 26 this was 512 KiB, chosen
+by GB/s alone on an earlier VM, docs/bench/ssd.md, and every run was cut into 256-512 KiB
+pieces on a thread pool.)"""
 
 
 def round_up(n: int, align: int = ALIGN) -> int:

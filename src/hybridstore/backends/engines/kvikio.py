@@ -17,7 +17,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from hybridstore.backends.engines.base import (
-    DEFAULT_CHUNK_BYTES,
     Engine,
     FuturePieces,
     PieceStream,
@@ -42,7 +41,7 @@ class KvikioEngine(Engine):
     compat-mode reads use ``O_DIRECT`` where the buffer allows
     (``auto_direct_io_read``; kvikio's default reads through the page cache,
     which ``python -m benchmarks ssd`` measured at 0.4-0.6x the device, and
-    1.0-1.4x with it), and I/Os are split into :data:`DEFAULT_CHUNK_BYTES`
+    1.0-1.4x with it), and I/Os are split into :data:`KVIKIO_TASK_BYTES`
     tasks (``task_size``, 4 MiB by default) for the same reason as the POSIX
     engine's pieces.  All of them hold while any kvikio engine is open;
     :meth:`close` of the last one restores the values kvikio had before
@@ -194,7 +193,11 @@ class _KvikioWait:
         return int(value)
 
 
-KVIKIO_TUNING: Mapping[str, Any] = {"auto_direct_io_read": True, "task_size": DEFAULT_CHUNK_BYTES}
+KVIKIO_TASK_BYTES = 512 << 10
+"""kvikio's ``task_size`` here (the size the SSD benchmark of docs/bench/ssd.md chose for
+compat reads; the POSIX engine's requests follow ``StoreConfig.io_chunk_bytes`` instead)."""
+
+KVIKIO_TUNING: Mapping[str, Any] = {"auto_direct_io_read": True, "task_size": KVIKIO_TASK_BYTES}
 """kvikio settings of :class:`KvikioEngine` besides ``num_threads``: O_DIRECT compat reads,
 smaller tasks."""
 

@@ -27,13 +27,17 @@ from hybridstore.objects import byte_view
 log = logging.getLogger("hybridstore.backends.engines")
 
 MIN_PIECE_BYTES = 256 << 10
-"""Smallest piece of a split I/O (see :meth:`PosixEngine.piece_bytes`)."""
+"""Smallest piece of a streamed or bounced I/O (see :meth:`PosixEngine.piece_bytes`)."""
 
 WHOLE_IO_BYTES = 1 << 20
-"""I/Os up to this size on an aligned buffer are issued whole, on the calling thread.
+"""Streamed I/Os up to this size on an aligned buffer are issued whole, on the calling
+thread (a stream's pieces exist for its checksum to overlap them; below this there is
+nothing worth overlapping)."""
 
-On the 2-core development VM, handing 1 MiB to four threads cost more
-(wake-ups, the GIL) than the queue depth gained; larger I/Os are split."""
+BOUNCE_BYTES = 1 << 20
+"""Largest piece of a bounced I/O (an unaligned buffer under ``O_DIRECT``): the bounce
+buffers' size is ``min(chunk_bytes, BOUNCE_BYTES)``, so a large ``chunk_bytes`` does not
+keep large idle buffers."""
 
 
 @dataclass(slots=True)
@@ -49,15 +53,6 @@ class PosixFile:
     fd: int
     direct: bool
     path: str
-
-
-WRITE_PIECE_BYTES = 2 << 20
-"""Pieces of a large in-place write are at least this long (or the whole write).
-
-A write's checksum is taken before it starts, so nothing overlaps with its pieces
-and more of them only cut the requests the device sees: on the 2-core VM's virtio
-disk O_DIRECT writes of 256 KiB pieces (8 threads) ran at 0.76-0.86 GB/s, of
-1.5-6 MiB pieces at 1.06-1.44 GB/s (the raw-write probe of docs/bench/engines.md)."""
 
 
 class AlignedBufferPool:
@@ -179,21 +174,29 @@ class _Striped(PieceStream):
 class PosixEngine(Engine):
     """``O_DIRECT`` reads and writes on a thread pool.
 
-    An I/O is split into pieces of up to ``chunk_bytes`` (:meth:`piece_bytes`)
-    that up to ``io_threads`` pool threads pull from a shared cursor (the
-    blocking :meth:`read`/:meth:`write` put the calling thread to work too, so
-    a one-piece I/O never changes threads).  The queue depth the device sees
-    is the number of threads at work, each with one piece in flight.  With
-    ``O_DIRECT``,
-    a buffer whose address is 4 KiB aligned is read/written in place (only a
-    partial last 4 KiB block bounces); an unaligned buffer bounces piece by
-    piece through aligned buffers.  File systems that refuse ``O_DIRECT``
-    (tmpfs) get buffered I/O, with a logged warning.
+    An in-place I/O (an aligned buffer, or buffered I/O) is issued as requests
+    that follow it: one request for the whole I/O up to ``chunk_bytes``, else
+    the fewest equal requests of at most ``chunk_bytes``
+    (:meth:`request_bytes`).  A one-request I/O runs on the calling thread of
+    :meth:`read`/:meth:`write` (no hand-off); the requests of a larger one are
+    pulled from a shared cursor by up to ``io_threads`` threads, the caller
+    included, each with one request in flight (the queue depth).  A read
+    streamed for its checksum (:meth:`pread_stream`) and an unaligned buffer
+    under ``O_DIRECT`` (bounced through aligned buffers) are cut smaller
+    (:meth:`piece_bytes`).  File systems that refuse ``O_DIRECT`` (tmpfs) get
+    buffered I/O, with a logged warning.
+
+    Each request costs a system call, a wake-up when it changes threads, and
+    page pinning in the kernel; the kernel splits a large ``O_DIRECT`` request
+    into the device's own maximum and submits the parts at once, so a large
+    request still keeps the device busy.  On the 2-core VM of docs/bench/engines.md
+    one thread's ``O_DIRECT`` reads cost 0.17 ms of CPU per MiB in 512 KiB
+    requests, 0.11 in 1.5 MiB and 0.06 in 4-8 MiB ones, at the same or better
+    GB/s.
 
     Args:
-        io_threads: worker threads (the I/O queue depth).
-        chunk_bytes: largest piece of an I/O (a multiple of 4 KiB): the request
-            size the device sees for large I/Os.
+        io_threads: threads that run the requests of one I/O (its queue depth).
+        chunk_bytes: largest request (a multiple of 4 KiB).
         direct: try ``O_DIRECT`` (``False`` forces buffered I/O).
     """
 
@@ -211,7 +214,8 @@ class PosixEngine(Engine):
         self.stream_piece_bytes = max(chunk_bytes, WHOLE_IO_BYTES)  # no split up to here
         self._try_direct = direct and hasattr(os, "O_DIRECT")
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hs-posix-io")
-        self._chunks = AlignedBufferPool(chunk_bytes, keep=2 * io_threads)
+        self._bounce = min(chunk_bytes, BOUNCE_BYTES)
+        self._chunks = AlignedBufferPool(self._bounce, keep=2 * io_threads)
         self._tails = AlignedBufferPool(ALIGN, keep=4 * io_threads)
         self._warned_buffered: set[str] = set()
 
@@ -252,47 +256,73 @@ class PosixEngine(Engine):
         return self._start(file, buf, nbytes, offset, write=True, caller_works=False).future
 
     def read(self, file: PosixFile, buf: np.ndarray, nbytes: int, offset: int) -> int:
-        op = self._start(file, buf, nbytes, offset, write=False, caller_works=True)
-        op.work()
-        return op.result()
+        return self._blocking(file, buf, nbytes, offset, write=False)
 
     def write(self, file: PosixFile, buf: np.ndarray, nbytes: int, offset: int) -> int:
-        op = self._start(file, buf, nbytes, offset, write=True, caller_works=True)
+        return self._blocking(file, buf, nbytes, offset, write=True)
+
+    def _blocking(self, file: PosixFile, buf: np.ndarray, nbytes: int, offset: int, *,
+                  write: bool) -> int:
+        """A blocking I/O: one request runs on the calling thread with nothing to hand off
+        or wake (no piece cursor, no future); more are striped over the pool with the
+        caller at work too."""
+        view = byte_view(buf, nbytes)
+        if (nbytes <= self.chunk_bytes and (not file.direct or buffer_address(view) % ALIGN == 0)
+                and not (file.direct and offset % ALIGN)):
+            (self._write_in_place if write else self._read_in_place)(file, view, offset)
+            return nbytes
+        op = self._start(file, view, nbytes, offset, write=write, caller_works=True)
         op.work()
         return op.result()
 
-    def piece_bytes(self, nbytes: int, *, in_place: bool = True) -> int:
-        """Piece size of an I/O of ``nbytes``: ``chunk_bytes``, smaller for smaller I/Os.
+    def request_bytes(self, nbytes: int) -> int:
+        """Request size of an in-place I/O of ``nbytes``: the whole I/O up to
+        ``chunk_bytes``, else the fewest equal requests of at most ``chunk_bytes``
+        (4 KiB multiples; the last may be shorter)."""
+        whole = max(round_up(nbytes), ALIGN)
+        if whole <= self.chunk_bytes:
+            return whole
+        count = -(-nbytes // self.chunk_bytes)
+        return round_up(-(-nbytes // count))
 
-        An in-place I/O of up to :data:`WHOLE_IO_BYTES` is one piece.  Otherwise
-        an I/O gets at least two waves of ``io_threads`` pieces when that keeps
-        pieces of :data:`MIN_PIECE_BYTES` or more (a power of two): a checksum
-        that follows a read (:meth:`pread_stream`) then hashes the first wave
-        while the second is in flight, instead of hashing all of it at the end.
-        Bounced pieces never exceed ``chunk_bytes`` (the bounce buffers' size).
+    def piece_bytes(self, nbytes: int, *, in_place: bool = True, stream: bool = False) -> int:
+        """Piece size of an I/O of ``nbytes``: each piece is one request.
+
+        An in-place I/O that is not streamed: :meth:`request_bytes`.  A stream
+        (:meth:`pread_stream`: a checksum follows the landed prefix) or a bounced
+        I/O: whole up to :data:`WHOLE_IO_BYTES` when in place, else at least two
+        waves of ``io_threads`` pieces when that keeps pieces of
+        :data:`MIN_PIECE_BYTES` or more (a power of two), so the checksum hashes
+        the first wave while the second is in flight; never above ``chunk_bytes``
+        (nor, bounced, the bounce buffers' :data:`BOUNCE_BYTES`).
         """
+        if in_place and not stream:
+            return self.request_bytes(nbytes)
         if in_place and nbytes <= WHOLE_IO_BYTES:
             return max(round_up(nbytes), ALIGN)
+        top = self.chunk_bytes if in_place else self._bounce
         want = nbytes // (2 * self.io_threads)
-        if want >= self.chunk_bytes:
-            return self.chunk_bytes
+        if want >= top:
+            return top
         piece = MIN_PIECE_BYTES
         while piece * 2 <= want:
             piece *= 2
-        return min(piece, self.chunk_bytes)
+        return min(piece, top)
 
     def pread_stream(self, file: PosixFile, buf: np.ndarray, nbytes: int, offset: int,
                      piece_bytes: int | None = None) -> PieceStream:
         """A read whose pieces can be awaited in order (see :class:`PieceStream`).
 
-        The pieces are the engine's own I/O requests (:meth:`piece_bytes`);
-        ``piece_bytes`` is accepted for the interface and ignored.
+        The pieces are the engine's own I/O requests (:meth:`piece_bytes` of a
+        stream); ``piece_bytes`` is accepted for the interface and ignored.
         """
-        return self._start(file, buf, nbytes, offset, write=False, caller_works=False)
+        return self._start(file, buf, nbytes, offset, write=False, caller_works=False,
+                           stream=True)
 
     def _start(self, file: PosixFile, buf: np.ndarray, nbytes: int, offset: int, *,
-               write: bool, caller_works: bool) -> _Striped:
-        """Plan the pieces of an I/O and put pool threads to work on them."""
+               write: bool, caller_works: bool, stream: bool = False) -> _Striped:
+        """Plan the requests of an I/O and put pool threads to work on them: up to
+        ``io_threads`` threads in all, the caller included when it works."""
         view = byte_view(buf, nbytes)
         if file.direct and offset % ALIGN:
             raise ValueError(f"O_DIRECT offsets must be multiples of {ALIGN}, got {offset}")
@@ -301,11 +331,9 @@ class PosixEngine(Engine):
             task: Callable[..., None] = self._write_in_place if write else self._read_in_place
         else:
             task = self._write_bounced if write else self._read_bounced
-        piece = self.piece_bytes(nbytes, in_place=in_place)
-        if write and in_place:
-            piece = max(piece, min(max(round_up(nbytes), ALIGN), WRITE_PIECE_BYTES))
-        op = _Striped(task, file, view, offset, piece)
-        for _ in range(min(op.count - caller_works, self.io_threads)):
+        op = _Striped(task, file, view, offset,
+                      self.piece_bytes(nbytes, in_place=in_place, stream=stream))
+        for _ in range(min(op.count, self.io_threads) - caller_works):
             self._pool.submit(op.work)
         return op
 

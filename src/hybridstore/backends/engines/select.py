@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 
-from hybridstore.backends.engines.base import Engine
+from hybridstore.backends.engines.base import DEFAULT_CHUNK_BYTES, Engine
 from hybridstore.backends.engines.kvikio import (
     KvikioEngine,
     cuda_driver_usable,
@@ -17,7 +17,7 @@ from hybridstore.errors import ConfigError
 log = logging.getLogger("hybridstore.backends.engines")
 
 
-def select_engine(kind: str, io_threads: int = 8, *,
+def select_engine(kind: str, io_threads: int = 8, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                   kvikio_keep: Collection[str] | None = None) -> Engine:
     """The engine for a ``disk_engine`` setting.
 
@@ -25,6 +25,7 @@ def select_engine(kind: str, io_threads: int = 8, *,
         kind: ``"posix"``, ``"kvikio"`` or ``"auto"`` (kvikio when a CUDA driver
             with a device is usable and kvikio imports; POSIX otherwise).
         io_threads: the engine's thread pool size.
+        chunk_bytes: the POSIX engine's largest request (``StoreConfig.io_chunk_bytes``).
         kvikio_keep: kvikio settings the kvikio engine leaves as they are
             (:class:`KvikioEngine`'s ``keep``).
 
@@ -32,7 +33,7 @@ def select_engine(kind: str, io_threads: int = 8, *,
         ConfigError: unknown ``kind``, or ``"kvikio"`` where kvikio cannot run.
     """
     if kind == "posix":
-        return PosixEngine(io_threads)
+        return PosixEngine(io_threads, chunk_bytes=chunk_bytes)
     if kind == "kvikio":
         return KvikioEngine(io_threads, keep=kvikio_keep)
     if kind != "auto":
@@ -45,4 +46,4 @@ def select_engine(kind: str, io_threads: int = 8, *,
     else:
         log.info("disk_engine='auto': no usable CUDA driver/device or no kvikio; "
                  "using the POSIX O_DIRECT engine")
-    return PosixEngine(io_threads)
+    return PosixEngine(io_threads, chunk_bytes=chunk_bytes)

@@ -9,7 +9,8 @@ is submitted at once into the other half of the primary view: warm right
 after the store, cold after ``posix_fadvise(DONTNEED)`` of every file of both
 tiers, and in the last repetition after a restart (tier shut down, a new one
 built over the same directory).  Throughput is bytes over the wall time of
-all jobs of the repetition; latency is per job, from ``submit_*`` to its
+all jobs of the repetition, CPU per MiB the process's CPU time (every thread)
+over that wall time per MiB moved; latency is per job, from ``submit_*`` to its
 ``JobResult`` in ``get_finished_jobs()``.
 """
 
@@ -107,9 +108,12 @@ class VllmJobRun:
         for name in order:
             step(f"vllm {self.g.label} j{self.job_chunks} rep {rep}: {name} store + warm load")
             self._run(name, keys, rep, "store", "write", r)
+            cpu0 = time.process_time()
             dt = flush_store(self.tiers[name].tier)
             if dt is not None and r is not None:
-                self.series[(name, "submit_store", "write")].flush[r] = dt
+                ser = self.series[(name, "submit_store", "write")]
+                ser.flush[r] = dt
+                ser.flush_cpu[r] = time.process_time() - cpu0
             self._run(name, keys, rep, "load", "warm", r)
         step(f"vllm {self.g.label} j{self.job_chunks} rep {rep}: drop page cache, cold loads")
         drops = {n: {**drop_dir(self.dirs[n]), "host_tier": empty_host_tier(self.tiers[n].tier)}
@@ -151,7 +155,7 @@ class VllmJobRun:
             if hit != self.n:
                 self.issues.append(f"vllm {self.g.label} {name} {cache}: lookups hit {hit} of "
                                    f"{self.n} stored chunks")
-        wall, lat, ok = tier.run_jobs(jobs, load=load)
+        wall, lat, ok, cpu = tier.run_jobs(jobs, load=load)
         for _, _, ctx in jobs:
             tier.tier.on_request_finished(ctx)
         if timed_rep is None:
@@ -162,6 +166,7 @@ class VllmJobRun:
         share = wall / len(lat)
         for dt, (ks, _, _) in zip(lat, jobs):
             ser.add(timed_rep, share, len(ks) * self.chunk_bytes, len(ks), latency=dt)
+        ser.add_cpu(timed_rep, cpu)
         ser.checks.append(all(ok))
         if load:
             exact = bool(np.array_equal(self.primary.array[self.n:], self.primary.array[:self.n]))

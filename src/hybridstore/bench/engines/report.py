@@ -6,11 +6,14 @@ from typing import Any
 
 from hybridstore.bench.common import fmt_bytes, median
 
-__all__ = ["GOAL_LARGE_BYTES", "GOAL_READ_SHARE", "GOAL_SPEEDUP", "goals", "plot", "print_report"]
+__all__ = ["GOAL_LARGE_BYTES", "GOAL_LOAD_CPU_MS_PER_MIB", "GOAL_LOAD_RATIO", "GOAL_READ_SHARE",
+           "GOAL_SPEEDUP", "goals", "plot", "print_report"]
 
 GOAL_SPEEDUP = 3.0          # issue 12: >= 3x the built-in file backends' page throughput
 GOAL_LARGE_BYTES = 4 << 20  # issue 12: batch loads of >= 4 MiB ...
 GOAL_READ_SHARE = 0.9       # ... at >= 90% of the SSD's read limit
+GOAL_LOAD_CPU_MS_PER_MIB = 0.15  # issue 26: vLLM tier loads at <= 0.15 ms of CPU per MiB ...
+GOAL_LOAD_RATIO = 1.0            # ... and >= 1.0x vLLM's fs tier's GB/s
 
 
 def large_batches(rows: list[dict[str, Any]], read_gbps: float | None,
@@ -39,7 +42,8 @@ def large_batches(rows: list[dict[str, Any]], read_gbps: float | None,
 
 
 def goals(ratios: list[dict[str, Any]], large: list[dict[str, Any]], ours: str) -> dict[str, Any]:
-    """Issue 12's two goals against what was measured (page throughput ops only)."""
+    """Issue 12's two goals (page throughput ops only) and issue 26's load CPU goal against
+    what was measured."""
     page_ops = [r for r in ratios if r["op"] in ("batch_set", "batch_get", "submit_store",
                                                  "submit_load", "batch_set_v1/batch_set",
                                                  "batch_get_v1/batch_get")]
@@ -63,7 +67,26 @@ def goals(ratios: list[dict[str, Any]], large: list[dict[str, Any]], ours: str) 
         worst_large["share_of_ssd"] >= GOAL_READ_SHARE,
         "large_batch_min_share_of_device_now": min(ours_now) if ours_now else None,
         "large_batch_max_share_of_device_now": max(ours_now) if ours_now else None,
+        **load_cpu_goal(ratios),
     }
+
+
+def load_cpu_goal(ratios: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 26: the vLLM tier's loads at <= :data:`GOAL_LOAD_CPU_MS_PER_MIB` ms of CPU per
+    MiB and >= :data:`GOAL_LOAD_RATIO` x ``fs``'s GB/s, over every load row (worst row)."""
+    loads = [r for r in ratios if r["engine"] == "vllm" and r["op"] == "submit_load"
+             and "cpu_ms_per_mib_ours" in r]
+    if not loads:
+        return {"load_cpu_goal_ms_per_mib": GOAL_LOAD_CPU_MS_PER_MIB, "load_cpu_max": None,
+                "load_cpu_met": None, "load_ratio_min": None, "load_ratio_met": None}
+    cpu = max(r["cpu_ms_per_mib_ours"] for r in loads)
+    ratio = min(r["ratio"] for r in loads)
+    return {"load_cpu_goal_ms_per_mib": GOAL_LOAD_CPU_MS_PER_MIB, "load_cpu_max": cpu,
+            "load_cpu_theirs_max": max(r["cpu_ms_per_mib_theirs"] for r in loads),
+            "load_cpu_ratio_max": max(r["cpu_ratio"] for r in loads),
+            "load_cpu_met": cpu <= GOAL_LOAD_CPU_MS_PER_MIB,
+            "load_ratio_goal": GOAL_LOAD_RATIO, "load_ratio_min": ratio,
+            "load_ratio_met": ratio >= GOAL_LOAD_RATIO}
 
 
 def print_report(doc: dict[str, Any], console: Any) -> None:
@@ -72,22 +95,25 @@ def print_report(doc: dict[str, Any], console: Any) -> None:
     t = Table(title="hybridstore bench engines: page/state throughput through each engine's "
                     "storage interface (median of reps)")
     for col in ("engine", "backend", "op", "cache", "geom", "object", "batch", "pages/s", "GB/s",
-                "+flush", "p50 ms", "p99 ms", "exact"):
+                "+flush", "CPU ms/MiB", "p50 ms", "p99 ms", "exact"):
         t.add_column(col, justify="left" if col in ("engine", "backend", "op", "cache") else "right")
     for r in doc["rows"]:
         t.add_row(r["engine"], r["backend"], r["op"], r["cache"], r["geometry"],
                   fmt_bytes(r["object_bytes"]), str(r["batch_objects"]),
                   f"{r['objects_per_s']:.0f}", f"{r['gbps']:.3f}",
                   f"{r['gbps_incl_flush']:.3f}" if "gbps_incl_flush" in r else "",
-                  f"{r['p50_ms']:.2f}",
+                  _cpu_cell(r), f"{r['p50_ms']:.2f}",
                   f"{r['p99_ms']:.2f}", str(r["bit_exact"]))
     console.print(t)
     q = Table(title="ours / built-in, same repetition (median)")
-    for col in ("engine", "op", "cache", "geom", "run", "batch", "ratio", "min", "max"):
+    for col in ("engine", "op", "cache", "geom", "run", "batch", "ratio", "min", "max",
+                "CPU/MiB ours", "theirs", "CPU ratio"):
         q.add_column(col, justify="left" if col in ("engine", "op", "cache") else "right")
     for r in doc["ratios"]:
+        cpu = ([f"{r['cpu_ms_per_mib_ours']:.3f}", f"{r['cpu_ms_per_mib_theirs']:.3f}",
+                f"{r['cpu_ratio']:.2f}x"] if "cpu_ratio" in r else ["", "", ""])
         q.add_row(r["engine"], r["op"], r["cache"], r["geometry"], r.get("run", ""), str(r["batch_objects"]),
-                  f"{r['ratio']:.2f}x", f"{r['ratio_min']:.2f}", f"{r['ratio_max']:.2f}")
+                  f"{r['ratio']:.2f}x", f"{r['ratio_min']:.2f}", f"{r['ratio_max']:.2f}", *cpu)
     console.print(q)
     d = doc["device_limit"]
     console.print(f"SSD read limit {d.get('read_gbps') or float('nan'):.2f} GB/s "
@@ -112,19 +138,34 @@ def print_report(doc: dict[str, Any], console: Any) -> None:
                   f"{g['speedup_met_rows']}/{g['speedup_rows']} rows; goal >= "
                   f"{g['large_batch_goal']:.0%} of the SSD for >= 4 MiB loads: min "
                   f"{g['large_batch_min_share']}")
+    if g.get("load_cpu_max") is not None:
+        console.print(f"goal vLLM loads <= {g['load_cpu_goal_ms_per_mib']} ms CPU/MiB and >= "
+                      f"{g['load_ratio_goal']}x fs: worst {g['load_cpu_max']:.3f} ms/MiB "
+                      f"(fs {g['load_cpu_theirs_max']:.3f}), min {g['load_ratio_min']:.2f}x; met "
+                      f"{g['load_cpu_met']} / {g['load_ratio_met']}")
     for issue in doc["issues"]:
         console.print(f"[yellow]issue:[/yellow] {issue}")
 
 
+def _cpu_cell(r: dict[str, Any]) -> str:
+    """CPU ms/MiB of a row (until durable in brackets, where measured)."""
+    if "cpu_ms_per_mib" not in r:
+        return ""
+    flush = r.get("cpu_ms_per_mib_incl_flush")
+    return f"{r['cpu_ms_per_mib']:.3f}" + (f" ({flush:.3f})" if flush is not None else "")
+
+
 def plot(doc: dict[str, Any], path: str) -> None:
-    """Up to three panels, those the run has data for (``--only`` runs some sections):
-    GB/s per backend and op, large loads vs the SSD, hit rate vs budget."""
+    """Up to four panels, those the run has data for (``--only`` runs some sections):
+    GB/s per backend and op, CPU per MiB, large loads vs the SSD, hit rate vs budget."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = [draw for draw, data in ((_throughput_panel, doc["rows"]),
+                                      (_cpu_panel, [r for r in doc["rows"]
+                                                    if "cpu_ms_per_mib" in r]),
                                       (_large_panel, doc["large_batches"]),
                                       (_policy_panel, doc["policy"]["runs"])) if data]
     if not panels:
@@ -141,23 +182,36 @@ _COLOURS = {"HiCacheFile": "C0", "fs": "C1"}
 
 
 def _throughput_panel(doc: dict[str, Any], ax: Any) -> None:
+    _bars(doc, ax, doc["rows"], "gbps")
+    ax.set_xlabel("GB/s (median of reps)")
+    ax.set_title("throughput through the engines' storage interfaces")
+
+
+def _cpu_panel(doc: dict[str, Any], ax: Any) -> None:
+    _bars(doc, ax, [r for r in doc["rows"] if "cpu_ms_per_mib" in r], "cpu_ms_per_mib")
+    ax.axvline(GOAL_LOAD_CPU_MS_PER_MIB, color="g", linestyle=":",
+               label=f"{GOAL_LOAD_CPU_MS_PER_MIB} ms/MiB (load goal)")
+    ax.legend(fontsize=7)
+    ax.set_xlabel("process CPU ms per MiB (every thread, median of reps)")
+    ax.set_title("CPU per byte")
+
+
+def _bars(doc: dict[str, Any], ax: Any, rows: list[dict[str, Any]], field: str) -> None:
+    """One horizontal bar per backend and row label of ``rows``' ``field``."""
     colour = {doc["ours"]: "C2", **_COLOURS}
-    rows = doc["rows"]
     labels = sorted({(r["engine"], r["op"], r["cache"], r["geometry"], r.get("run", "")) for r in rows})
     backends = sorted({r["backend"] for r in rows})
     width = 0.8 / max(1, len(backends))
     for k, b in enumerate(backends):
         vals = []
         for lab in labels:
-            hit = [r["gbps"] for r in rows if (r["engine"], r["op"], r["cache"], r["geometry"],
-                                               r.get("run", "")) == lab and r["backend"] == b]
+            hit = [r[field] for r in rows if (r["engine"], r["op"], r["cache"], r["geometry"],
+                                              r.get("run", "")) == lab and r["backend"] == b]
             vals.append(hit[0] if hit else 0.0)
         ax.barh([i + k * width for i in range(len(labels))], vals, height=width, label=b,
                 color=colour.get(b))
     ax.set_yticks([i + 0.4 - width / 2 for i in range(len(labels))])
     ax.set_yticklabels([f"{e} {o} {c} {g} {n}" for e, o, c, g, n in labels], fontsize=6)
-    ax.set_xlabel("GB/s (median of reps)")
-    ax.set_title("throughput through the engines' storage interfaces")
     ax.legend(fontsize=7)
 
 

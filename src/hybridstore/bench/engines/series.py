@@ -7,7 +7,9 @@ seconds), and p50/p99 of the per-batch latencies over all repetitions.
 :func:`paired_ratios` divides our throughput by the built-in backend's *of the
 same repetition* (they run back to back, in rotated order) and reports the
 median of those quotients: the machine is shared and noisy, and a ratio taken
-inside one repetition cancels most of that noise.
+inside one repetition cancels most of that noise.  It does the same for CPU per
+MiB, the steadier figure on a shared machine (a busy neighbour stretches wall
+time, not the CPU a byte costs).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class Series:
     reps: dict[int, list[tuple[float, int, int]]] = field(default_factory=dict)
     latencies: list[float] = field(default_factory=list)
     flush: dict[int, float] = field(default_factory=dict)   # rep -> seconds to durable
+    cpu: dict[int, float] = field(default_factory=dict)     # rep -> process CPU seconds
+    flush_cpu: dict[int, float] = field(default_factory=dict)  # rep -> CPU seconds to durable
     checks: list[bool] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -54,6 +58,20 @@ class Series:
         """
         self.reps.setdefault(rep, []).append((seconds, nbytes, objects))
         self.latencies.append(seconds if latency is None else latency)
+
+    def add_cpu(self, rep: int, seconds: float) -> None:
+        """Process CPU seconds (every thread) spent while the repetition's calls ran."""
+        self.cpu[rep] = self.cpu.get(rep, 0.0) + seconds
+
+    def rep_cpu_ms_per_mib(self, flush: bool = False) -> dict[int, float]:
+        """CPU milliseconds per MiB moved, per repetition (``flush``: the CPU until durable
+        added, where it was measured)."""
+        out = {}
+        for r, cpu in self.cpu.items():
+            mib = sum(b for _, b, _ in self.reps.get(r, ())) / (1 << 20)
+            if mib > 0 and (not flush or r in self.flush_cpu):
+                out[r] = (cpu + (self.flush_cpu.get(r, 0.0) if flush else 0.0)) * 1e3 / mib
+        return out
 
     def rep_gbps(self) -> dict[int, float]:
         return {r: sum(b for _, b, _ in xs) / max(sum(s for s, _, _ in xs), 1e-12) / 1e9
@@ -82,6 +100,11 @@ class Series:
                           for r, f in self.flush.items() if r in self.reps]
             out["gbps_incl_flush"] = median(with_flush)
             out["flush_ms_median"] = median(list(self.flush.values())) * 1e3
+        if self.cpu:
+            out["cpu_ms_per_mib"] = median(list(self.rep_cpu_ms_per_mib().values()))
+        if self.flush_cpu:
+            out["cpu_ms_per_mib_incl_flush"] = median(
+                list(self.rep_cpu_ms_per_mib(flush=True).values()))
         if self.note:
             out["note"] = self.note
         out.update(self.extra)
@@ -91,6 +114,10 @@ class Series:
 def paired_ratios(series: list[Series], ours: str, theirs: str,
                   across: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """``ours / theirs`` GB/s of the same repetition, median over repetitions, per matching row.
+
+    Where both rows measured CPU, ``cpu_ratio`` is ours / theirs CPU per MiB of the
+    same repetition (median; below 1: ours costs less CPU per byte), next to each
+    side's median CPU ms per MiB.
 
     ``across`` pairs an operation of ours with a different one of theirs (our zero-copy
     ``batch_get_v1`` against their legacy ``batch_get``: each backend's best interface);
@@ -119,9 +146,17 @@ def paired_ratios(series: list[Series], ours: str, theirs: str,
         if not qs:
             continue
         section, engine, _, cache, geometry, batch, run = a.key
-        out.append({"section": section, "engine": engine, "op": label, "cache": cache,
-                    "geometry": geometry, "batch_objects": batch, "run": run, "ours": ours,
-                    "theirs": theirs,
-                    "ratio": median(qs), "ratio_min": min(qs), "ratio_max": max(qs),
-                    "reps": len(qs)})
+        row = {"section": section, "engine": engine, "op": label, "cache": cache,
+               "geometry": geometry, "batch_objects": batch, "run": run, "ours": ours,
+               "theirs": theirs,
+               "ratio": median(qs), "ratio_min": min(qs), "ratio_max": max(qs),
+               "reps": len(qs)}
+        ca, cb = a.rep_cpu_ms_per_mib(), b.rep_cpu_ms_per_mib()
+        cq = [ca[r] / cb[r] for r in ca if r in cb and cb[r] > 0]
+        if cq:
+            row.update({"cpu_ms_per_mib_ours": median(list(ca.values())),
+                        "cpu_ms_per_mib_theirs": median(list(cb.values())),
+                        "cpu_ratio": median(cq), "cpu_ratio_min": min(cq),
+                        "cpu_ratio_max": max(cq)})
+        out.append(row)
     return out

@@ -151,13 +151,16 @@ class Tier:
         self._next_job = 0
 
     def run_jobs(self, jobs: list[tuple[list[bytes], np.ndarray, Any]], *, load: bool,
-                 timeout_s: float = 600.0) -> tuple[float, list[float], list[bool]]:
+                 timeout_s: float = 600.0) -> tuple[float, list[float], list[bool], float]:
         """Submit every job at once, poll until all finished.
 
         Returns:
-            ``(wall seconds, per-job seconds from submit to finished, per-job success)``.
+            ``(wall seconds, per-job seconds from submit to finished, per-job success,
+            process CPU seconds meanwhile)``: ``time.process_time``, every thread of the
+            process (the tier's I/O threads, this polling loop: the same for both tiers).
         """
         v = vllm()
+        cpu0 = time.process_time()
         t0 = time.perf_counter()
         started: dict[int, float] = {}
         for keys, chunks, ctx in jobs:
@@ -176,8 +179,9 @@ class Tier:
                     raise TimeoutError(f"{self.name}: {len(started) - len(done)} jobs unfinished")
                 time.sleep(_POLL_S)
         wall = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
         order = sorted(done)
-        return wall, [done[j][0] for j in order], [done[j][1] for j in order]
+        return wall, [done[j][0] for j in order], [done[j][1] for j in order], cpu
 
     def _finished(self) -> Iterable[Any]:
         return list(self.tier.get_finished_jobs())
