@@ -187,26 +187,77 @@ def test_tiering_cascade_then_promotion(tmp_path):
         engine.shutdown()
 
 
-def test_unsupported_layouts_fail_at_init(tmp_path):
+def group(tokens: int, layer: str, gid: int, window: int | None = None):
+    """vLLM's ``OffloadingGroupConfig`` (0.32's has no window: the spec reads it from the
+    ``KVCacheConfig``, see :func:`kv_cache_config`)."""
     from vllm.v1.kv_offload.config import OffloadingGroupConfig
 
+    has = "sliding_window_size_in_chunks" in {f.name for f in
+                                               dataclasses.fields(OffloadingGroupConfig)}
+    return OffloadingGroupConfig(tokens_per_block=tokens, layer_names=(layer,), group_id=gid,
+                                 **({"sliding_window_size_in_chunks": window} if has else {}))
+
+
+def kv_cache_config(windows: list[int | None]):
+    """A ``KVCacheConfig`` of full-attention (None) and Mamba (1) groups, 16-token blocks."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+
+    groups = [KVCacheGroupSpec([f"layer{g}"], FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16) if w is None else
+        MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float16,),
+                  mamba_cache_mode="align")) for g, w in enumerate(windows)]
+    return KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_unsupported_layouts_fail_at_init(tmp_path):
     from hybridstore.adapters.vllm import GroupPlan
-    full = OffloadingGroupConfig(tokens_per_block=16, layer_names=("a",), group_id=0)
-    mamba = OffloadingGroupConfig(tokens_per_block=16, layer_names=("m",), group_id=1,
-                                  sliding_window_size_in_chunks=1)
-    swa = dataclasses.replace(mamba, group_id=2, sliding_window_size_in_chunks=4)
-    plan = GroupPlan.of((full, mamba, dataclasses.replace(mamba, group_id=3)), 1)
+    full, mamba, mamba3 = group(16, "a", 0), group(16, "m", 1, 1), group(16, "m3", 3, 1)
+    swa = group(16, "s", 2, 4)
+    plan = GroupPlan.of((full, mamba, mamba3), 1, (None, 1, 1))
     assert plan.page_group == 0 and plan.state_groups == (1, 2)
     with pytest.raises(UnsupportedModelError, match="sliding window of 4 chunks"):
-        GroupPlan.of((full, swa), 1)
+        GroupPlan.of((full, swa), 1, (None, 4))
     with pytest.raises(UnsupportedModelError, match="exactly one full-attention"):
-        GroupPlan.of((full, dataclasses.replace(full, group_id=1)), 1)
+        GroupPlan.of((full, group(16, "b", 1)), 1, (None, None))
     with pytest.raises(UnsupportedModelError, match="exactly one full-attention"):
-        GroupPlan.of((mamba,), 1)
+        GroupPlan.of((mamba,), 1, (1,))
     cfg = extra(tmp_path)
     del cfg["disk_path"]
     with pytest.raises(ConfigError, match="disk_path"):
         Engine(cfg)
+
+
+def test_group_windows_on_every_vllm(tmp_path):
+    """0.33+ say each group's window; 0.32 does not, and the windows come from the
+    ``KVCacheConfig`` HybridStoreConnector hands over, through vLLM's own function."""
+    from hybridstore.adapters.vllm.compat import group_windows, specs_see
+
+    groups = (group(16, "layer0", 0), group(16, "layer1", 1, 1))
+    with specs_see(kv_cache_config([None, 1])):
+        assert group_windows(groups, 1) == (None, 1)
+    if not hasattr(groups[0], "sliding_window_size_in_chunks"):     # vLLM 0.32
+        with pytest.raises(UnsupportedModelError, match="HybridStoreConnector"):
+            group_windows(groups, 1)
+        assert group_windows(groups[:1], 1) == (None,)    # one group: full attention
+
+
+def test_unknown_extra_config_keys_are_rejected(tmp_path):
+    """A misspelt key must not leave a setting at its default silently (issue 26 §3)."""
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['disk_byte'\]"):
+        Engine(extra(tmp_path, disk_byte=1 << 20))
+    with pytest.raises(ConfigError, match="locality must be"):
+        Engine(extra(tmp_path, locality="MARS"))
+    engine = Engine(extra(tmp_path, locality="REMOTE", enable_kv_events=True,
+                          offload_prompt_only=True))          # vLLM's keys are fine
+    try:
+        assert engine.manager._locality.value == "REMOTE"
+    finally:
+        engine.shutdown()
 
 
 def direct_config(tmp_path, rank: int, world: int):
@@ -215,20 +266,30 @@ def direct_config(tmp_path, rank: int, world: int):
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
-        OffloadingGroupConfig,
         OffloadingModelConfig,
         OffloadingParallelConfig,
     )
 
+    model = {f.name for f in dataclasses.fields(OffloadingModelConfig)}
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(16, ("layer0",), 0),
-                OffloadingGroupConfig(16, ("layer1",), 1, sliding_window_size_in_chunks=1)),
+        groups=(group(16, "layer0", 0), group(16, "layer1", 1, 1)),
         worker_kv_bytes_per_block=1024 + 576, enable_kv_cache_events=True,
         extra_config=extra(tmp_path), engine_id=f"direct{world}",
-        model=OffloadingModelConfig("tiny", "float16", 1024),
+        model=OffloadingModelConfig("tiny", "float16",
+                                    **({"max_model_len": 1024} if "max_model_len" in model
+                                       else {})),
         cache=OffloadingCacheConfig(tokens_per_hash=8, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(rank, world, world, 1, 1, 1, 0, 1, None, False),
         kv_cache_layout="LBNHC")
+
+
+def direct_spec(tmp_path, rank: int, world: int):
+    """``HybridStoreSpec`` of :func:`direct_config`, built as HybridStoreConnector builds it."""
+    from hybridstore.adapters.vllm import HybridStoreSpec
+    from hybridstore.adapters.vllm.compat import specs_see
+
+    with specs_see(kv_cache_config([None, 1])):
+        return HybridStoreSpec(direct_config(tmp_path, rank, world))
 
 
 def direct_worker(tmp_path, rank: int, world: int, kv):
@@ -238,10 +299,25 @@ def direct_worker(tmp_path, rank: int, world: int, kv):
         CanonicalKVCacheTensor,
     )
 
-    from hybridstore.adapters.vllm import HybridStoreSpec
-    return HybridStoreSpec(direct_config(tmp_path, rank, world)).get_worker(CanonicalKVCaches(
+    caches = CanonicalKVCaches(
         tensors=[CanonicalKVCacheTensor(t, t.shape[1]) for t in kv],
-        group_data_refs=[[CanonicalKVCacheRef(0, 1024)], [CanonicalKVCacheRef(1, 576)]]))
+        group_data_refs=[[CanonicalKVCacheRef(0, 1024)], [CanonicalKVCacheRef(1, 576)]])
+    worker = direct_spec(tmp_path, rank, world).get_worker(caches)
+    worker.test_caches = caches
+    return worker
+
+
+def as_vllm_hands_it(worker, args: tuple) -> tuple:
+    """A job's arguments as this vLLM's worker connector passes them: the
+    ``GPULoadStoreSpec`` (0.32, 0.33) or the ``DevicePointers`` vLLM 0.34 resolves from it
+    against the worker's KV caches (``pointer_utils.resolve_device_pointers``)."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    try:
+        from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+    except ImportError:
+        return args
+    return tuple(resolve_device_pointers(a, worker.test_caches)
+                 if isinstance(a, GPULoadStoreSpec) else a for a in args)
 
 
 class Direct:
@@ -251,21 +327,20 @@ class Direct:
     tails, a worker in another process)."""
 
     def __init__(self, tmp_path, world: int, workers: list | None = None) -> None:
-        from hybridstore.adapters.vllm import HybridStoreSpec
-
         gen = torch.Generator().manual_seed(world)
         self.kv = [[torch.randint(-128, 128, (16, n), dtype=torch.int8, generator=gen)
                     for n in (1024, 576)] for _ in range(world)]
         self.saved = [[t.clone() for t in rank] for rank in self.kv]
         self.workers = workers if workers is not None else [
             direct_worker(tmp_path, r, world, self.kv[r]) for r in range(world)]
-        self.manager = HybridStoreSpec(direct_config(tmp_path, 0, world)).get_manager()
+        self.manager = direct_spec(tmp_path, 0, world).get_manager()
         self.jobs = 0
 
     def run(self, submit: str, *args) -> None:
         job, self.jobs = self.jobs, self.jobs + 1
         for w in self.workers:
-            assert getattr(w, submit)(job, *args)
+            own = isinstance(w, RemoteWorker)       # converts in its own process
+            assert getattr(w, submit)(job, *(args if own else as_vllm_hands_it(w, args)))
         for w in self.workers:
             w.wait({job})
             assert [r.success for r in w.get_finished()] == [True]
@@ -409,7 +484,7 @@ def _serve_worker(conn, tmp_path, kv) -> None:
     conn.send("ready")
     while (msg := conn.recv()) is not None:
         op, job, args = msg
-        getattr(worker, op)(job, *args)
+        getattr(worker, op)(job, *as_vllm_hands_it(worker, args))
         worker.wait({job})
         conn.send([r.success for r in worker.get_finished()])
     worker.shutdown()

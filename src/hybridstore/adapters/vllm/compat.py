@@ -36,10 +36,11 @@ enough).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import importlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,11 +81,19 @@ class HybridStoreConnector(OffloadingConnector):
     """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-        token = _KV_CACHE_CONFIG.set(kv_cache_config)
-        try:
+        with specs_see(kv_cache_config):
             super().__init__(vllm_config, role, kv_cache_config)
-        finally:
-            _KV_CACHE_CONFIG.reset(token)
+
+
+@contextlib.contextmanager
+def specs_see(kv_cache_config: Any) -> Iterator[None]:
+    """Offloading specs built in this block read their groups' windows from
+    ``kv_cache_config`` (vLLM's ``KVCacheConfig``) where vLLM (0.32) does not say them."""
+    token = _KV_CACHE_CONFIG.set(kv_cache_config)
+    try:
+        yield
+    finally:
+        _KV_CACHE_CONFIG.reset(token)
 
 
 def group_windows(groups: Sequence[Any], blocks_per_chunk: int) -> tuple[int | None, ...]:
