@@ -23,6 +23,8 @@ extra-config key           meaning                                      default
                            workers), rounded down to whole slots
 ``staging_dir``            where the staging file lives                 ``/dev/shm``
 ``load_timeout_s``         how long a worker waits for staged bytes     ``120``
+``io_chunk_bytes``         largest SSD request                          ``8MiB``
+``verify_checksums``       check every object read                      ``true``
 
 ``locality``               ``"LOCAL"`` / ``"REMOTE"``: the KV events'      ``None``
                            locality (vLLM's tier key)
@@ -50,7 +52,7 @@ from hybridstore.config import StoreConfig, parse_bytes
 from hybridstore.errors import ConfigError, UnsupportedModelError
 
 _STORE_KEYS = ("disk_bytes", "host_bytes", "policy", "checkpoint_policy", "tier_policy",
-               "disk_engine", "io_threads")
+               "disk_engine", "io_threads", "io_chunk_bytes", "verify_checksums")
 ADAPTER_KEYS = frozenset(("disk_path", "namespace", "staging_bytes", "staging_dir",
                           "load_timeout_s", "locality", "enable_kv_events", *_STORE_KEYS))
 """The ``kv_connector_extra_config`` keys :class:`HybridStoreSpec` reads."""
@@ -70,6 +72,18 @@ def check_keys(extra: Mapping[str, Any], own: frozenset[str], where: str) -> Non
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in {where}; hybridstore reads "
                           f"{sorted(own)} and vLLM {sorted(VLLM_KEYS)}")
+
+
+def store_kwargs(settings: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """The :class:`~hybridstore.StoreConfig` fields among ``keys`` that ``settings`` gives
+    (sizes as ints or ``"64GiB"``, flags as bools or ``"false"``)."""
+    out: dict[str, Any] = {}
+    for key in keys:
+        if key in settings:
+            value = settings[key]
+            out[key] = (parse_bytes(value) if key.endswith("_bytes") else
+                        parse_flag(value, key) if key == "verify_checksums" else value)
+    return out
 
 
 def parse_locality(value: Any) -> Any:
@@ -211,11 +225,7 @@ class VllmSettings:
             f"chunk{plan.page_tokens}",
             f"kv{config.worker_kv_bytes_per_block}", config.kv_cache_layout,
             "canonical" if config.canonical_layout else "direct", extra.get("namespace", "")))
-        kwargs: dict[str, Any] = {}
-        for key in _STORE_KEYS:
-            if key in extra:
-                value = extra[key]
-                kwargs[key] = parse_bytes(value) if key.endswith("_bytes") else value
+        kwargs = store_kwargs(extra, _STORE_KEYS)
         if par.data_parallel_size > 1:
             # one process holds a disk tier (an exclusive lock): one directory per DP engine
             disk_path = os.path.join(str(disk_path), f"dp{par.data_parallel_index}")

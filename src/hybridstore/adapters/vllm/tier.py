@@ -56,8 +56,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from hybridstore import HybridStore, PrefixKeys, ResumePlan, StoreConfig
 from hybridstore.adapters.vllm.compat import offloading_event
-from hybridstore.adapters.vllm.settings import parse_flag, parse_locality
-from hybridstore.config import parse_bytes
+from hybridstore.adapters.vllm.settings import parse_flag, parse_locality, store_kwargs
 from hybridstore.errors import ConfigError, HybridStoreError
 
 log = logging.getLogger(__name__)
@@ -120,11 +119,9 @@ class HybridStoreTier(SecondaryTierManager):
                 log.warning("HybridStoreTier: enable_kv_events is set but vLLM's KV cache "
                             "events are off (kv_events_config); the tier emits none")
         self._announced: set[OffloadKey] = set()
-        kwargs: dict[str, Any] = {}
-        for key in _STORE_KEYS:
-            if key in store_settings:
-                value = store_settings.pop(key)
-                kwargs[key] = parse_bytes(value) if key.endswith("_bytes") else value
+        kwargs = store_kwargs(store_settings, _STORE_KEYS)
+        for key in kwargs:
+            del store_settings[key]
         if store_settings:
             raise ConfigError(f"HybridStoreTier does not know {sorted(store_settings)}; it takes "
                               f"disk_path, namespace, threads, direct_store, locality, "
