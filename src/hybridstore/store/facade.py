@@ -856,7 +856,7 @@ class HybridStore:
                 merged = _PagesOnly(np.concatenate([p.pages for p in plans]) if plans
                                     else np.zeros(0, np.int64))
                 fut = self._io.submit(self._loader.run, cast(ResumePlan, merged), jobs, sources, (bufs, None),
-                                      targets)
+                                      targets, plans)
             except BaseException:
                 self._loader.release_sources(jobs, sources)
                 raise
