@@ -236,8 +236,13 @@ def _lock_directory(path: str, shared: bool = False) -> tuple[int, int]:
             try:
                 fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except OSError as e:
+                busy = e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+                if fd == fds[0] and not busy:   # e.g. NFS, whose flock wants a writable fd
+                    log.warning("cannot lock the directory %s itself (%s); relying on its "
+                                "LOCK file alone", path, e.strerror)
+                    continue
                 holder = os.pread(fds[1], 32, 0).decode(errors="replace").strip() or "unknown"
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                if busy:
                     how = ("by a store that does not share it" if shared else "by another store")
                     raise DiskPathError(f"the disk tier directory {path!r} is in use {how} "
                                         f"(process {holder}); close that store, open every "
@@ -269,12 +274,11 @@ def _owner_only(path: str, fd: int) -> None:
     changes no permissions but its own directory's.
     """
     st = os.fstat(fd)
-    loose = st.st_mode & 0o077
-    if not loose:
+    if not st.st_mode & 0o077:
         return
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid == os.geteuid() and not st.st_mode & stat.S_ISVTX:
-        os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~0o077)
+        os.fchmod(fd, mode & ~0o077)
         log.warning("disk_path %r was mode %04o; made it owner-only (0700): the store's "
                     "directory holds every tenant's prefixes", path, mode)
         return
@@ -283,10 +287,3 @@ def _owner_only(path: str, fd: int) -> None:
                             f"{st.st_uid}: other users may replace the store's files in it; "
                             "give the store a directory of its own (it creates one 0700), "
                             f"or chmod 700 {path!r} as its owner")
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except OSError as e:
-        os.close(fd)
-        raise DiskPathError(f"cannot write to {path!r}: {e.strerror}; {hint}") from e
-    return fd
