@@ -536,6 +536,44 @@ def test_second_opener_in_another_process_is_refused(tmp_path: Path) -> None:
     open_tier(path).close()  # free again after close
 
 
+def test_an_unlinked_lock_file_keeps_a_second_opener_out(tmp_path: Path) -> None:
+    """The lock holds on the directory itself: removing LOCK (a cleanup script, an
+    operator) must not let another store in.  flock conflicts between two opens of
+    one process exactly as between two processes."""
+    path = tmp_path / "d"
+    with open_tier(path) as tier:
+        tier.put(key(1), payload(5000, 1), nbytes=5000).result()
+        os.unlink(path / "LOCK")
+        with pytest.raises(DiskPathError, match="in use"):
+            open_tier(path)
+        (path / "LOCK").write_text("stale\n")      # a LOCK made again, by hand
+        with pytest.raises(DiskPathError, match="in use"):
+            open_tier(path)
+        assert np.array_equal(tier.get(key(1)), payload(5000, 1))
+    with open_tier(path) as tier:                    # free again after close
+        assert np.array_equal(tier.get(key(1)), payload(5000, 1))
+
+
+def test_a_loose_existing_directory_is_made_owner_only(tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A directory made beforehand with mode 0777 is tightened to 0700 (with a warning);
+    a shared scratch directory (sticky bit, as /tmp) is refused and left as it was."""
+    path = tmp_path / "d"
+    path.mkdir()
+    os.chmod(path, 0o777)
+    with caplog.at_level(logging.WARNING, logger="hybridstore.backends.disk"):
+        open_tier(path).close()
+    assert oct(os.stat(path).st_mode & 0o7777) == oct(0o700)
+    assert "0777" in caplog.text
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    os.chmod(scratch, 0o1777)
+    with pytest.raises(DiskPathError, match="1777"):
+        open_tier(scratch)
+    assert oct(os.stat(scratch).st_mode & 0o7777) == oct(0o1777)
+    assert os.listdir(scratch) == []               # nothing written there
+
+
 def test_unusable_path_is_a_disk_path_error(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_bytes(b"x")

@@ -387,3 +387,26 @@ def test_cached_path_survives_id_reuse():
     assert ix.add_pages(prompt, 0, 2, "host", 10).tolist() == fresh
     ix.add_checkpoint(prompt, 10, "host", 10)
     assert ix.page_info(z)["deps"] == 0 and ix.check_refcounts()
+
+
+def test_a_prompt_reused_on_a_new_index_at_a_freed_index_address():
+    """Issue 26, item 7: path caches were keyed by ``id(index)``; a new index at the
+    address of a freed one (a store closed, another opened) trusted the old index's node
+    ids for a reused PrefixKeys and lost its pages silently."""
+    prompt = P(range(12))
+    for _ in range(100):
+        old = HybridIndex(B, ROOT)
+        old.add_pages(P([100, 101, 102, 103]), 0, 1, "host", 10)   # other ids than a new one's
+        old.add_pages(prompt, 0, 3, "host", 10)
+        address = id(old)
+        del old
+        ix = HybridIndex(B, ROOT)
+        if id(ix) == address:
+            break
+    else:
+        pytest.skip("no new index got a freed one's address")
+    ix.add_pages(prompt, 0, 3, "host", 10)
+    assert ix.held_run(prompt) == 3 and ix.n_pages == 3
+    plan = ix.pin_pages(prompt, 0, 3)
+    assert len(plan.pages) == 3 and ix.check_refcounts()
+    ix.release(plan)

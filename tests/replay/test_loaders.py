@@ -440,6 +440,25 @@ def test_fuzzed_field_types_raise_trace_format_errors(tmp_path: Path, fmt: str,
         load(f"{fmt}:{path}")
 
 
+@pytest.mark.parametrize("fmt", ["weka", "mooncake", "tracelab", "canonical"])
+def test_a_deeply_nested_line_is_a_trace_format_error_naming_it(tmp_path: Path,
+                                                                 fmt: str) -> None:
+    """Issue 26, item 7: JSON nested deeper than the parser recurses raised RecursionError."""
+    deep = "[" * 200_000 + "]" * 200_000
+    if fmt == "weka":
+        path = tmp_path / "t.json"
+        path.write_text('{"block_size": 64, "requests": ' + deep + "}")
+        where = r"t\.json:"
+    else:
+        path = tmp_path / "t.jsonl"                 # after a sound line where one decodes
+        first = {"canonical": [_CANON_HEAD], "mooncake": [_MOON], "tracelab": []}[fmt]
+        path.write_text("".join(json.dumps(x) + "\n" for x in first)
+                        + '{"hash_ids": ' + deep + "}\n")
+        where = rf"t\.jsonl:{len(first) + 1}:"
+    with pytest.raises(TraceFormatError, match=where + ".*nested too deeply"):
+        load(f"{fmt}:{path}")
+
+
 @pytest.mark.parametrize("loader", [load_mooncake, load_tracelab, load_canonical])
 def test_a_missing_or_unreadable_file_is_a_trace_format_error(tmp_path: Path, loader) -> None:
     """Issue 13 fuzz: a loader given a directory or a missing file raised an OSError."""

@@ -320,6 +320,53 @@ class TestBadInputChangesNothing:
             with pytest.raises(PlanReleasedError):
                 store.load(plan)
 
+
+    @pytest.mark.parametrize("where", ["host", "host-batch", "disk", "load_many"])
+    def test_a_plan_released_and_evicted_while_its_load_is_queued(self, tmp_path, where,
+                                                                  monkeypatch):
+        """The load fails with PlanReleasedError (match again), not a bare KeyError, and
+        the store goes on: the prompt put again loads back bit-exact."""
+        with HybridStore(cfg(tmp_path)) as store:
+            tokens = TOKENS[:4 * B]
+            pages = [page_of(k) for k in range(4)]
+            store.put_kv(tokens, pages)
+            if where == "disk":
+                for _ in range(2):
+                    store.evict(1 << 30, tier="host")
+                    store.flush()
+            gate = threading.Event()
+            run = store._loader.run
+
+            def queued(*args, **kw):           # the load's I/O starts once the gate opens
+                assert gate.wait(30)
+                return run(*args, **kw)
+
+            monkeypatch.setattr(store._loader, "run", queued)
+            try:
+                plan = store.match_pages(tokens)
+                assert len(plan.pages) == 4
+                assert set(store.restore_cost(plan)) == {"disk" if where == "disk" else "host"}
+                if where == "load_many":
+                    fut = store.load_many([plan], [torch.empty_like(p) for p in pages])
+                else:
+                    batch = torch.empty(4, *pages[0].shape, dtype=pages[0].dtype)
+                    fut = store.load(plan, (batch, None) if where == "host-batch" else None)
+                store.release(plan)
+                for _ in range(2):      # write-back: the first spills to disk, then drops
+                    for tier in ("host", "disk"):
+                        store.evict(1 << 30, tier=tier)
+                        store.flush()
+                assert store.present_pages(tokens) == 0, store.stats()["tiers"]
+            finally:
+                gate.set()
+            with pytest.raises(PlanReleasedError, match="match again"):
+                fut.result()
+            store.put_kv(tokens, pages)
+            plan = store.match_pages(tokens)
+            got = store.load_many([plan], [torch.empty_like(p) for p in pages]).result()
+            store.release(plan)
+            assert all(torch.equal(g, p) for g, p in zip(got, pages))
+
     @pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
     def test_unwritable_disk_path_non_root(self, tmp_path):
         ro = tmp_path / "ro"

@@ -10,6 +10,7 @@ import pytest
 from hybridstore import HybridStore, StoreConfig
 from hybridstore.backends.disk import segment_name
 from hybridstore.errors import CorruptObjectError
+from hybridstore.index import meta
 from hybridstore.objects import ObjectKind, object_key
 
 B = 16
@@ -134,12 +135,14 @@ def _key(prompt, k: int) -> bytes:
     return object_key(ObjectKind.PAGE, prompt.block_key(k))
 
 
-@pytest.mark.parametrize("damage", ["record", "meta", "offset", "overlap"])
+@pytest.mark.parametrize("damage", ["record", "meta", "offset", "overlap", "block", "slot"])
 def test_one_damaged_catalog_record_costs_that_object_only(tmp_path, damage, caplog):
     cfg, tokens, pages = _written(tmp_path)
     with HybridStore(cfg) as s:                            # the keys under this store's secret
         prompt = s.prefix(tokens)
-        victim = _key(prompt, 4)
+        # the last page for a block past int32: no child restores a node for it first
+        k = 5 if damage == "block" else 4
+        victim = _key(prompt, k)
     from hybridstore.backends.catalog import CatalogRecord
 
     def edit(cat):
@@ -151,6 +154,14 @@ def test_one_damaged_catalog_record_costs_that_object_only(tmp_path, damage, cap
                                 rec.checksum, rec.meta[:5]).pack()
         elif damage == "offset":
             raw = CatalogRecord(rec.segment, 1 << 62, rec.length, rec.slot_length,
+                                rec.checksum, rec.meta).pack()
+        elif damage == "block":       # a block index past int32 (the index's node column)
+            info = meta.decode(rec.meta)
+            raw = CatalogRecord(rec.segment, rec.offset, rec.length, rec.slot_length,
+                                rec.checksum, meta.encode_page(2**31 + 4, info.ntok,
+                                                               info.parent_key)).pack()
+        elif damage == "slot":        # a slot over its neighbours: its bytes still pass
+            raw = CatalogRecord(rec.segment, rec.offset, rec.length, 16 << 20,
                                 rec.checksum, rec.meta).pack()
         else:                         # claims page 1's slot (found by the fault harness)
             other = cat.get(_key(prompt, 1))
@@ -164,7 +175,7 @@ def test_one_damaged_catalog_record_costs_that_object_only(tmp_path, damage, cap
     _damage(tmp_path, edit)
     with HybridStore(cfg) as store:                        # opens, with a logged reason
         prompt = store.prefix(tokens)
-        assert store.present_pages(prompt) == 4            # pages 0..3 intact, page 4 gone
+        assert store.present_pages(prompt) == k            # pages before k intact, page k gone
         assert store.restorable(prompt) == [3 * B]         # the deeper state lost its page
         plan = store.match(tokens)
         got, _ = store.load(plan).result()

@@ -18,6 +18,8 @@ _VERSION = 1
 _PAGE = struct.Struct("<BBqI16s")          # version, kind, block, ntok, parent key
 _STATE = struct.Struct("<BBqI16s")         # version, kind, position, ncovers, base key
 _COVER = struct.Struct("<16sI")
+_INT32_MAX = 2**31 - 1
+"""The largest block index, token count and position the index keeps (int32 columns)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,14 +52,17 @@ def decode(meta: bytes) -> PageMeta | StateMeta:
                            "the disk tier was written by another version: point disk_path elsewhere")
     if meta[1] == ObjectKind.PAGE:
         _, _, block, ntok, parent = _PAGE.unpack_from(meta)
-        if block < 0 or ntok < 1:
+        if not 0 <= block <= _INT32_MAX or not 1 <= ntok <= _INT32_MAX:
             raise CatalogError(f"page meta with block {block} and {ntok} tokens is damaged")
         return PageMeta(block, ntok, parent)
     if meta[1] != ObjectKind.STATE:
         raise CatalogError(f"object meta of unknown kind {meta[1]} is damaged")
     _, _, position, ncovers, base = _STATE.unpack_from(meta)
-    if position < 1 or len(meta) != _STATE.size + ncovers * _COVER.size:
+    if not 1 <= position <= _INT32_MAX or len(meta) != _STATE.size + ncovers * _COVER.size:
         raise CatalogError(f"state meta at position {position} with {ncovers} covers in "
                            f"{len(meta)} bytes is damaged")
     covers = tuple(_COVER.unpack_from(meta, _STATE.size + i * _COVER.size) for i in range(ncovers))
+    if any(not 1 <= ntok <= _INT32_MAX for _, ntok in covers):
+        raise CatalogError(f"state meta at position {position} has a cover of "
+                           f"{max(ntok for _, ntok in covers)} tokens: it is damaged")
     return StateMeta(position, base, covers)

@@ -147,14 +147,19 @@ class PrefixKeys:
             self._lo_array = np.ascontiguousarray(self.keys[:, 0])
         return self._lo_array
 
-    def path_cache(self, index: object) -> PathCache:
+    def path_cache(self, index: int) -> PathCache:
         """Scratch node ids of this prompt's blocks, kept per index.
+
+        Args:
+            index: the index's serial number, never reused in a process (not its
+                ``id()``: a new index may get the address of a freed one, and its
+                equal free generation would make it trust the old one's ids).
 
         The index validates them before trusting them; see ``HybridIndex._extend_path``.
         """
-        cache = self._paths.get(id(index))
+        cache = self._paths.get(index)
         if cache is None:
-            cache = self._paths[id(index)] = PathCache(self.nblocks)
+            cache = self._paths[index] = PathCache(self.nblocks)
         return cache
 
     def block_key(self, k: int) -> bytes:

@@ -51,6 +51,8 @@ _COLUMNS = ("_klo", "_khi", "_block", "_ntok", "_tiers", "_deps", "_pins", "_nch
 """The per-node numpy columns (struct of arrays)."""
 _RESET = ("_tiers", "_deps", "_pins", "_nchild", "_nbytes", "_based")
 """The columns a new node starts at zero (its key, place, parent and times are set)."""
+_SERIALS = itertools.count()
+"""Serial numbers of the indexes of this process: a PrefixKeys keeps a path per index."""
 
 
 def _split(key: bytes) -> tuple[int, int]:
@@ -201,6 +203,7 @@ class HybridIndex:
         self._ids = U64Map(capacity)             # low 64 bits of a node's key -> its id
         self._free: list[int] = []
         self._frees = 0                          # bumped whenever nodes are freed (path caches)
+        self._serial = next(_SERIALS)            # names this index's path caches
         self._n_nodes = 0
         self._high_water = 0
         self._grow(max(capacity, 16))
@@ -367,7 +370,7 @@ class HybridIndex:
         one :meth:`~hybridstore.index.u64map.U64Map.get_many` call and the
         missing ones created together (:meth:`_alloc`, :meth:`_init_nodes`).
         """
-        cache = prompt.path_cache(self)
+        cache = prompt.path_cache(self._serial)
         ids = cache.ids
         if upto <= 0:
             return ids[:0]

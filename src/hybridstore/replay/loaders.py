@@ -92,16 +92,27 @@ def _open_write(path: Path) -> Iterator[IO[str]]:
                 yield text
 
 
+def _parse_json(text: str, where: str, what: str) -> Any:
+    """``json.loads(text)``, else :class:`TraceFormatError` naming ``where`` (the file, and
+    the line of a jsonl trace): text that is not JSON, or nested too deeply for the parser
+    (a ``RecursionError`` otherwise)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{where}: not {what} ({exc.msg})") from exc
+    except RecursionError:
+        raise TraceFormatError(f"{where}: {what} whose arrays or objects are nested too "
+                               "deeply to parse; no trace format nests more than a few "
+                               "levels: fix or remove it") from None
+
+
 def _iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(line number, object)`` for each non-blank line of a jsonl file."""
     with _open_text(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceFormatError(f"{path}:{n}: not JSON ({exc.msg})") from exc
+            obj = _parse_json(line, f"{path}:{n}", "JSON")
             if not isinstance(obj, dict):
                 raise TraceFormatError(f"{path}:{n}: expected a JSON object per line")
             yield n, obj
@@ -312,10 +323,7 @@ def load_weka(paths: PathLike | Iterable[PathLike], *, name: str | None = None,
     sizes: set[int] = set()
     for path in _progress(files, "weka", progress):
         with _open_text(path) as f:
-            try:
-                doc = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise TraceFormatError(f"{path}: not a JSON document ({exc.msg})") from exc
+            doc = _parse_json(f.read(), str(path), "a JSON document")
         bs, found = _weka_sessions(doc, path)
         sizes.add(bs)
         sessions += found

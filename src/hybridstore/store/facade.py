@@ -850,7 +850,7 @@ class HybridStore:
                     raise LayoutMismatchError("the store holds no page layout yet")
                 targets = [layout.targets(buf) for buf in bufs] if layout is not None else []
                 fut = self._io.submit(self._loader.run, merged, jobs, sources, (bufs, None),
-                                      targets)
+                                      targets, plans)
             except BaseException:
                 self._loader.release_sources(jobs, sources)
                 raise

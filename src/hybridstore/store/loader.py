@@ -21,7 +21,13 @@ import numpy as np
 
 from hybridstore.backends.gather import gather_rows
 from hybridstore.backends.transfer import rows_to_device, synchronize
-from hybridstore.errors import BackendIOError, CorruptObjectError, LayoutMismatchError
+from hybridstore.errors import (
+    BackendIOError,
+    CorruptObjectError,
+    HybridStoreError,
+    LayoutMismatchError,
+    PlanReleasedError,
+)
 from hybridstore.index.trie import ResumePlan
 from hybridstore.layout import Layout, Target, copy_out
 from hybridstore.objects import (
@@ -189,8 +195,14 @@ class Loader:
         return tier.stores_bytes         # read from a byte tier into it
 
     def run(self, plan: ResumePlan, jobs: list[Job], sources: list[str | None],
-            into: tuple[Any, Any] | None, targets: list[list[Target]] | None) -> tuple[Any, Any]:
-        """Read, gather and copy out the objects of a prepared load; releases its pins."""
+            into: tuple[Any, Any] | None, targets: list[list[Target]] | None,
+            plans: Sequence[ResumePlan] = ()) -> tuple[Any, Any]:
+        """Read, gather and copy out the objects of a prepared load; releases its pins.
+
+        ``plans`` are the plans whose objects are read (``(plan,)`` when empty): a plan
+        released before its load ran, its objects evicted, fails the load with
+        :class:`~hybridstore.errors.PlanReleasedError` (match again)."""
+        plans = plans or (plan,)
         tiers = self.res.tiers
         outputs: list[Any] = []
         waits: list[tuple[str, list[int], Future]] = []
@@ -253,7 +265,10 @@ class Loader:
                         reads.setdefault(src, []).append(i)
                     bufs.append(None)
                 elif tier.zero_copy:
-                    view = tier.view(okey)
+                    try:
+                        view = tier.view(okey)
+                    except KeyError as e:
+                        raise self._left(plans, src, [okey], e) from e
                     if own_buf is not None:       # never hand out a pool slot
                         own_buf[:] = view[: layout.nbytes]
                         view = own_buf
@@ -281,12 +296,8 @@ class Loader:
                 okeys = [jobs[i][0] for i in idx]
                 try:
                     waits.append((name, idx, tiers[name].read_many_into(okeys, dst, at)))
-                except KeyError as e:         # another process sharing the tier evicted it
-                    self._forget_dropped(name, okeys)
-                    raise CorruptObjectError(f"object {bytes(e.args[0]).hex()} of the plan left "
-                                             f"the {name} tier before it was read (evicted by "
-                                             "another process that shares it); match again",
-                                             key=e.args[0]) from e
+                except KeyError as e:
+                    raise self._left(plans, name, okeys, e) from e
             for name, idx, fut in waits:
                 try:
                     fut.result()
@@ -294,7 +305,10 @@ class Loader:
                     self._forget_dropped(name, [jobs[i][0] for i in idx])
                     raise
             if batch and targets is not None and rows:
-                self.gather_batch(rows, arena, offsets, targets[0], n_batch)
+                try:
+                    self.gather_batch(rows, arena, offsets, targets[0], n_batch)
+                except KeyError as e:         # a pool slot's key (locate)
+                    raise self._left(plans, "", [], e) from e
             for i, ((okey, kind), buf) in enumerate(zip(jobs, bufs)):
                 if i < n_batch:
                     continue
@@ -322,6 +336,28 @@ class Loader:
         if plan.state_key is None:
             return outputs, None
         return outputs[:-1], outputs[-1]
+
+    def _left(self, plans: Sequence[ResumePlan], src: str, okeys: list[ObjectKey],
+              error: KeyError) -> HybridStoreError:
+        """The error of a load whose object ``error.args[0]`` left tier ``src`` before it
+        was read: a plan released while its load was queued, the object then evicted
+        (:class:`PlanReleasedError`), or, the plans live, evicted by another process
+        that shares the tier (:class:`CorruptObjectError`; the objects of ``okeys`` it
+        dropped are forgotten)."""
+        key = bytes(error.args[0]) if error.args else b""
+        with self._lock:
+            released = [p for p in plans if not self.res.index.is_live(p)]
+        if released:
+            return PlanReleasedError(
+                f"plan {released[0].plan_id} was released before its load ran, and object "
+                f"{key.hex()} of it was evicted meanwhile; release a plan only once its "
+                "load's future is done, or match again and load the new plan")
+        if okeys:
+            self._forget_dropped(src, okeys)
+        where = f"the {src} tier" if src else "its tier"
+        return CorruptObjectError(f"object {key.hex()} of the plan left {where} before it was "
+                                  "read (evicted by another process that shares it); match "
+                                  "again", key=key)
 
     def _forget_dropped(self, src: str, okeys: list[ObjectKey]) -> None:
         """After a read of ``okeys`` from ``src`` failed its checksums, forget in the index

@@ -2,7 +2,8 @@
 
 Directory layout (``path``)::
 
-    LOCK              fcntl.flock'ed by the one process that has the tier open
+    LOCK              the holder's process id; it and the directory itself are
+                      fcntl.flock'ed by the one process that has the tier open
     catalog/          lmdb environment (see backends/catalog.py)
     seg-000000.dat    segment files: the SlabAllocator's arenas, one file each;
     seg-000001.dat    objects sit at 4 KiB-aligned offsets (O_DIRECT / GDS)

@@ -10,10 +10,12 @@ removed, and the catalog's record of segments is brought in line with the files.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import fcntl
 import logging
 import os
+import stat
 import struct
 
 import xxhash
@@ -122,13 +124,29 @@ class _Recovery(_TierState):
         return losers
 
     def _resolve(self, group: list[tuple[int, int, bytes, CatalogRecord]]) -> dict[bytes, str]:
-        kept: list[tuple[int, int]] = []
+        """The losers of one group of overlapping records (in offset order).
+
+        Records whose bytes fail their checksum lose.  Of those that pass, one whose slot
+        (not its bytes) reaches into the bytes of a later one has a damaged slot length:
+        it loses alone (were it kept, every object its slot covers would lose).  The
+        rest are kept in offset order while they overlap none kept."""
         losers = {}
-        for start, end, key, rec in group:
-            if any(s < end and start < e for s, e in kept):
+        real = []
+        for item in group:
+            if self._genuine(item[3]):
+                real.append(item)
+            else:
+                losers[item[2]] = ("its slot overlaps another object's and its bytes fail "
+                                   "its checksum")
+        starts = [start for start, _, _, _ in real]
+        kept: list[tuple[int, int]] = []
+        for start, end, key, rec in real:
+            after = bisect.bisect_left(starts, start + rec.length)   # the next bytes past its own
+            if after < len(real) and starts[after] < end:
+                losers[key] = (f"its slot of {rec.slot_length} bytes reaches into another "
+                               "object's bytes that pass their checksum (a damaged record)")
+            elif any(s < end and start < e for s, e in kept):
                 losers[key] = "its slot overlaps another object's that passes its checksum"
-            elif not self._genuine(rec):
-                losers[key] = "its slot overlaps another object's and its bytes fail its checksum"
             else:
                 kept.append((start, end))
         return losers
@@ -194,35 +212,82 @@ class _Recovery(_TierState):
                 self.catalog.add_segment(seg, size, None)
 
 
-def _lock_directory(path: str, shared: bool = False) -> int:
-    """Create ``path`` and hold a flock on its LOCK file (shared: by every process of a
-    shared directory; else exclusive); returns the fd."""
+def _lock_directory(path: str, shared: bool = False) -> tuple[int, int]:
+    """Create ``path`` (owner-only, see :func:`_owner_only`) and hold a flock on it
+    (shared: by every process of a shared directory; else exclusive); returns the fds
+    held, closed to unlock.
+
+    The lock is taken on the directory itself, which a stray ``rm LOCK`` cannot take
+    away (a lock on the file alone would then be on an orphan inode, and a second
+    process would create a new LOCK and get in), and on its LOCK file too, as earlier
+    versions take it, so that they and this one still exclude each other; the LOCK
+    file names the holder's process id."""
     hint = "set disk_path to a writable directory (ideally on an NVMe SSD)"
+    fds: list[int] = []
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)     # owner-only: tenants' prefixes
-        fd = os.open(os.path.join(path, LOCK_NAME),
-                     os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
-    except OSError as e:
-        raise DiskPathError(f"cannot use {path!r} as the disk tier directory: "
-                            f"{e.strerror or e}; {hint}") from e
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except OSError as e:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            how = ("by a store that does not share it" if shared else "by another store")
-            raise DiskPathError(f"the disk tier directory {path!r} is in use {how} "
-                                f"(process {holder}); close that store, open every process "
-                                "with disk_shared=True, or give each process its own "
-                                "disk_path") from e
-        raise DiskPathError(f"cannot lock {path!r}: {e.strerror}; {hint}") from e
-    if shared:
-        return fd
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except OSError as e:
-        os.close(fd)
-        raise DiskPathError(f"cannot write to {path!r}: {e.strerror}; {hint}") from e
-    return fd
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)     # owner-only: tenants' prefixes
+            fds.append(os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)))
+            _owner_only(path, fds[0])
+            fds.append(os.open(os.path.join(path, LOCK_NAME),
+                               os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600))
+        except DiskPathError:
+            raise
+        except OSError as e:
+            raise DiskPathError(f"cannot use {path!r} as the disk tier directory: "
+                                f"{e.strerror or e}; {hint}") from e
+        for fd in fds:
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            except OSError as e:
+                busy = e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+                if fd == fds[0] and not busy:   # e.g. NFS, whose flock wants a writable fd
+                    log.warning("cannot lock the directory %s itself (%s); relying on its "
+                                "LOCK file alone", path, e.strerror)
+                    continue
+                holder = os.pread(fds[1], 32, 0).decode(errors="replace").strip() or "unknown"
+                if busy:
+                    how = ("by a store that does not share it" if shared else "by another store")
+                    raise DiskPathError(f"the disk tier directory {path!r} is in use {how} "
+                                        f"(process {holder}); close that store, open every "
+                                        "process with disk_shared=True, or give each process "
+                                        "its own disk_path") from e
+                raise DiskPathError(f"cannot lock {path!r}: {e.strerror}; {hint}") from e
+        if not shared:
+            try:
+                os.ftruncate(fds[1], 0)
+                os.pwrite(fds[1], f"{os.getpid()}\n".encode(), 0)
+            except OSError as e:
+                raise DiskPathError(f"cannot write to {path!r}: {e.strerror}; {hint}") from e
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds[0], fds[1]
+
+
+def _owner_only(path: str, fd: int) -> None:
+    """Make the directory open as ``fd`` owner-only (0700), as the store creates it.
+
+    A directory the store did not create may grant group or others access: with
+    write access they could replace the catalog or a segment file (files are 0600,
+    but a directory's writers may rename and unlink them) and have forged bytes
+    loaded.  One this process owns is tightened to 0700, with a warning; a shared
+    scratch directory (sticky bit, like ``/tmp``) or one of another user that others
+    may write is refused (:class:`~hybridstore.errors.DiskPathError`): the store
+    changes no permissions but its own directory's.
+    """
+    st = os.fstat(fd)
+    if not st.st_mode & 0o077:
+        return
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid == os.geteuid() and not st.st_mode & stat.S_ISVTX:
+        os.fchmod(fd, mode & ~0o077)
+        log.warning("disk_path %r was mode %04o; made it owner-only (0700): the store's "
+                    "directory holds every tenant's prefixes", path, mode)
+        return
+    if st.st_mode & 0o022 or st.st_mode & stat.S_ISVTX:
+        raise DiskPathError(f"disk_path {path!r} is mode {mode:04o}, owned by uid "
+                            f"{st.st_uid}: other users may replace the store's files in it; "
+                            "give the store a directory of its own (it creates one 0700), "
+                            f"or chmod 700 {path!r} as its owner")

@@ -110,7 +110,7 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
         self._ssd_bps = ssd_gbps * 1e9
         self._h2d_bps = h2d_gbps * 1e9
         self._verify = verify_checksums
-        self._lock_fd = _lock_directory(self.path, shared)
+        self._lock_fds = _lock_directory(self.path, shared)
         self._shared: SharedDirectory | None = None
         self._base = 0                      # segment ids of this process: _base | n
         self._view = 0                      # change-log entries applied (shared)
@@ -485,7 +485,8 @@ class DiskTier(_WritePath, _ReadPath, _Compaction, _Recovery, SlabBudget, Tier):
             self._catalog.close()
         if self._shared is not None:
             self._shared.close()
-        os.close(self._lock_fd)  # releases the flock
+        for fd in self._lock_fds:
+            os.close(fd)  # releases the flocks
 
     # -- extents and pins (call with self._lock held) ------------------------------
     def _release(self, extent: Extent, seq: int | None = None) -> None:
