@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -45,7 +45,6 @@ from hybridstore.errors import (
     ObjectTooLargeError,
     UnauthenticValueError,
 )
-from hybridstore.layout import Layout
 from hybridstore.objects import ObjectKey, ObjectKind, byte_view, key_kind
 from hybridstore.remote_url import RemoteSpec, parse_remote
 
@@ -54,6 +53,13 @@ REPUBLISH_S = 2.0
 """How often (at most) a tier checks that the pool still holds its info records (a
 master restart loses them all) and writes back those it lost."""
 
+
+
+class LayoutRecord(Protocol):
+    """What the tier reads of the store's layout of a kind (``hybridstore.layout.Layout``,
+    a row above the backends): its canonical record, which a value's layout tag keys."""
+
+    def to_json(self) -> bytes: ...
 
 class RemoteMiss(BackendIOError, KeyError):
     """An object a batch read asked for is not (or no longer) in the tier: a ``KeyError``
@@ -110,13 +116,13 @@ class MooncakeTier(ObjectTable):
     def __init__(self, remote: str | RemoteSpec, capacity_bytes: int, *, net_gbps: float = 10.0,
                  h2d_gbps: float = 64.0, client: MooncakeClient | None = None,
                  secret: bytes | None = None, tenant: bytes = b"", encrypt: bool = False,
-                 layouts: Mapping[ObjectKind, Layout] | None = None) -> None:
+                 layouts: Mapping[ObjectKind, LayoutRecord] | None = None) -> None:
         super().__init__()
         self.spec = parse_remote(remote) if isinstance(remote, str) else remote
         self._seal = frame.Sealer(secret if secret is not None else os.urandom(32), tenant,
                                   encrypt=encrypt)
-        self._layouts: Mapping[ObjectKind, Layout] = layouts if layouts is not None else {}
-        self._layout_tags: dict[ObjectKind, tuple[Layout, bytes]] = {}
+        self._layouts: Mapping[ObjectKind, LayoutRecord] = layouts if layouts is not None else {}
+        self._layout_tags: dict[ObjectKind, tuple[LayoutRecord, bytes]] = {}
         self._records: dict[str, bytes] = {}     # info records, written back when lost
         self._republish_at = 0.0
         self._capacity = int(capacity_bytes)
