@@ -127,8 +127,16 @@ class EvictionPolicy(ABC):
             return self.partition_slack
         return self.room_slack
 
+    def on_match(self, index: HybridIndex) -> None:  # noqa: B027
+        """Called at every lookup (:meth:`~hybridstore.store.facade.HybridStore.match`),
+        before the index looks the prompt up: a request is being served now."""
+
     def on_hit(self, index: HybridIndex, checkpoint: Checkpoint) -> None:  # noqa: B027
         """Called after a resume from ``checkpoint`` (e.g. to refresh ancestors)."""
+
+    def bind_clock(self, clock: Callable[[], float]) -> None:  # noqa: B027
+        """The store's owner gives the time requests are served at (seconds: an engine's
+        wall clock, the replay's simulated time), for policies that predict returns."""
 
     def on_abandon(self, index: HybridIndex, branches: list[Checkpoint]) -> None:  # noqa: B027
         """Called after a resume with the checkpoints of the branches the prompt left there

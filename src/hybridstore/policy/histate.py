@@ -56,6 +56,7 @@ bound: the object only moves down.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +64,7 @@ import numpy as np
 from hybridstore.errors import ConfigError
 from hybridstore.index.trie import Checkpoint, HybridIndex
 from hybridstore.objects import ObjectKind
+from hybridstore.policy.nextuse import Clock, ReturnGaps
 from hybridstore.policy.units import HybridUnit, UnitEviction, kv_bytes_per_token
 
 
@@ -73,6 +75,9 @@ class _Pass:
     q: float
     weight: dict[bytes, float]   # W: internal access mass of the trajectories through a checkpoint
     priced: ObjectKind | None    # M_x counts this kind's bytes (PAGE: KV room in a split tier)
+    now: float = 0.0             # the returns' clock (HybridStoreEviction)
+    origin: float = 0.0          # its earliest stamp: an abandoned branch's recency
+    gap: dict[bytes, float] | None = None   # expected return gap per checkpoint
 
 
 class HiStateEviction(UnitEviction):
@@ -158,7 +163,11 @@ class HiStateEviction(UnitEviction):
 
     def score(self, index: HybridIndex, unit: HybridUnit, ctx: _Pass) -> float:
         freed = max(unit.freed(ctx.priced) / ctx.bytes_per_token, 1e-9)
-        return unit.ck.atime + ctx.tau * self.expected_recompute(unit.ck, ctx) / freed
+        return self.recency(unit.ck, ctx) + ctx.tau * self.expected_recompute(unit.ck, ctx) / freed
+
+    def recency(self, ck: Checkpoint, ctx: _Pass) -> float:
+        """``t_x``: the unit's last access (logical ticks)."""
+        return float(ck.atime)
 
     @staticmethod
     def expected_recompute(ck: Checkpoint, ctx: _Pass) -> float:
@@ -171,14 +180,63 @@ class HiStateEviction(UnitEviction):
 
 
 class HybridStoreEviction(HiStateEviction):
-    """Our default: HiState's eq. 7 with abandoned-branch demotion on (``policy="hybridstore"``)."""
+    """Our default (``policy="hybridstore"``): HiState's eq. 7 with abandoned-branch demotion
+    and, for ``t_x``, the predicted next use of the unit's trajectory.
+
+    ``t_x`` is :meth:`~hybridstore.policy.nextuse.ReturnGaps.recency`: ``2 now - next use``
+    on the returns' clock (:meth:`bind_clock`), which is the last access once a trajectory
+    is overdue and ranks a session served a moment ago, whose next turn is about its own
+    gap away, with those due about then; ``tau`` is then the clock's time of one turnover
+    of the tier.
+
+    Args:
+        predict_returns: ``False``: ``t_x`` is the last access, as HiState's.
+        window: gaps of a trajectory its expected gap is the median of.
+        (the others: :class:`HiStateEviction`)
+    """
 
     name = "hybridstore"
 
     def __init__(self, *, tau: float | None = None, kv_bytes_per_token: float | None = None,
-                 terminal_prob: float = 0.5, ema: float = 0.05, demote_abandoned: bool = True) -> None:
+                 terminal_prob: float = 0.5, ema: float = 0.05, demote_abandoned: bool = True,
+                 predict_returns: bool = True, window: int = 5) -> None:
         super().__init__(tau=tau, kv_bytes_per_token=kv_bytes_per_token, terminal_prob=terminal_prob,
                          ema=ema, demote_abandoned=demote_abandoned)
+        self.returns = ReturnGaps(window=window) if predict_returns else None
+
+    def bind_clock(self, clock: Clock) -> None:
+        """Date uses by ``clock`` (seconds): when requests arrive, the engine's or the replay's."""
+        if self.returns is not None:
+            self.returns.clock = clock
+
+    def on_match(self, index: HybridIndex) -> None:
+        if self.returns is not None:
+            self.returns.now(index)
+
+    def on_hit(self, index: HybridIndex, checkpoint: Checkpoint) -> None:
+        if self.returns is not None:
+            self.returns.on_hit(index, checkpoint)
+        super().on_hit(index, checkpoint)
+
+    def prepare(self, index: HybridIndex, tier: str, pages: dict[str, np.ndarray],
+                units: list[HybridUnit], kind: ObjectKind | None = None) -> _Pass:
+        ctx = super().prepare(index, tier, pages, units, kind)
+        r = self.returns
+        if r is not None:
+            ctx.now = r.now(index)
+            ctx.origin = r.time_of(0)
+            ctx.gap = r.expected_gaps(index)
+            # eq. 7's time scale on the returns' clock: how long the last tau ticks took
+            ctx.tau = max(ctx.now - r.time_of(index.now() - int(ctx.tau)), 0.0)
+        return ctx
+
+    def recency(self, ck: Checkpoint, ctx: _Pass) -> float:
+        r = self.returns
+        if r is None or ctx.gap is None:
+            return float(ck.atime)
+        if ck.atime <= 0:        # an abandoned branch: before every live trajectory
+            return ctx.origin
+        return r.recency(r.time_of(ck.atime), ctx.gap.get(ck.key, math.inf), ctx.now)
 
 
 def _leaf_weight(ck: Checkpoint, q: float) -> float:

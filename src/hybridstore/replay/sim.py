@@ -350,9 +350,24 @@ def tiering_of(p: Preset, cfg: ReplayConfig) -> TierPolicy:
     return dataclasses.replace(policy, state_share=None)
 
 
+class SimClock:
+    """The replay's simulated time, read by policies that predict returns
+    (:meth:`~hybridstore.policy.base.EvictionPolicy.bind_clock`): the trace time of the
+    request being served (sequential discipline), or when the server takes it (server)."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def build_store(p: Preset, cfg: ReplayConfig, model: ModelPreset, block_size: int,
                 objects: ObjectPlane | None = None, scale: float = 1.0,
-                footprint: int | None = None, hash_secret: bytes | None = None) -> HybridStore:
+                footprint: int | None = None, hash_secret: bytes | None = None,
+                clock: SimClock | None = None) -> HybridStore:
     """A store with the preset's policies over tiers of the configured (scaled) sizes.
 
     Args:
@@ -372,6 +387,8 @@ def build_store(p: Preset, cfg: ReplayConfig, model: ModelPreset, block_size: in
                             tier_policy=p.tier_policy, h2d_gbps=cfg.h2d_gbps, ssd_gbps=cfg.ssd_gbps,
                             hash_secret=hash_secret)
     eviction, admission = p.policies(model)
+    if clock is not None:
+        eviction.bind_clock(clock)
     return HybridStore(store_cfg, tiers=tiers, placement=p.placement(model, block_size),
                        eviction=eviction, admission=admission, tiering=tiering_of(p, cfg))
 
@@ -406,9 +423,10 @@ def replay_policy(trace: Trace, name: str, cfg: ReplayConfig, *,
     footprint = kv_footprint(trace, cfg, full) if cfg.budget is not None else None
     objects = plane_for(p)
     try:
-        store = build_store(p, cfg, model, trace.block_size, objects, scale, footprint)
+        clock = SimClock()
+        store = build_store(p, cfg, model, trace.block_size, objects, scale, footprint, clock=clock)
         loop = _run_sequential if cfg.discipline == "sequential" else _run
-        run = loop(trace, p, cfg, model, scale, store, objects, progress=progress)
+        run = loop(trace, p, cfg, model, scale, store, objects, clock, progress=progress)
     finally:
         objects.close()
     return run
@@ -602,7 +620,7 @@ def _result(session: str, req: Request, served: _Served, arrival: float,
 
 
 def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: float,
-         store: HybridStore, objects: ObjectPlane, *, progress: bool) -> PolicyRun:
+         store: HybridStore, objects: ObjectPlane, clock: SimClock, *, progress: bool) -> PolicyRun:
     """The server discipline's loop; results are at full size (the store's bytes and times
     x ``scale``)."""
     import time
@@ -636,6 +654,7 @@ def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: 
             req = session.requests[i]
             prompt = _prompt(store, req, tokens[session.id], cfg.token_level)
             begin = max(arrival, server_free)
+            clock.now = begin
             served = _serve(store, objects, p, model, scale, prompt, req, run, kv_pool)
             done = begin + served.restore_s + served.recompute_s
             server_free = done
@@ -659,7 +678,7 @@ def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: 
 
 
 def _run_sequential(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset,
-                    scale: float, store: HybridStore, objects: ObjectPlane, *,
+                    scale: float, store: HybridStore, objects: ObjectPlane, clock: SimClock, *,
                     progress: bool) -> PolicyRun:
     """The sequential discipline: every request by trace time, one at a time, no queue."""
     import time
@@ -679,6 +698,7 @@ def _run_sequential(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPres
             if req.session not in tokens:
                 tokens[req.session] = session_tokens(session) if cfg.token_level else iter(())
             prompt = _prompt(store, req, tokens[req.session], cfg.token_level)
+            clock.now = max(clock.now, req.arrival_s)
             served = _serve(store, objects, p, model, scale, prompt, req, run, kv_pool)
             run.results.append(_result(req.session, req, served, req.arrival_s, 0.0))
             if req.index + 1 == len(session.requests):

@@ -85,7 +85,9 @@ preset              models
                     (KV room priced by the pages freed under split pools) and
                     asymmetric tiering, plus abandoned-branch demotion (a branch
                     the prompt rewrote, an edited turn's dead end, goes first;
-                    ``policy/histate.py``); the README default
+                    ``policy/histate.py``) and, for eq. 7's recency, each
+                    trajectory's predicted next use (its median return gap on
+                    the replay's clock; ``policy/nextuse.py``); the README default
 ==================  ===========================================================
 
 Simplifications common to all: the GPU tier is a cache of the given budget

@@ -658,6 +658,7 @@ class HybridStore:
         with self._lock:
             self._check_open()
             self._refresh(prompt)
+            self._eviction.on_match(self.index)
             plan = self.index.match(prompt, max_position)
             if plan.state_key is not None:
                 ck = self.index.checkpoint(plan.state_key)

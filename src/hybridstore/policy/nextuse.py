@@ -1,0 +1,145 @@
+"""When a trajectory will be used next: per-trajectory return gaps on the caller's clock.
+
+The exact bound of a free-state KV cache is Belady's rule per page (farthest next use
+goes first; ``replay/bound.py``).  An agent session's context is next used when the
+session returns, and agents return at a cadence of their own (tool calls, a user
+typing): :class:`ReturnGaps` learns, per trajectory of the checkpoint tree, the gaps
+between its uses on a clock the store's owner gives (:meth:`bind_clock`: the engine's
+wall clock, the replay's simulated time; the index's logical clock when none is
+bound), and predicts the next use of a unit last used at ``last``:
+
+* ``last + g`` while that lies ahead, ``g`` the median of the trajectory's last
+  :attr:`ReturnGaps.window` gaps (of all trajectories' gaps when it has none yet): a
+  session just served is not due again for about its own gap, so under pressure it may
+  go before one that is about to return (Belady's choice against a cyclic pattern,
+  where least-recently-used order evicts exactly the session due next);
+* once overdue, ``now + (now - last)``: the longer a session has been away the longer
+  it stays away (it may have ended); that is least-recently-used order.
+
+A trajectory's gaps live on the checkpoint a request resumed from and are inherited by
+the checkpoints below it (the session's later states); a checkpoint several sessions
+resume from (a shared system prompt) learns the gaps between any of them, the next use
+of a shared page being any session's.  :meth:`ReturnGaps.recency` turns the prediction
+back into a recency term (``2 now - next``: least recent use for an overdue unit), the
+``t_x`` of HiState's eq. 7 in :class:`~hybridstore.policy.histate.HybridStoreEviction`.
+
+Measured in docs/replay.md (the default preset against the exact bound): tight budgets
+gain most, where least-recently-used order thrashes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Callable
+
+from hybridstore.errors import ConfigError
+from hybridstore.index.trie import Checkpoint, HybridIndex
+
+Clock = Callable[[], float]
+
+MAX_STAMPS = 1 << 16
+"""Tick/time pairs kept for :meth:`ReturnGaps.time_of` (the oldest half goes past it)."""
+
+
+class ReturnGaps:
+    """Per-trajectory return gaps and the next use they predict (module docstring).
+
+    Args:
+        window: gaps of a trajectory its median covers (the newest).
+        history: gaps of all trajectories kept for the default of a new one.
+    """
+
+    def __init__(self, *, window: int = 5, history: int = 512) -> None:
+        if window < 1 or history < 1:
+            raise ConfigError(f"window and history must be at least 1, got {window}, {history}")
+        self.window = window
+        self.clock: Clock | None = None
+        self._ticks: list[int] = []       # index ticks, ascending
+        self._times: list[float] = []     # the clock when the index was at that tick
+        self._gaps: dict[bytes, tuple[float, ...]] = {}   # newest gaps of a trajectory
+        self._last: dict[bytes, float] = {}               # last resume at or below a checkpoint
+        self._all: deque[float] = deque(maxlen=history)
+        self._prune_at = 4096
+
+    # -- the clock ---------------------------------------------------------------------
+    def now(self, index: HybridIndex) -> float:
+        """The clock now (the index's tick without a bound clock), stamped for :meth:`time_of`."""
+        tick = index.now()
+        t = float(tick) if self.clock is None else float(self.clock())
+        if self._ticks and tick <= self._ticks[-1]:
+            self._times[-1] = max(self._times[-1], t)
+        else:
+            self._ticks.append(tick)
+            self._times.append(max(t, self._times[-1]) if self._times else t)
+            if len(self._ticks) > MAX_STAMPS:
+                del self._ticks[:MAX_STAMPS // 2], self._times[:MAX_STAMPS // 2]
+        return self._times[-1]
+
+    def time_of(self, tick: int) -> float:
+        """The clock at the last stamp at or before ``tick``: every request is stamped
+        when it is looked up (:meth:`~hybridstore.policy.base.EvictionPolicy.on_match`),
+        before its hit and its puts advance the index's clock, so those are dated by
+        the request that made them (the oldest stamp for ticks before the first)."""
+        if not self._ticks:
+            return 0.0
+        i = bisect.bisect_right(self._ticks, tick) - 1
+        return self._times[max(i, 0)]
+
+    # -- learning ----------------------------------------------------------------------
+    def on_hit(self, index: HybridIndex, checkpoint: Checkpoint) -> None:
+        """A request resumed from ``checkpoint``: one gap of its trajectory."""
+        now = self.now(index)
+        prev = max(self._last.get(checkpoint.key, -math.inf), self.time_of(checkpoint.created))
+        gap = now - prev
+        if gap > 0:
+            self._gaps[checkpoint.key] = (*self.gaps(checkpoint), gap)[-self.window:]
+            self._all.append(gap)
+        ck: Checkpoint | None = checkpoint
+        while ck is not None:
+            self._last[ck.key] = now
+            ck = ck.parent
+        if len(self._last) > self._prune_at:   # forget the checkpoints no longer held
+            self._gaps = {k: v for k, v in self._gaps.items() if index.checkpoint(k) is not None}
+            self._last = {k: v for k, v in self._last.items() if index.checkpoint(k) is not None}
+            self._prune_at = 2 * len(self._last) + 4096
+
+    def gaps(self, checkpoint: Checkpoint) -> tuple[float, ...]:
+        """The newest gaps of the trajectory through ``checkpoint`` (nearest learnt ancestor)."""
+        ck: Checkpoint | None = checkpoint
+        while ck is not None:
+            g = self._gaps.get(ck.key)
+            if g is not None:
+                return g
+            ck = ck.parent
+        return ()
+
+    # -- predicting --------------------------------------------------------------------
+    def expected_gaps(self, index: HybridIndex) -> dict[bytes, float]:
+        """The expected gap of every checkpoint's trajectory (parents before children)."""
+        default = _median(tuple(self._all)) if self._all else math.inf
+        out: dict[bytes, float] = {}
+        for ck in sorted(index.checkpoints(), key=lambda c: c.position):
+            own = self._gaps.get(ck.key)
+            if own is not None:
+                out[ck.key] = _median(own)
+            else:
+                out[ck.key] = out.get(ck.parent.key, default) if ck.parent is not None else default
+        return out
+
+    def recency(self, last: float, gap: float, now: float) -> float:
+        """``2 now - next use`` for a unit last used at ``last`` whose trajectory returns
+        every ``gap``: ``last`` (least recent use) once overdue, or with no gap known yet
+        (``gap`` infinite)."""
+        due = last + gap
+        return 2.0 * now - due if now < due < math.inf else last
+
+
+def _median(values: tuple[float, ...]) -> float:
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+__all__ = ["Clock", "ReturnGaps"]

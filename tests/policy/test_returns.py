@@ -1,0 +1,75 @@
+"""Predicted returns (``policy="hybridstore"``, ``policy/nextuse.py``): a session just served
+is not due again for about its own gap, so under pressure it goes before the one due next.
+
+Sessions that return in turn (an agent fleet in lockstep, HiState's microbenchmark) are the
+pattern least-recently-used order gets exactly wrong: it evicts the session whose turn
+comes next.  Scenarios on a real store with accounting tiers (``tests/policy/sessions.py``)
+and a clock the test advances, bound as an engine or the replay binds theirs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridstore import HybridStore, StoreConfig
+from hybridstore.backends.accounting import AccountingTier
+from hybridstore.policy import eviction_policy
+from hybridstore.policy.nextuse import ReturnGaps
+from tests.policy.sessions import STATE, B, Session
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def store_with_clock(policy: str, clock: Clock, state_slots: int) -> HybridStore:
+    eviction = eviction_policy(policy)
+    eviction.bind_clock(clock)
+    cfg = StoreConfig(block_size=B, tier_policy="partition", policy=policy)
+    return HybridStore(cfg, tiers={"host": AccountingTier("host", 2 * state_slots * STATE,
+                                                           read_gbps=64)}, eviction=eviction)
+
+
+def rounds(policy: str) -> tuple[HybridStore, list[Session]]:
+    """Sessions A, B, C served in turn every 10 s for three rounds (the last one C's at 80 s);
+    A's next turn is due at 90 s, C's not before 110 s."""
+    clock = Clock()
+    store = store_with_clock(policy, clock, state_slots=12)
+    sessions = [Session(store, name) for name in "ABC"]
+    for r in range(3):
+        for i, s in enumerate(sessions):
+            clock.now = 30.0 * r + 10.0 * i
+            s.turn(r + 1, 512)
+    return store, sessions
+
+
+@pytest.mark.parametrize("policy, first_to_go", [("hybridstore", "C"), ("histate", "A")])
+def test_the_session_just_served_goes_before_the_one_due_next(policy, first_to_go):
+    store, (a, b, c) = rounds(policy)
+    assert store.evict(STATE, "host") >= STATE
+    touched = [s.name for s in (a, b, c) if not all(s.has(t) for t in (1, 2, 3))]
+    assert touched == [first_to_go], policy
+    assert all(s.has(3) for s in (a, b, c))   # an earlier turn's state (eq. 7: cheap) first
+
+
+def test_gaps_are_learnt_per_trajectory_and_date_puts_by_their_request():
+    store, (a, b, c) = rounds("hybridstore")
+    returns = store._eviction.returns
+    assert isinstance(returns, ReturnGaps)
+    for s in (a, b, c):
+        ck = s.checkpoint(3)
+        assert ck is not None
+        assert returns.gaps(ck) == (30.0, 30.0)      # two returns, each 30 s after the last
+    assert returns.time_of(c.checkpoint(3).created) == 80.0   # C's put is dated by its request
+    assert returns.time_of(a.checkpoint(1).created) == 0.0
+
+
+def test_an_overdue_trajectory_ranks_by_its_last_use():
+    returns = ReturnGaps()
+    assert returns.recency(last=80.0, gap=30.0, now=85.0) == 2 * 85.0 - 110.0   # due at 110
+    assert returns.recency(last=50.0, gap=30.0, now=85.0) == 50.0               # overdue: LRU
+    assert returns.recency(last=50.0, gap=float("inf"), now=85.0) == 50.0    # no estimate: LRU
