@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridstore.errors import ConfigError
-from hybridstore.units import parse_bytes
+from hybridstore.units import TRUE_WORDS, parse_bytes
 
 DISK_ENGINES = ("auto", "kvikio", "posix")
 KVIKIO_TUNED = frozenset({"auto_direct_io_read", "task_size"})
@@ -241,7 +241,7 @@ class StoreConfig:
                     raise ConfigError(f"HYBRIDSTORE_{field.name.upper()}={raw!r} is not "
                                       f"{'an integer' if convert is int else 'a number'}") from None
             elif field.type in ("bool",):
-                kwargs[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+                kwargs[field.name] = raw.strip().lower() in TRUE_WORDS
             else:
                 kwargs[field.name] = raw
         kwargs["kvikio_keep"] = frozenset(name for name in KVIKIO_TUNED

@@ -50,6 +50,7 @@ from typing import Any
 from hybridstore.adapters.vllm.staging import PREFIX, SUFFIX
 from hybridstore.config import StoreConfig, parse_bytes
 from hybridstore.errors import ConfigError, UnsupportedModelError
+from hybridstore.units import parse_flag
 
 _STORE_KEYS = ("disk_bytes", "host_bytes", "policy", "checkpoint_policy", "tier_policy",
                "disk_engine", "io_threads", "io_chunk_bytes", "verify_checksums")
@@ -99,20 +100,6 @@ def parse_locality(value: Any) -> Any:
         return Locality(str(value).upper())
     except ValueError:
         raise ConfigError(f"locality must be 'LOCAL' or 'REMOTE', got {value!r}") from None
-
-
-def parse_flag(value: Any, name: str) -> bool:
-    """A boolean setting given as a bool or a string (``"false"``, ``"0"``, ...).
-
-    Raises:
-        ConfigError: neither.
-    """
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on",
-                                                            "0", "false", "no", "off"):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    raise ConfigError(f"{name} must be true or false, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -56,8 +56,9 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from hybridstore import HybridStore, PrefixKeys, ResumePlan, StoreConfig
 from hybridstore.adapters.vllm.compat import offloading_event
-from hybridstore.adapters.vllm.settings import parse_flag, parse_locality, store_kwargs
+from hybridstore.adapters.vllm.settings import parse_locality, store_kwargs
 from hybridstore.errors import ConfigError, HybridStoreError
+from hybridstore.units import parse_flag
 
 log = logging.getLogger(__name__)
 

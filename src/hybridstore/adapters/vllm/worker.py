@@ -98,6 +98,8 @@ class HybridStoreWorker(OffloadingWorker):
                               f"slot has {region.slot_bytes} B: worker_kv_bytes_per_block is "
                               "smaller than this worker's pages")
         self.group_bytes = tuple(group_bytes)
+        # each group's first layer tensor: where 0.34's DevicePointers are read back from
+        self._group_tensor = [refs[0][0] if refs else -1 for refs in self._refs]
         region.group_bytes[rank, :] = group_bytes
         self._flat = region.slots.reshape(-1)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridstore-vllm-worker")
@@ -135,7 +137,7 @@ class HybridStoreWorker(OffloadingWorker):
 
     # -- jobs -----------------------------------------------------------------------------
     def _span(self, gpu: Any) -> BlockSpan:
-        return block_span(gpu, self._tensors, [refs[0][0] if refs else -1 for refs in self._refs])
+        return block_span(gpu, self._tensors, self._group_tensor)
 
     def _submit(self, job_id: int, fn, gpu: BlockSpan, staged: StagedKeys) -> None:
         def run() -> None:
