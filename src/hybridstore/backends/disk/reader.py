@@ -23,6 +23,7 @@ from hybridstore.backends.base import FutureSum
 from hybridstore.backends.catalog import CatalogRecord
 from hybridstore.backends.disk.objects import (
     COALESCE_BYTES,
+    checksum,
     _check_key,
     _Object,
     _TierState,
@@ -188,14 +189,14 @@ class _ReadPath(_TierState):
                 out = dst[off:off + rec.length]
                 got = None
                 if failed is None:
-                    got = xxhash.xxh3_64_intdigest(out) if self._verify else rec.checksum
+                    got = checksum(out) if self._verify else rec.checksum
                     if got == rec.checksum:
                         got_bytes += rec.length
                         continue
 
                 def again(out: np.ndarray = out, rec: CatalogRecord = rec) -> int:
                     self.engine.read(file, out, rec.length, rec.offset)
-                    return xxhash.xxh3_64_intdigest(out) if self._verify else rec.checksum
+                    return checksum(out) if self._verify else rec.checksum
 
                 lost = self._salvage(key, obj, again, failed, got)
                 if lost is None:
@@ -332,17 +333,17 @@ class _ReadTarget:
         if self.host is not None:
             if not verify or nbytes <= engine.stream_piece_bytes:
                 engine.read(file, self.host, nbytes, offset)
-                return xxhash.xxh3_64_intdigest(self.host) if verify else 0
+                return checksum(self.host) if verify else 0
             return _read_hashing(engine, file, self.host, nbytes, offset)
         import torch
 
         if engine.name.startswith("kvikio"):  # kvikio reads into device memory itself
             engine.read(file, self.tensor, nbytes, offset)
-            return xxhash.xxh3_64_intdigest(self.tensor.cpu().numpy()) if verify else 0
+            return checksum(self.tensor.cpu().numpy()) if verify else 0
         host = aligned_empty(nbytes)
         engine.read(file, host, nbytes, offset)
         self.tensor.copy_(torch.from_numpy(host))
-        return xxhash.xxh3_64_intdigest(host) if verify else 0
+        return checksum(host) if verify else 0
 
 
 def _read_hashing(engine: Engine, file: Any, host: np.ndarray, nbytes: int, offset: int) -> int:

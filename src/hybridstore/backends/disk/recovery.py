@@ -18,11 +18,10 @@ import os
 import stat
 import struct
 
-import xxhash
 
 from hybridstore.backends.alloc import Extent
 from hybridstore.backends.catalog import CatalogRecord
-from hybridstore.backends.disk.objects import LOCK_NAME, _Object, _TierState, segment_bytes_for
+from hybridstore.backends.disk.objects import LOCK_NAME, _Object, checksum, _TierState, segment_bytes_for
 from hybridstore.backends.engines import ALIGN
 from hybridstore.errors import CapacityError, DiskPathError
 from hybridstore.objects import OBJECT_KEY_BYTES
@@ -159,7 +158,7 @@ class _Recovery(_TierState):
                 data = fh.read(rec.length)
         except OSError:
             return False
-        return len(data) == rec.length and xxhash.xxh3_64_intdigest(data) == rec.checksum
+        return len(data) == rec.length and checksum(data) == rec.checksum
 
     def _check_record(self, key: bytes, rec: CatalogRecord) -> str | None:
         if len(key) != OBJECT_KEY_BYTES:

@@ -16,7 +16,6 @@ from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from hybridstore.backends.alloc import Extent
 from hybridstore.backends.catalog import CatalogRecord
@@ -26,6 +25,7 @@ from hybridstore.backends.disk.objects import (
     _STOP,
     COALESCE_BYTES,
     COMMIT_GATHER_S,
+    checksum,
     _check_key,
     _full_error,
     _Object,
@@ -168,12 +168,12 @@ class _WritePath(_TierState):
         try:
             file = self._files[p.extent.arena]
             if p.nbytes <= engine.stream_piece_bytes:
-                p.checksum = xxhash.xxh3_64_intdigest(p.view)
+                p.checksum = checksum(p.view)
                 engine.write(file, p.view, p.nbytes, p.extent.offset)
             else:  # checksum while the engine's threads write (both only read p.view)
                 written = engine.pwrite(file, p.view, p.nbytes, p.extent.offset)
                 try:
-                    p.checksum = xxhash.xxh3_64_intdigest(p.view)
+                    p.checksum = checksum(p.view)
                 finally:
                     written.exception()  # wait for the write whatever happened here
                 written.result()
@@ -204,7 +204,7 @@ class _WritePath(_TierState):
                     buf[at:at + p.nbytes] = p.view
                     end = at + p.nbytes
             for p in run:
-                p.checksum = xxhash.xxh3_64_intdigest(p.view)
+                p.checksum = checksum(p.view)
             self.engine.write(self._files[first.arena], buf, span, first.offset)
         except BaseException as e:  # noqa: BLE001 - reported through the futures
             self._landed(len(run))
