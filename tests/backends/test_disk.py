@@ -778,6 +778,58 @@ def test_read_many_into_drops_each_corrupt_object_and_fails_once_all_reads_are_d
             assert tier.contains(keys[i])
 
 
+@pytest.mark.parametrize("verify", [True, False])
+def test_read_many_into_catches_a_flip_deep_in_the_last_chunk_of_a_multi_mib_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool) -> None:
+    """vLLM's load shape: 1.5 MiB chunks read as one multi-MiB run.  A byte flipped in the
+    last MiB of the run's last chunk fails the load and drops that chunk only; unverified
+    (``verify_checksums=False``) the same bytes land as they are, so it is the checksum
+    that catches it."""
+    path = tmp_path / "d"
+    nbytes = 3 * MiB // 2
+    with open_tier(path, capacity=256 * MiB, segment_bytes=32 * MiB,
+                   verify_checksums=verify) as tier:
+        keys = _put_run(tier, 4, nbytes, 4)
+        recs = [tier.catalog.get(k) for k in keys]
+        assert len({r.segment for r in recs}) == 1
+        base = min(r.offset for r in recs)
+        last = max(range(4), key=lambda i: recs[i].offset)
+        flip = recs[last].offset + nbytes - 4096 - 123
+        fd = os.open(path / segment_name(recs[last].segment), os.O_RDWR)
+        os.pwrite(fd, bytes([os.pread(fd, 1, flip)[0] ^ 0x01]), flip)
+        os.close(fd)
+        sizes = _counting(tier, "read", monkeypatch)
+        dst = aligned_empty(max(r.offset for r in recs) + nbytes - base)
+        offsets = [r.offset - base for r in recs]        # spaced exactly like the disk
+        fut = tier.read_many_into(keys, dst, offsets)
+        if verify:
+            with pytest.raises(CorruptObjectError) as err:
+                fut.result()
+            assert err.value.key == keys[last] and not tier.contains(keys[last])
+            assert tier.stats()["corrupt_dropped"] == 1
+        else:
+            assert fut.result() == 4 * nbytes and tier.contains(keys[last])
+            assert dst[flip - base] != payload(nbytes, 4000 + last)[flip - recs[last].offset]
+        assert sizes[0] > 4 * MiB                        # the chunks came as one run
+        for i in range(4):
+            if i != last:
+                assert np.array_equal(dst[offsets[i]:offsets[i] + nbytes],
+                                      payload(nbytes, 4000 + i))
+                assert tier.contains(keys[i])
+
+
+def test_checksum_is_the_one_shot_xxh3_64() -> None:
+    """The GIL-releasing helper gives the catalog's digest (the one-shot xxh3_64) at every
+    length around xxh3's internal block and stripe sizes."""
+    import xxhash
+
+    from hybridstore.backends.disk.objects import checksum
+
+    data = payload(3 * MiB + 17, 9)
+    for n in (0, 1, 16, 17, 128, 129, 240, 241, 1024, 1025, 64 * 1024, MiB + 1, len(data)):
+        assert checksum(data[:n]) == xxhash.xxh3_64_intdigest(data[:n].tobytes())
+
+
 def test_read_many_into_checks_before_reading(tmp_path: Path) -> None:
     with open_tier(tmp_path / "d") as tier:
         keys = _put_run(tier, 3, 10_000, 3)
