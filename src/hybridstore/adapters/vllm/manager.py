@@ -405,6 +405,7 @@ class HybridStoreManager(OffloadingManager):
             req = self._request(req_context)
             pages = sorted((s for s in staged if s.group == self._plan.page_group),
                            key=lambda s: s.position)
+            self._queue(pages)   # every run goes to the put thread (a run it drops too)
             # runs of consecutive chunks, each chained onto the page before it
             run: list[_Staged] = []
             for s in pages:
@@ -412,7 +413,6 @@ class HybridStoreManager(OffloadingManager):
                             or run[-1].position % self._page_tokens):
                     self._submit(self._put_pages, run, self._before(req, run, req_context))
                     run = []
-                s.queued = True
                 run.append(s)
             if run:
                 self._submit(self._put_pages, run, self._before(req, run, req_context))
