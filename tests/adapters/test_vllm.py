@@ -153,6 +153,32 @@ def test_small_staging_loads_what_fits(tmp_path):
         engine.shutdown()
 
 
+def test_concurrent_prompts_sent_again_at_once_hit_every_block(tmp_path):
+    """Issue 26 §2: two prompts at once through a small staging region (8 slots: stores
+    stage 4 keys at a time, loads take at most 4), sent again at once after they finished:
+    every block of both is a hit, bit-exact.  vLLM never offers again a chunk the manager
+    left out of ``keys_to_store`` (so a store is all or nothing, offered again while the
+    request runs), and a held key whose load must wait for another request's slots is a
+    RETRY, not a MISS that vLLM would recompute."""
+    engine = Engine(extra(tmp_path, staging_bytes=8 * 4096), num_blocks=128, forward_waits=True)
+    try:
+        assert engine.manager._region.nslots == 8
+        prompts = {f"A{j}": [1000 * (j + 1) + t for t in PROMPT] for j in range(2)}
+        engine.fill_random(6)
+        first = engine.run_all(prompts, decode=4)   # A1 is stored once A0's put is done
+        snap = engine.snapshot()
+        engine.sched.reset_prefix_cache()
+        engine.zero()
+        again = engine.run_all({f"B{j}": prompts[f"A{j}"] + [999, 998] for j in range(2)},
+                               decode=4)
+        assert [again[f"B{j}"].hit for j in range(2)] == [CHUNKS * BLOCK] * 2
+        for j in range(2):
+            assert all(loaded_equal(engine, snap, first[f"A{j}"], again[f"B{j}"]))
+        engine.settle()
+    finally:
+        engine.shutdown()
+
+
 def tier_extra(tmp_path, **changes):
     cfg = {"spec_name": "TieringCPUSpec", "spec_module_path": "tests.adapters.vllm_harness",
            "block_size": BLOCK, "cpu_bytes_to_use": 6 * 4096,        # 6 primary chunks

@@ -83,6 +83,8 @@ class Run:
     req: Request
     tables: list[tuple[list[int], ...]] = field(default_factory=list)
     steps: int = 0
+    hit: int | None = None
+    """Tokens computed when first scheduled: vLLM's prefix cache plus the connector's load."""
 
     def block(self, group: int, index: int) -> int:
         """The first GPU block the request held at logical ``index`` of ``group`` (0: none).
@@ -113,6 +115,9 @@ class Engine:
     num_blocks: int = 64
     hash_block: int = BLOCK
     connector: str = "HybridStoreConnector"
+    forward_waits: bool = False
+    """The step's forward outlasts the copies it started (a real engine's step takes
+    milliseconds, the harness's none): they finish before the worker reports."""
     sched: Scheduler = field(init=False)
     worker: OffloadingConnector = field(init=False)
     kv: dict[str, torch.Tensor] = field(init=False)
@@ -174,31 +179,43 @@ class Engine:
 
     def run(self, rid: str, tokens: list[int], max_steps: int = 200, decode: int = 2) -> Run:
         """Run one request to the end (prefill + ``decode`` tokens), as the model runner would."""
+        return self.run_all({rid: tokens}, max_steps, decode)[rid]
+
+    def run_all(self, prompts: dict[str, list[int]], max_steps: int = 200, decode: int = 2
+                ) -> dict[str, Run]:
+        """Run requests concurrently (all added at once) until every one has finished."""
         sp = SamplingParams(max_tokens=decode)  # the runner "samples" token 7 each step
         sp.update_from_generation_config({}, 50256)
-        req = Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp,
-                      pooling_params=None,
-                      block_hasher=get_request_block_hasher(self.hash_block, sha256))
-        self.sched.add_request(req)
-        run = Run(req)
+        runs = {}
+        for rid, tokens in prompts.items():
+            req = Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp,
+                          pooling_params=None,
+                          block_hasher=get_request_block_hasher(self.hash_block, sha256))
+            self.sched.add_request(req)
+            runs[rid] = Run(req)
         for step in range(max_steps):
             so = self.sched.schedule()
+            for rid, n in so.num_scheduled_tokens.items():
+                run = runs.get(rid)
+                if run is not None and run.hit is None:   # first scheduled: after any load
+                    run.hit = run.req.num_computed_tokens - n
             connector_output = self._worker_step(so)
-            if rid in self.sched.requests:
-                run.tables.append(tuple(list(b) for b in
-                                        self.sched.kv_cache_manager.get_block_ids(rid)))
+            for rid, run in runs.items():
+                if rid in self.sched.requests:
+                    run.tables.append(tuple(list(b) for b in
+                                            self.sched.kv_cache_manager.get_block_ids(rid)))
+                    run.steps = step + 1
             reqs = self.sched.running
             out = runner_output([r.request_id for r in reqs], [[7] for _ in reqs],
                                 connector_output)
             self.sched.update_from_output(so, out)
-            run.steps = step + 1
-            if not self.sched.requests:
+            if not any(rid in self.sched.requests for rid in runs):
                 break
             if so.total_num_scheduled_tokens == 0:
                 time.sleep(0.002)       # waiting on the manager's put thread or a load
         else:
-            raise AssertionError(f"request {rid} did not finish in {max_steps} steps")
-        return run
+            raise AssertionError(f"requests {sorted(runs)} did not finish in {max_steps} steps")
+        return runs
 
     def step(self) -> None:
         """One engine step with nothing scheduled (workers report, the manager completes)."""
@@ -209,10 +226,15 @@ class Engine:
         """The worker-role connector's part of one step, as vLLM's model runner drives it
         (``handle_preemptions`` ... ``build_connector_worker_meta``)."""
         md = so.kv_connector_metadata
+        cw = self.worker.connector_worker    # the stores it deferred start now, and the loads
+        started = ({job[0] for job in cw._unsubmitted_store_jobs} | set(md.load_jobs)
+                   | (set(md.jobs_to_flush) & set(md.store_jobs)))
         self.worker.handle_preemptions(md)
         self.worker.bind_connector_metadata(md)
         self.worker.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={},
                                                  slot_mapping={}))
+        if self.forward_waits:
+            cw.worker.wait(started)
         if so.total_num_scheduled_tokens > 0:
             self.worker.wait_for_save()
         sending, recving = self.worker.get_finished(so.finished_req_ids)

@@ -11,11 +11,14 @@ vLLM call         here
                   no eviction can race the load); Mamba key at ``p``: ``p`` is a complete
                   resume point (``match(max_position=p)`` lands exactly on ``p``: pages
                   ``[0, p)`` and the state, pinned); a key whose put is still queued:
-                  ``HIT_PENDING`` (vLLM retries next step)
+                  ``HIT_PENDING``; a held key while other loads hold the staging slots:
+                  ``RETRY`` (vLLM asks again next step for both)
 ``prepare_load``  one plan for the load (``match_pages`` or ``match``), ``store.load``
                   into the staging slots; a done-callback marks each slot ready
 ``complete_load`` release the plan, free the slots
-``prepare_store`` slots for the keys not held yet (the workers copy GPU blocks there)
+``prepare_store`` slots for all the keys not held yet, or None (vLLM skips the keys it
+                  offered and we refused, so never some of them); waits for the slots the
+                  put thread is returning (the workers copy GPU blocks there)
 ``complete_store``  the put thread puts the staged bytes: pages with ``put_kv``, the Mamba
                   blocks of all state groups at ``p`` as one checkpoint ``put_state(.., p)``
 ``take_events``   stored keys; a key found gone by a later lookup as removed
@@ -77,6 +80,8 @@ class _Staged:
     group: int          # position in OffloadingConfig.groups
     position: int       # end token
     req_id: str
+    queued: bool = False
+    """Its put is queued on the put thread: the slot comes back without a scheduler step."""
 
 
 @dataclass
@@ -193,8 +198,8 @@ class HybridStoreManager(OffloadingManager):
             i = self._block(p)
             if gpos == self._plan.page_group and p % self._page_tokens == 0:
                 req.chain[i] = key
-            if self._promised() >= self._load_cap:
-                return LookupResult.MISS      # its load could not be staged now: recompute
+            if len(req.pins) >= self._load_cap:
+                return LookupResult.MISS      # a load this big is never staged: recompute
             if gpos == self._plan.page_group:
                 prompt = self._resolve(key, p)
                 plan = self.store.match_pages(prompt, first=i) if prompt is not None else None
@@ -208,6 +213,11 @@ class HybridStoreManager(OffloadingManager):
                     self.store.release(plan)
                 self._forget(key)
                 return LookupResult.MISS
+            if self._promised() >= self._load_cap:
+                # held, but other requests' loads hold the slots: vLLM asks again next
+                # step (a MISS would have it recompute what is here)
+                self.store.release(plan)
+                return LookupResult.RETRY
             req.pins[key] = plan
             self.counters["hits"] += 1
             return LookupResult.HIT
@@ -350,11 +360,27 @@ class HybridStoreManager(OffloadingManager):
             if not todo:
                 return PrepareStoreOutput(keys_to_store=[], store_spec=StagedKeys([]),
                                           evicted_keys=[])
-            n = min(len(todo), self._slots.free - self._load_cap)
-            slots = self._slots.take(n, keep=self._load_cap) if n > 0 else None
-            if slots is None:
-                return None          # vLLM offers these chunks again next step
-            todo = todo[:n]
+            # vLLM moves past every chunk it offered, accepted or not (_build_store_jobs
+            # sets next_stored_chunk_idx to the end of the offer): a key left out here is
+            # never offered again.  So all or nothing: None, and vLLM offers them all
+            # again next step, while the request runs.
+            room = self._region.nslots - self._load_cap
+            if len(todo) > room:
+                log.warning("hybridstore: request %s offers %d keys at once, the staging "
+                            "region stages %d: the rest are not stored; raise staging_bytes",
+                            req_context.req_id, len(todo), room)
+                todo = todo[:room]
+            # what loads may still take (those that hold their slots already count)
+            keep = max(self._load_cap - self._promised(), 0)
+            slots = self._slots.take(len(todo), keep=keep)
+            queued = sum(s.queued for s in self._staged.values())
+        if slots is None and self._slots.free - keep + queued >= len(todo):
+            # the put thread returns enough slots without a scheduler step (a finished
+            # request's offer is its last one): wait for them, outside the lock it takes
+            slots = self._slots.take_waiting(len(todo), self._timeout, keep=keep)
+        if slots is None:
+            return None          # vLLM offers these chunks again next step
+        with self._mu:
             for (key, gpos, p), slot in zip(todo, slots):
                 self._staged[key] = _Staged(key, slot, gpos, p, req_context.req_id)
             return PrepareStoreOutput(keys_to_store=[k for k, _, _ in todo],
@@ -379,6 +405,7 @@ class HybridStoreManager(OffloadingManager):
             req = self._request(req_context)
             pages = sorted((s for s in staged if s.group == self._plan.page_group),
                            key=lambda s: s.position)
+            self._queue(pages)   # every run goes to the put thread (a run it drops too)
             # runs of consecutive chunks, each chained onto the page before it
             run: list[_Staged] = []
             for s in pages:
@@ -397,6 +424,7 @@ class HybridStoreManager(OffloadingManager):
                 parts[s.group] = s
                 if len(parts) == len(self._plan.state_groups):
                     del self._parts[anchor]
+                    self._queue(parts.values())
                     self._submit(self._put_state, anchor, parts)
 
     def _before(self, req: _Request, run: list[_Staged], ctx: ReqContext
@@ -482,6 +510,7 @@ class HybridStoreManager(OffloadingManager):
         if prompt is None:
             with self._mu:
                 self._deferred.append((anchor, parts))
+                self._queue(parts.values(), False)
             return False
         try:
             state = np.concatenate([self._region.payload(parts[g].slot, self._nbytes(g))
@@ -501,11 +530,18 @@ class HybridStoreManager(OffloadingManager):
     def _retry_deferred(self) -> None:
         with self._mu:
             waiting, self._deferred = self._deferred, []
+            for _, parts in waiting:
+                self._queue(parts.values())
         for anchor, parts in waiting:
             self._put_state(anchor, parts)
         with self._mu:
             for req_id in {s.req_id for _, parts in self._deferred for s in parts.values()}:
                 self._maybe_drop(req_id)
+
+    @staticmethod
+    def _queue(staged: Iterable[_Staged], queued: bool = True) -> None:
+        for s in staged:
+            s.queued = queued
 
     def _unstage(self, s: _Staged) -> None:
         if self._staged.get(s.key) is s:

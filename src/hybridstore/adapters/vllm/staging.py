@@ -213,10 +213,11 @@ class SlotPool:
                 return None
             return [self._free.popleft() for _ in range(n)]
 
-    def take_waiting(self, n: int, timeout: float) -> list[int] | None:
-        """``n`` slots, waiting up to ``timeout`` s for stores in flight to return theirs."""
+    def take_waiting(self, n: int, timeout: float, *, keep: int = 0) -> list[int] | None:
+        """``n`` slots, waiting up to ``timeout`` s for stores in flight to return theirs
+        (None if fewer than ``n + keep`` are free by then)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: len(self._free) >= n, timeout):
+            if not self._cond.wait_for(lambda: len(self._free) >= n + keep, timeout):
                 return None
             return [self._free.popleft() for _ in range(n)]
 
