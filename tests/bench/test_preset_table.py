@@ -28,3 +28,13 @@ def test_cells_pick_the_best_other_and_the_share_of_the_bound(tmp_path):
     text = table(cells)
     assert "0.720 (90.0%) / 0.750 `b` / 0.800" in text      # below the best other: not bold
     assert "**0.880** (97.8%) / 0.850 `a` / 0.900" in text  # at least the best other: bold
+
+
+def test_an_earlier_run_kept_beside_the_new_one_is_skipped(tmp_path):
+    """An earlier run kept beside a rerun (``T-P-*-before.json``) names the same preset;
+    sorted after the new file its rows would win."""
+    (tmp_path / "bound-t-split.json").write_text(json.dumps({"rows": [{"budget": 0.1, "bound": 0.8}]}))
+    _sweep(tmp_path / "t-split-hybridstore.json", [(0.1, "hybridstore", 0.72)])
+    _sweep(tmp_path / "t-split-weka-before.json", [(0.1, "hybridstore", 0.5)])
+    _sweep(tmp_path / "t-split-others.json", [(0.1, "a", 0.6)])
+    assert _cells(tmp_path)[0]["default"] == 0.72

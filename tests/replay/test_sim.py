@@ -115,3 +115,17 @@ def test_replay_is_deterministic():
     b = replay(trace, ["histate"], cfg, progress=False)["histate"].summary()
     for key in ("token_hit_rate", "ttft_p99_s", "evictions"):
         assert a[key] == b[key]
+
+
+def test_a_put_the_tiers_cannot_make_room_for_is_not_cached_rather_than_raised():
+    """``sglang-extra`` in the server discipline at 10/20/40 GiB on the bundled sample
+    (issue 27): at request 159 the device's KV partition holds only pages whose checkpoints
+    live in the host tier alone (needed, last copies), so its put finds no room.  The
+    engine serves the request and leaves it uncached (``unstored_requests``), as it does a
+    prompt it has no free blocks for, instead of failing the replay."""
+    cfg = ReplayConfig(gpu_gib=10, host_gib=20, disk_gib=40, max_requests=170)
+    run = replay(load(str(weka_sample())), ["sglang-extra"], cfg, progress=False)["sglang-extra"]
+    s = run.summary()
+    assert s["requests"] == 170
+    assert s["unstored_requests"] >= 1
+    assert 0 < s["token_hit_rate"] < 1

@@ -96,7 +96,8 @@ class EvictionPolicy(ABC):
             first, FlashStates' hybrid-state unit); when False pages go in
             plain policy order and checkpoints may be left without their KV
             (the dependency misses vLLM and SGLang show).
-        room_slack, partition_slack, states_free_pages, whole_leaves: see below.
+        room_slack, partition_slack, states_free_pages, whole_leaves, ranks_used_later: see
+            below.
     """
 
     name: str = "eviction"
@@ -117,6 +118,13 @@ class EvictionPolicy(ABC):
     needed with it, as SGLang deletes a radix leaf whole, its KV with its state (its Mamba
     eviction too); otherwise only as many as the room asked for, and after a state
     eviction none: the rest stay until the page ranking reaches them."""
+    ranks_used_later: bool = True
+    """A use moves an object later in this policy's order (recency orders), so a ranking
+    made before the use stays valid for the rest once the used objects are skipped, and the
+    store may reuse it across evictions (:meth:`~hybridstore.store.evictor.Evictor.evict`).
+    ``False`` where a use can move an object *earlier* (a predicted next use: the session just
+    served is due last): every eviction then ranks afresh, else a reused ranking skips the
+    sessions served since it was made, exactly those due last, and takes the ones due next."""
     demotes_abandoned: bool = False
     """The store reports, at each resume, the never-resumed branches the prompt left
     (:func:`abandoned_branches`, :meth:`on_abandon`)."""

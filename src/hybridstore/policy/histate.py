@@ -203,6 +203,8 @@ class HybridStoreEviction(HiStateEviction):
         super().__init__(tau=tau, kv_bytes_per_token=kv_bytes_per_token, terminal_prob=terminal_prob,
                          ema=ema, demote_abandoned=demote_abandoned)
         self.returns = ReturnGaps(window=window) if predict_returns else None
+        # a use moves a unit to its next use, later than those due before it: due LAST
+        self.ranks_used_later = not predict_returns
 
     def bind_clock(self, clock: Clock) -> None:
         """Date uses by ``clock`` (seconds): when requests arrive, the engine's or the replay's."""

@@ -237,6 +237,7 @@ class PolicyRun:
     scale: float = 1.0
     data: dict[str, Any] | None = None
     refused: int = 0
+    unstored: int = 0
     duplicated_pages: int = 0
 
     def summary(self) -> dict[str, Any]:
@@ -262,6 +263,7 @@ class PolicyRun:
             "requests_per_s": len(res) / self.wall_s if self.wall_s else 0.0,
             "block_lookups_per_s": self.lookups / self.wall_s if self.wall_s else 0.0,
             "scale": self.scale, "refused_requests": self.refused,
+            "unstored_requests": self.unstored,
             "duplicated_pages": self.duplicated_pages,
         }
 
@@ -466,7 +468,10 @@ def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPres
     with its KV resident: an engine refuses it (SGLang aborts a prompt longer than its
     ``max_total_tokens``; vLLM cannot schedule more blocks than its pool holds), so it is
     served from its match and nothing of it is stored (``run.refused`` counts them);
-    storing it would flush the whole pool for a prompt that cannot stay.
+    storing it would flush the whole pool for a prompt that cannot stay.  A put the store
+    cannot make room for (everything left pinned or needed: ``CapacityError``) degrades
+    the same way: the request is served, the rest of its prompt is not cached
+    (``run.unstored`` counts them).
     """
     plan = store.match(prompt)
     run.lookups += prompt.nblocks
@@ -492,14 +497,22 @@ def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPres
     if refused:
         run.refused += 1
     else:
-        _put_segment(store, objects, prompt, plan.position, hints, page_bytes,
-                     p.state_bytes(model), kv_to_last_state=p.kv_to_last_state)
-        if p.duplicates:
-            run.duplicated_pages += put_duplicates(
-                store, objects, prompt, plan.position, last_used, page_bytes,
-                serial=len(run.results) + 1, block_tokens=vllm_hybrid_pages(model).block_tokens)
-        if p.loads_into_device:
-            _land_in_device(store, prompt, plan, hints)
+        try:
+            _put_segment(store, objects, prompt, plan.position, hints, page_bytes,
+                         p.state_bytes(model), kv_to_last_state=p.kv_to_last_state)
+            if p.duplicates:
+                run.duplicated_pages += put_duplicates(
+                    store, objects, prompt, plan.position, last_used, page_bytes,
+                    serial=len(run.results) + 1,
+                    block_tokens=vllm_hybrid_pages(model).block_tokens)
+            if p.loads_into_device:
+                _land_in_device(store, prompt, plan, hints)
+        except CapacityError:
+            # Everything left in the tier is pinned or needed (e.g. KV whose checkpoints
+            # only a lower tier holds): the engine served the request but cannot cache
+            # it, as it skips caching a prompt it has no free blocks for.  What landed
+            # before the refusal stays; nothing more of this prompt is stored.
+            run.unstored += 1
     return _Served(plan.position, restore_s, recompute_s,
                    {t: round(n * scale) for t, (n, _) in cost.items()}, measured)
 

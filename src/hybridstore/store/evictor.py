@@ -275,7 +275,9 @@ class Evictor:
         least ``REUSE_RANKING_OBJECTS`` objects one ranking serves later
         evictions too, for up to a quarter of the tier's objects in index
         operations; objects used since it was made are skipped (they are no
-        longer where it ranked them).  Smaller tiers rank afresh every time.
+        longer where it ranked them).  Smaller tiers, and policies for which a use
+        can move an object earlier in the order (``EvictionPolicy.ranks_used_later``
+        False: predicted next uses), rank afresh every time.
         Consecutive page victims are taken as one batch (:meth:`_evict_pages`),
         about as many as the bytes still owed need.
 
@@ -428,7 +430,7 @@ class Evictor:
     def _ranking(self, tier: str, kind: ObjectKind | None, fresh: bool) -> tuple[_Victims, int]:
         """The policy's victim order for ``tier``, reused when the tier is large (see :meth:`evict`)."""
         n = self.res.objects[tier]
-        if n < REUSE_RANKING_OBJECTS:
+        if n < REUSE_RANKING_OBJECTS or not self.policy.ranks_used_later:
             return _Victims(self._victims(tier, kind)), -1
         now = self.res.index.now()
         entry = self._rankings.get((tier, kind))
