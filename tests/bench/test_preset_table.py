@@ -28,3 +28,13 @@ def test_cells_pick_the_best_other_and_the_share_of_the_bound(tmp_path):
     text = table(cells)
     assert "0.720 (90.0%) / 0.750 `b` / 0.800" in text      # below the best other: not bold
     assert "**0.880** (97.8%) / 0.850 `a` / 0.900" in text  # at least the best other: bold
+
+
+def test_a_run_kept_as_before_is_not_read(tmp_path):
+    (tmp_path / "bound-t-unified.json").write_text(json.dumps(
+        {"rows": [{"budget": 0.1, "bound": 0.8}, {"budget": 0.2, "bound": 0.9}]}))
+    _sweep(tmp_path / "t-unified-hybridstore-before.json", [(0.1, "hybridstore", 0.9),
+                                                            (0.2, "hybridstore", 0.5)])
+    _sweep(tmp_path / "t-unified-hybridstore.json", [(0.1, "hybridstore", 0.7)])
+    cells = _cells(tmp_path)
+    assert [(c["budget"], c["default"]) for c in cells] == [(0.1, 0.7)]
