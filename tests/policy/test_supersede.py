@@ -1,7 +1,7 @@
-"""Superseded checkpoints (``policy="hybridstore"``, ``HybridStoreEviction.supersede``):
-under one budget, an intermediate checkpoint whose nearest retained child lies within a
-share of its position goes first, so a session keeps geometrically spaced states instead
-of one per prefill chunk, and the bytes go to KV (docs/replay.md, issue 27)."""
+"""Superseded checkpoints (``HybridStoreEviction(supersede=...)``, off by default): under
+one budget, an intermediate checkpoint whose nearest retained child lies within a share of
+its position goes first, so a session keeps geometrically spaced states instead of one per
+prefill chunk (docs/replay.md, issue 27)."""
 
 from __future__ import annotations
 
@@ -61,9 +61,14 @@ def _run(monkeypatch, supersede: float) -> tuple[float, float]:
     return hit, statistics.median(held)
 
 
-def test_one_budget_keeps_fewer_states_and_more_kv_on_the_bundled_sample(monkeypatch):
+def test_one_budget_keeps_fewer_superseded_states_on_the_bundled_sample(monkeypatch):
     hit_off, held_off = _run(monkeypatch, 0.0)
     hit_on, held_on = _run(monkeypatch, 0.25)
-    # measured: 0.730 -> 0.743 token hit rate, a median of 18 -> 15 superseded states held
+    # measured with fresh rankings: a median of 18 -> 15 superseded states held, and the
+    # token hit rate 0.757 -> 0.751 (why the rule is off by default, docs/replay.md)
     assert held_on < held_off, (held_on, held_off)
-    assert hit_on > hit_off + 0.005, (hit_on, hit_off)
+    assert abs(hit_on - hit_off) < 0.03, (hit_on, hit_off)
+
+
+def test_the_default_preset_leaves_the_rule_off():
+    assert eviction_policy("hybridstore").supersede == 0.0

@@ -202,15 +202,18 @@ class HybridStoreEviction(HiStateEviction):
     offer fallbacks where eviction may cut a session's tail: spacing that grows with the
     position (each kept state at least ``supersede`` times its position before the next)
     needs ``log`` of them per session instead of one per chunk, and the bytes go to KV.
-    Measured (docs/replay.md, issue 27; ``0.25`` fitted on the bundled sample and the
-    synthetic traces): +1.3 / +0.3 points on the sample at 5 / 10 % with one budget, +0.1-0.2
-    on the held-out WEKA sessions; the superseded states a fresh long prompt puts stay until
-    an eviction pass reaches past the reclaimable pages (55 held against 57 at 10 %).
+    Measured (docs/replay.md, issue 27): with ``0.25``, fitted on the bundled sample and the
+    synthetic traces, it gained +1.3 / +0.3 points on the sample at 5 / 10 % with one budget
+    while the store reused stale rankings; once the evictor ranks afresh
+    (:attr:`ranks_used_later`) it loses 0.1-0.7 point on the sample and the held-out WEKA
+    sessions at 5-20 % and gains only on ``synthetic:rewind`` at 20 % (+4.6), so it is
+    **off by default** (``0``) and kept for rewind-heavy workloads.
 
     Args:
         predict_returns: ``False``: ``t_x`` is the last access, as HiState's.
         window: gaps of a trajectory its expected gap is the median of.
-        supersede: the spacing rule above (``0``: off, eq. 7 alone).
+        supersede: the spacing rule above (``0``, the default: off, eq. 7 alone;
+            ``0.25``: each kept state at least a quarter of its position before the next).
         (the others: :class:`HiStateEviction`)
     """
 
@@ -218,7 +221,7 @@ class HybridStoreEviction(HiStateEviction):
 
     def __init__(self, *, tau: float | None = None, kv_bytes_per_token: float | None = None,
                  terminal_prob: float = 0.5, ema: float = 0.05, demote_abandoned: bool = True,
-                 predict_returns: bool = True, window: int = 5, supersede: float = 0.25) -> None:
+                 predict_returns: bool = True, window: int = 5, supersede: float = 0.0) -> None:
         super().__init__(tau=tau, kv_bytes_per_token=kv_bytes_per_token, terminal_prob=terminal_prob,
                          ema=ema, demote_abandoned=demote_abandoned)
         if supersede < 0:
