@@ -10,7 +10,6 @@ why the rule is off by default).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
@@ -23,16 +22,6 @@ from hybridstore.replay.sim import ReplayConfig, replay_policy
 from hybridstore.replay.sweep import parse_budgets
 
 
-def _with_supersede(value: float) -> systems.Preset:
-    base = systems.preset("hybridstore")
-
-    def params(model):
-        out = base.params(model)
-        return {**out, "eviction": {**out["eviction"], "supersede": value}}
-
-    return dataclasses.replace(base, params=params)
-
-
 def run(trace: str, values: list[float], budgets: list[float], pools: str) -> list[dict]:
     requests = load(str(weka_sample()) if trace == "sample" else trace)
     base = systems.PRESETS["hybridstore"]
@@ -40,7 +29,7 @@ def run(trace: str, values: list[float], budgets: list[float], pools: str) -> li
     try:
         with tqdm(total=len(values) * len(budgets), desc="supersede", unit="run") as bar:
             for value in values:
-                systems.PRESETS["hybridstore"] = _with_supersede(value)
+                systems.PRESETS["hybridstore"] = base.with_eviction(supersede=value)
                 for budget in budgets:
                     cfg = ReplayConfig(discipline="sequential", budget=budget, pools=pools)
                     hit = replay_policy(requests, "hybridstore", cfg, progress=False).summary()["token_hit_rate"]

@@ -5,7 +5,6 @@ prefill chunk (docs/replay.md, issue 27)."""
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 
 import pytest
@@ -38,15 +37,8 @@ def test_only_an_intermediate_checkpoint_with_a_near_child_is_superseded():
 def _run(monkeypatch, supersede: float) -> tuple[float, float]:
     """The bundled sample at 5 % with one budget: token hit rate and the median number of
     checkpoints held after each request that the rule calls superseded."""
-    p = systems.preset("hybridstore")
-    params = p.params
-
-    def with_supersede(model):
-        out = params(model)
-        out["eviction"] = {**out["eviction"], "supersede": supersede}
-        return out
-
-    monkeypatch.setitem(systems.PRESETS, "hybridstore", dataclasses.replace(p, params=with_supersede))
+    monkeypatch.setitem(systems.PRESETS, "hybridstore",
+                        systems.preset("hybridstore").with_eviction(supersede=supersede))
     held: list[int] = []
     serve = sim._serve
 

@@ -258,7 +258,8 @@ class HybridStoreEviction(HiStateEviction):
         return ctx
 
     def score(self, index: HybridIndex, unit: HybridUnit, ctx: _Pass) -> float:
-        if unit.held and ctx.priced is None and superseded(unit.ck, self.supersede):
+        if (self.supersede and unit.held and ctx.priced is None
+                and superseded(unit.ck, self.supersede)):
             freed = max(unit.freed(None) / ctx.bytes_per_token, 1e-9)
             return ctx.origin + ctx.tau * self.expected_recompute(unit.ck, ctx) / freed
         return super().score(index, unit, ctx)

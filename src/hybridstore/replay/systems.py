@@ -99,7 +99,7 @@ and bandwidth, not simulated transfer by transfer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hybridstore.errors import ConfigError
@@ -219,6 +219,17 @@ class Preset:
             return nbytes
         block = vllm_hybrid_pages(model).block_bytes / scale
         return int(max(0, int(nbytes // block) - 1) * block)
+
+    def with_eviction(self, **kwargs: Any) -> Preset:
+        """This preset with ``kwargs`` over its eviction policy's parameters (e.g.
+        ``supersede=0.25``): an experiment against the preset as it is."""
+        base = self.params
+
+        def params(model: ModelPreset) -> dict[str, dict[str, Any]]:
+            out = base(model)
+            return {**out, "eviction": {**out.get("eviction", {}), **kwargs}}
+
+        return replace(self, params=params)
 
     def policies(self, model: ModelPreset) -> tuple[EvictionPolicy, AdmissionPolicy]:
         """The eviction and admission policy instances for ``model``."""

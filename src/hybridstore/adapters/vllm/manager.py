@@ -373,7 +373,7 @@ class HybridStoreManager(OffloadingManager):
             # what loads may still take (those that hold their slots already count)
             keep = max(self._load_cap - self._promised(), 0)
             slots = self._slots.take(len(todo), keep=keep)
-            queued = sum(s.queued for s in self._staged.values())
+            queued = 0 if slots is not None else sum(s.queued for s in self._staged.values())
         if slots is None and self._slots.free - keep + queued >= len(todo):
             # the put thread returns enough slots without a scheduler step (a finished
             # request's offer is its last one): wait for them, outside the lock it takes

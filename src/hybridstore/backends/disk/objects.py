@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from hybridstore.backends.disk.shared import SharedDirectory
     from hybridstore.backends.engines import Engine
 
+
 def checksum(buf: Any) -> int:
     """The xxh3_64 of a buffer's bytes (a catalog record's ``checksum``), hashed with the
     GIL released.

@@ -18,10 +18,15 @@ import os
 import stat
 import struct
 
-
 from hybridstore.backends.alloc import Extent
 from hybridstore.backends.catalog import CatalogRecord
-from hybridstore.backends.disk.objects import LOCK_NAME, _Object, checksum, _TierState, segment_bytes_for
+from hybridstore.backends.disk.objects import (
+    LOCK_NAME,
+    _Object,
+    _TierState,
+    checksum,
+    segment_bytes_for,
+)
 from hybridstore.backends.engines import ALIGN
 from hybridstore.errors import CapacityError, DiskPathError
 from hybridstore.objects import OBJECT_KEY_BYTES
