@@ -597,6 +597,16 @@ class Evictor:
         res = self.res
         if not self.copies.may_send(okey, below):
             return 0
+        # Room below from its KV ranking only: making page room by evicting the lower
+        # tier's checkpoints (``_make_room``'s pass over the whole tier) would cost the very
+        # checkpoints the move is meant to keep.
+        charge = res.tiers[below].charge(nbytes)
+        owed = charge - res.room(below, ObjectKind.PAGE)
+        if owed > 0:
+            split = res.tiering.state_share is not None
+            self.evict(below, owed, ObjectKind.PAGE if split else None)
+            if res.room(below, ObjectKind.PAGE) < charge:
+                return 0
         try:
             self.copies.spill(okey, ObjectKind.PAGE, nbytes, tier, below)
         except COPY_FAILURES:
