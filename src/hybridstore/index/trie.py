@@ -714,6 +714,30 @@ class HybridIndex:
         return np.concatenate([covers[self._deps[covers] == 1],
                                path[: int(shared[0]) if shared.size else len(path)]])
 
+    def dependents(self, nid: int) -> list[Checkpoint]:
+        """The retained checkpoints that need page ``nid``: those whose base path holds it
+        and those it covers (its ``deps`` count, as checkpoints).
+
+        A scan of the checkpoints, one path walk per distinct base at or below the page's
+        block: for the evictor's last resort (a page that must go with the checkpoints that
+        need it), not for hot paths.
+
+        Args:
+            nid: a page's node id.
+
+        Returns:
+            The checkpoints, in no particular order (empty when nothing needs the page).
+        """
+        if nid <= ROOT or not self._deps[nid]:
+            return []
+        blk = int(self._block[nid])
+        out: list[Checkpoint] = []
+        for base, cks in self._by_base.items():
+            on_path = base == nid or (base > ROOT and int(self._block[base]) > blk
+                                      and bool((self._path(base) == nid).any()))
+            out.extend(ck for ck in cks if on_path or nid in ck.covers)
+        return out
+
     def checkpoint(self, key: bytes) -> Checkpoint | None:
         return self._ckpts.get(key)
 

@@ -106,7 +106,7 @@ class TierCopies:
         """Start copying an object between tiers; the index learns of the copy once it is done
         (for the disk tier: once durable)."""
         source, target = self.res.tiers[src], self.res.tiers[dst]
-        self.room.make_room(dst, target.charge(nbytes), kind)
+        self.room.make_room(dst, target.charge(nbytes), kind, last_resort=False)
         if not target.stores_bytes:
             # Accounting tiers (simulation) complete at once: no future bookkeeping.
             self.room.retry(dst, nbytes, lambda: target.put(okey, None, nbytes=nbytes, meta=meta))
@@ -145,7 +145,7 @@ class TierCopies:
         step = max(1, target.capacity_bytes // 8 // max(charge, 1))
         for i in range(0, len(okeys), step):
             keys, chunk_metas = okeys[i:i + step], metas[i:i + step]
-            self.room.make_room(dst, charge * len(keys), kind)
+            self.room.make_room(dst, charge * len(keys), kind, last_resort=False)
             source.pin_many(keys)
             try:
                 datas = [source.view(okey) for okey in keys]

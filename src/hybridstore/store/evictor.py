@@ -9,6 +9,10 @@ tier, and does it:
   spills its kind; otherwise the last copy of a page that retained checkpoints
   need stays under a dependency-aware policy (the checkpoint goes first, and the
   pages only it needed follow at once);
+* when that leaves a put without room because what remains is the last copy of KV
+  that checkpoints held only in other tiers need (the tier's ranking never offers
+  them), such a page moves one tier down if that tier takes it, else leaves with
+  those checkpoints (:meth:`Evictor.unblock`); pinned objects still stay;
 * runs of page victims are dropped as one batch (one ``delete_many``);
 * in a large tier one ranking serves several evictions (:meth:`Evictor.evict`).
 
@@ -35,6 +39,7 @@ from hybridstore.objects import (
     key_kind,
     object_key,
 )
+from hybridstore.index.trie import Checkpoint
 from hybridstore.policy.base import EvictionPolicy, Victim
 from hybridstore.store.copies import COPY_FAILURES, TierCopies
 from hybridstore.store.residency import Residency
@@ -89,6 +94,12 @@ class Evictor:
         """Objects evicted so far (a page or a checkpoint leaving one tier)."""
         self.relocations = 0
         """Windows of a fragmented tier emptied by moving their objects (compaction)."""
+        self.demotions = 0
+        """Pages moved one tier down by :meth:`unblock` (the last copy of KV that retained
+        checkpoints need, in a tier that had to make room)."""
+        self.dropped_checkpoints = 0
+        """Checkpoints dropped (from every tier) by :meth:`unblock` with the last copy of
+        KV they needed."""
         self._rankings: dict[tuple[str, ObjectKind | None], tuple[_Victims, int]] = {}
         self.leases: dict[str, Callable[[], AbstractContextManager[None]]] = {}
         """Per tier, what must be held to evict from it: a disk tier shared by several
@@ -99,8 +110,20 @@ class Evictor:
         copies.room = self
 
     # -- room -------------------------------------------------------------------------
-    def make_room(self, tier: str, need: int, kind: ObjectKind | None = None) -> None:
+    def make_room(self, tier: str, need: int, kind: ObjectKind | None = None, *,
+                  last_resort: bool = True) -> None:
         """Evict from ``tier`` until ``need`` bytes of ``kind`` fit.
+
+        Args:
+            tier: the tier to make room in.
+            need: bytes (as the tier charges them) that must fit.
+            kind: the kind of the object(s) to fit (its partition, if the tier policy
+                splits the tier); ``None``: any.
+            last_resort: when the policy's order frees too little because what is left
+                is the last copy of KV that retained checkpoints held in other tiers need,
+                move such pages down, or drop them with those checkpoints
+                (:meth:`unblock`).  Copies between tiers pass False: a best-effort copy
+                never costs a checkpoint.
 
         Raises:
             ObjectTooLargeError: ``need`` exceeds the whole tier.
@@ -108,11 +131,12 @@ class Evictor:
         """
         lease = self.leases.get(tier)
         if lease is None:
-            return self._make_room(tier, need, kind)
+            return self._make_room(tier, need, kind, last_resort)
         with lease():
-            return self._make_room(tier, need, kind)
+            return self._make_room(tier, need, kind, last_resort)
 
-    def _make_room(self, tier: str, need: int, kind: ObjectKind | None) -> None:
+    def _make_room(self, tier: str, need: int, kind: ObjectKind | None,
+                   last_resort: bool = True) -> None:
         res = self.res
         t = res.tiers[tier]
         if need > t.capacity_bytes:
@@ -144,6 +168,11 @@ class Evictor:
                 freed += self.evict(tier, need - res.room(tier, kind) + slack, None)
             if not freed:
                 break
+        if (res.room(tier, kind) < need and last_resort and self.policy.dependency_aware
+                and partition != ObjectKind.STATE):
+            # What is left is needed, maybe by checkpoints this tier's order never offers
+            # (they live in other tiers): a state partition always frees itself.
+            self.unblock(tier, need + slack, kind, partition)
         if res.room(tier, kind) < need:
             raise CapacityError(
                 f"the {tier} tier cannot free {need} bytes: everything left is pinned by live "
@@ -499,3 +528,129 @@ class Evictor:
         res.drop(okey, tier)
         self.evictions += 1
         return freed
+
+    # -- the last resort --------------------------------------------------------------
+    def unblock(self, tier: str, goal: int, kind: ObjectKind | None,
+                partition: ObjectKind | None) -> int:
+        """Free ``tier`` where the policy's order cannot: until ``goal`` bytes of ``kind`` fit.
+
+        A dependency-aware policy keeps the last copy of a page that retained checkpoints
+        need until those checkpoints go, and a tier's ranking offers only the checkpoints
+        the tier holds.  A tier full of such pages whose checkpoints live in other tiers
+        (a KV partition next to an empty state partition, SGLang-style split pools) then
+        frees nothing.  Here the policy's order is read again with every page offered
+        (``keep_needed=False``), and each such page, unless pinned or in flight:
+
+        * is moved one tier down when that tier takes a copy (room made there by its own
+          policy only, never by this last resort); the checkpoints keep their KV.  Tried
+          where the tier policy does not spill pages (a spilling tier has tried already),
+          and no more in this call once a move fails;
+        * otherwise leaves with every checkpoint that needs it (:meth:`drop_checkpoint`,
+          from every tier: they cannot resume without that KV, as SGLang deletes a node
+          whose KV it evicts), then the pages only those checkpoints needed
+          (:meth:`_evict_pages`: all of them under ``whole_leaves``); not when one of
+          those checkpoints is pinned or its copy is in flight.
+
+        Args:
+            tier: the tier to free.
+            goal: bytes of ``kind`` that should fit (the need plus the policy's slack).
+            kind: the kind room is made for (:meth:`Residency.room`).
+            partition: the partition ranked (``None``: the whole tier).
+
+        Returns:
+            Bytes freed in ``tier``.
+        """
+        res = self.res
+        index = res.index
+        bit = TIER_BITS[tier]
+        below = res.below(tier)
+        demote = below is not None and not res.spills(ObjectKind.PAGE, tier)
+        freed = 0
+        for victim in self.policy.victims(index, tier, partition, keep_needed=False):
+            if res.room(tier, kind) >= goal:
+                break
+            if victim.kind != ObjectKind.PAGE:
+                continue                       # the passes before offered every checkpoint
+            nid = int(victim.ref)
+            tiers, deps, pins, nbytes = index.page_state(nid)
+            if not tiers & bit or pins:
+                continue
+            if tiers & ~bit or not deps:       # evictable under the usual rules
+                freed += self.evict_one(victim, tier)
+                continue
+            okey = object_key(ObjectKind.PAGE, index.node_key(nid))
+            if self.copies.inflight[okey]:
+                continue
+            if demote:
+                assert below is not None
+                moved = self._demote(okey, nid, nbytes, tier, below)
+                if moved:
+                    freed += moved
+                    continue
+                demote = False                 # the tier below is full of what it keeps
+            freed += self._drop_with_dependents(nid, tier, max(0, goal - res.room(tier, kind)))
+        return freed
+
+    def _demote(self, okey: ObjectKey, nid: int, nbytes: int, tier: str, below: str) -> int:
+        """Copy page ``nid`` (its last copy, in ``tier``) to ``below``, then drop it from
+        ``tier``.  Returns bytes freed in ``tier`` (0: the copy found no room or failed)."""
+        res = self.res
+        if not self.copies.may_send(okey, below):
+            return 0
+        # Room below from its KV ranking only: making page room by evicting the lower
+        # tier's checkpoints (``_make_room``'s pass over the whole tier) would cost the very
+        # checkpoints the move is meant to keep.
+        charge = res.tiers[below].charge(nbytes)
+        owed = charge - res.room(below, ObjectKind.PAGE)
+        if owed > 0:
+            split = res.tiering.state_share is not None
+            self.evict(below, owed, ObjectKind.PAGE if split else None)
+            if res.room(below, ObjectKind.PAGE) < charge:
+                return 0
+        try:
+            self.copies.spill(okey, ObjectKind.PAGE, nbytes, tier, below)
+        except COPY_FAILURES:
+            self.copies.drain()
+            return 0
+        tiers = res.index.page_tiers(nid)
+        if not tiers & TIER_BITS[below] or not tiers & TIER_BITS[tier]:
+            return 0          # the copy failed (drain reported it), or the page left meanwhile
+        freed = res.tiers[tier].charge(nbytes)
+        res.drop(okey, tier)
+        self.evictions += 1
+        self.demotions += 1
+        return freed
+
+    def _drop_with_dependents(self, nid: int, tier: str, owed: int) -> int:
+        """Drop the checkpoints that need page ``nid``, then the page and the pages only
+        they needed from ``tier`` (``owed`` bytes of them; all under ``whole_leaves``).
+        Nothing when one of those checkpoints is pinned or its copy is in flight.
+        Returns bytes freed in ``tier``."""
+        index = self.res.index
+        cks = index.dependents(nid)
+        if any(ck.pins or self.copies.inflight[object_key(ObjectKind.STATE, ck.key)]
+               for ck in cks):
+            return 0
+        pages = [index.exclusive_page_ids(ck) for ck in cks]
+        for ck in cks:
+            self.drop_checkpoint(ck)
+        freed = self.evict_one(Victim(ObjectKind.PAGE, nid), tier)
+        rest = np.concatenate(pages) if pages else _NO_PAGES
+        rest = rest[rest != nid]
+        if rest.size:
+            want = 1 << 62 if self.policy.whole_leaves else owed - freed
+            if want > 0:
+                first = np.unique(rest, return_index=True)[1]       # in order, once each
+                freed += self._evict_pages(rest[np.sort(first)], tier, want)[0]
+        return freed
+
+    def drop_checkpoint(self, ck: Checkpoint) -> None:
+        """Delete checkpoint ``ck`` from every tier that holds it (each tier's bytes, the
+        disk tier's catalog record with them); the index forgets it with its last copy and
+        releases the pages it needed."""
+        okey = object_key(ObjectKind.STATE, ck.key)
+        for name in self.res.chain:
+            if ck.tiers & TIER_BITS[name]:
+                self.res.drop(okey, name)
+                self.evictions += 1
+        self.dropped_checkpoints += 1

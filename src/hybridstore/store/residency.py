@@ -26,8 +26,12 @@ T = TypeVar("T")
 class RoomMaker(Protocol):
     """What copies between tiers need from the layer that evicts (:class:`~hybridstore.store.evictor.Evictor`)."""
 
-    def make_room(self, tier: str, need: int, kind: ObjectKind | None = None) -> None:
-        """Evict from ``tier`` until ``need`` bytes of ``kind`` fit; ``CapacityError`` if they cannot."""
+    def make_room(self, tier: str, need: int, kind: ObjectKind | None = None, *,
+                  last_resort: bool = True) -> None:
+        """Evict from ``tier`` until ``need`` bytes of ``kind`` fit; ``CapacityError`` if they cannot.
+
+        ``last_resort``: free the last copy of KV that checkpoints held elsewhere need (move
+        it down, or drop it with them) when nothing else is left; copies pass False."""
 
     def retry(self, tier: str, nbytes: int, attempt: Callable[[], T], *,
               each: int | None = None) -> T:
