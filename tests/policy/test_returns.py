@@ -73,3 +73,32 @@ def test_an_overdue_trajectory_ranks_by_its_last_use():
     assert returns.recency(last=80.0, gap=30.0, now=85.0) == 2 * 85.0 - 110.0   # due at 110
     assert returns.recency(last=50.0, gap=30.0, now=85.0) == 50.0               # overdue: LRU
     assert returns.recency(last=50.0, gap=float("inf"), now=85.0) == 50.0    # no estimate: LRU
+
+
+def test_a_branch_below_a_branch_point_does_not_inherit_its_gaps():
+    """A rewound turn (or another session after a shared prefix) starts a branch whose turns
+    follow each other at a cadence of their own: the branch point's gaps say how often
+    requests come back *to that point*.  The branch takes the default (the median of every
+    trajectory's gaps) until it returns itself; a chain's only child still inherits."""
+    store, (a, b, c) = rounds("hybridstore")      # every session's gaps: (30, 30)
+    returns = store._eviction.returns
+    assert isinstance(returns, ReturnGaps)
+    clock = returns.clock
+    assert isinstance(clock, Clock)
+    point = a.checkpoint(2)
+    forks = []
+    for at in (500.0, 1000.0):                    # A rewound to its turn 2, twice
+        clock.now = at
+        fork = a.fork(2, f"A@{at}")
+        assert fork.turn(3, 256) == point.position
+        forks.append(fork)
+    assert returns.gaps(point) == (30.0, 30.0, 440.0, 500.0)  # back to that point: rarely
+    clock.now = 1010.0
+    c.turn(4, 256)                                 # C goes on: its turn 4 is an only child
+    gaps = returns.expected_gaps(store.index)
+    assert gaps[point.key] == 235.0
+    default = 30.0                                 # the median of all gaps learnt
+    for fork in forks:                             # below a branch point: nothing inherited
+        assert returns.gaps(fork.checkpoint(3)) == ()
+        assert gaps[fork.checkpoint(3).key] == default
+    assert gaps[c.checkpoint(4).key] == gaps[c.checkpoint(3).key] == 30.0   # a chain inherits

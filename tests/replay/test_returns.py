@@ -36,3 +36,17 @@ def test_room_comes_from_the_session_due_last_not_a_reused_ranking():
     run = replay_policy(trace, "hybridstore", cfg, progress=False)
     assert run.summary()["token_hit_rate"] > 0.25
     assert _whole_misses(run) < 215
+
+
+def test_a_rewound_session_keeps_its_new_branch():
+    """Agents that rewind to an earlier turn and go on from there (``synthetic:rewind``, 10 %
+    with one budget; issue 27): the branch written after a rewind used to inherit the gaps
+    of the checkpoint it left from, which learns how often requests come back *to that
+    point* (rarely), so the live branch looked due far off and went first: 0.143.  A branch
+    below a branch point now starts from the default gap (``policy/nextuse.py``): 0.458."""
+    trace = load("synthetic:rewind")
+    cfg = ReplayConfig(discipline="sequential", budget=0.1, pools="unified")
+    hit = {name: replay_policy(trace, name, cfg, progress=False).summary()["token_hit_rate"]
+           for name in ("hybridstore", "histate")}
+    assert hit["hybridstore"] > 0.4, hit
+    assert hit["hybridstore"] > hit["histate"] + 0.2, hit

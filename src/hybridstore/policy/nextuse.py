@@ -17,9 +17,14 @@ bound), and predicts the next use of a unit last used at ``last``:
   it stays away (it may have ended); that is least-recently-used order.
 
 A trajectory's gaps live on the checkpoint a request resumed from and are inherited by
-the checkpoints below it (the session's later states); a checkpoint several sessions
-resume from (a shared system prompt) learns the gaps between any of them, the next use
-of a shared page being any session's.  :meth:`ReturnGaps.recency` turns the prediction
+the checkpoints below it along its chain (the session's later states, each its parent's
+only child); a checkpoint several sessions resume from (a shared system prompt) learns
+the gaps between any of them, the next use of a shared page being any session's.  A
+branch below a branch point (a checkpoint with several children: another session after
+a shared prefix, a turn an agent rewound and wrote again) inherits nothing: the branch
+point's gaps are how often requests come back *to that point* (a new session, a rewind),
+not how often the new branch's own turns follow each other, so it starts from the
+default until it has returned itself.  :meth:`ReturnGaps.recency` turns the prediction
 back into a recency term (``2 now - next``: least recent use for an overdue unit), the
 ``t_x`` of HiState's eq. 7 in :class:`~hybridstore.policy.histate.HybridStoreEviction`.
 
@@ -106,13 +111,14 @@ class ReturnGaps:
             self._prune_at = 2 * len(self._last) + 4096
 
     def gaps(self, checkpoint: Checkpoint) -> tuple[float, ...]:
-        """The newest gaps of the trajectory through ``checkpoint`` (nearest learnt ancestor)."""
+        """The newest gaps of the trajectory through ``checkpoint`` (its own, else those of
+        the nearest learnt ancestor on its chain: :func:`chain_parent`)."""
         ck: Checkpoint | None = checkpoint
         while ck is not None:
             g = self._gaps.get(ck.key)
             if g is not None:
                 return g
-            ck = ck.parent
+            ck = chain_parent(ck)
         return ()
 
     # -- predicting --------------------------------------------------------------------
@@ -125,7 +131,8 @@ class ReturnGaps:
             if own is not None:
                 out[ck.key] = _median(own)
             else:
-                out[ck.key] = out.get(ck.parent.key, default) if ck.parent is not None else default
+                parent = chain_parent(ck)
+                out[ck.key] = default if parent is None else out.get(parent.key, default)
         return out
 
     def recency(self, last: float, gap: float, now: float) -> float:
@@ -136,10 +143,17 @@ class ReturnGaps:
         return 2.0 * now - due if now < due < math.inf else last
 
 
+def chain_parent(ck: Checkpoint) -> Checkpoint | None:
+    """``ck``'s parent when ``ck`` is its only child (the same trajectory, whose gaps ``ck``
+    inherits), else None: ``ck`` starts a branch below a branch point (module docstring)."""
+    parent = ck.parent
+    return parent if parent is not None and len(parent.children) == 1 else None
+
+
 def _median(values: tuple[float, ...]) -> float:
     s = sorted(values)
     n = len(s)
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
-__all__ = ["Clock", "ReturnGaps"]
+__all__ = ["Clock", "ReturnGaps", "chain_parent"]
