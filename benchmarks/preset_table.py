@@ -3,8 +3,8 @@
 ``python -m benchmarks.preset_table DIR`` reads, for each trace ``T`` and pools ``P``
 (``unified`` / ``split``), the sweeps ``DIR/T-P-*.json`` (``hybridstore replay T
 --discipline sequential --sweep 5%,10%,20% --pools P --json ...``; several files per
-trace are merged, rows of a preset from the later file winning; ``*-before.json``, earlier
-runs kept for comparison, are skipped) and the bound
+trace are merged, rows of a preset from the later file winning; ``*-before.json`` and
+``*-inherited.json``, earlier runs kept for comparison, are skipped) and the bound
 ``DIR/bound-T-P.json`` (the same with ``--headroom``), and writes ``DIR/summary.json``
 (every cell: the default, the best other preset, the bound, the shares of the bound),
 prints the Markdown table of docs/replay.md and draws ``DIR/summary.png`` (share of the
@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT = "hybridstore"
+EARLIER = ("-before", "-inherited")
+"""Suffixes of the sweeps kept from earlier versions of the default (not in the table)."""
 REFERENCE = "unlimited"
 POOLS = ("unified", "split")
 
@@ -31,7 +33,7 @@ def _cells(directory: Path) -> list[dict[str, Any]]:
         bound = {round(r["budget"], 4): r["bound"] for r in json.loads(bpath.read_text())["rows"]}
         rows: dict[tuple[float, str], float] = {}
         for path in sorted(directory.glob(f"{trace}-{pools}-*.json")):
-            if path.stem.endswith("-before"):    # an earlier run kept for comparison
+            if path.stem.endswith(EARLIER):    # an earlier run kept for comparison
                 continue
             for r in json.loads(path.read_text())["rows"]:
                 rows[(round(r["budget"], 4), r["policy"])] = r["token_hit_rate"]
