@@ -31,6 +31,7 @@ from typing import TypeVar
 import numpy as np
 
 from hybridstore.errors import CapacityError, ObjectTooLargeError
+from hybridstore.index.trie import Checkpoint
 from hybridstore.objects import (
     TIER_BITS,
     KeyBatch,
@@ -39,7 +40,6 @@ from hybridstore.objects import (
     key_kind,
     object_key,
 )
-from hybridstore.index.trie import Checkpoint
 from hybridstore.policy.base import EvictionPolicy, Victim
 from hybridstore.store.copies import COPY_FAILURES, TierCopies
 from hybridstore.store.residency import Residency
