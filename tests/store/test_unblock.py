@@ -117,8 +117,8 @@ def test_a_page_needed_by_checkpoints_on_disk_moves_down_when_the_disk_has_room(
         pb, sb = put(store, b, 2)
         blocked(store, a, b)
         put(store, c, 3, state=False)            # before: CapacityError ("... needed ...")
-        ev = store._evictor
-        assert ev.demotions >= 1 and ev.dropped_checkpoints == 0
+        stats = store.stats()
+        assert stats["demotions"] >= 1 and stats["dropped_checkpoints"] == 0
         moved = [k for k in page_okeys(store, a) + page_okeys(store, b) if held(store, k) == DISK]
         assert moved and store.tiers["disk"].contains(moved[0])
         # nothing was lost: both resume whole, their bytes exact, from DRAM and disk
@@ -147,8 +147,8 @@ def test_without_room_below_the_page_leaves_with_the_checkpoints_that_need_it(tm
         plan_b = store.match(b)
         put(store, c, 3, state=False)            # before: CapacityError
         store.release(plan_b)
-        ev = store._evictor
-        assert ev.demotions == 0 and ev.dropped_checkpoints == 1
+        stats = store.stats()
+        assert stats["demotions"] == 0 and stats["dropped_checkpoints"] == 1
         # A's checkpoint is gone from the index and the disk (its bytes and its catalog
         # record), and its pages with it (SGLang deletes the leaf whole)
         assert store.index.checkpoint(a_state[1:]) is None

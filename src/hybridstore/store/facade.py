@@ -972,6 +972,9 @@ class HybridStore:
             out: dict[str, Any] = dict(self._counters)
             out["evictions"] = self._evictor.evictions
             out["relocations"] = self._evictor.relocations
+            # the evictor's last resort (Evictor.unblock): pages moved down, states dropped
+            out["demotions"] = self._evictor.demotions
+            out["dropped_checkpoints"] = self._evictor.dropped_checkpoints
             out["corrupt"] = self._loader.corrupt
             out["skipped_copies"] = self._copies.skipped_copies
             out["direct_write_failures"] = self._direct.failed
