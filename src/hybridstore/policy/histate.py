@@ -163,11 +163,11 @@ class HiStateEviction(UnitEviction):
 
     def score(self, index: HybridIndex, unit: HybridUnit, ctx: _Pass) -> float:
         freed = max(unit.freed(ctx.priced) / ctx.bytes_per_token, 1e-9)
-        return self.recency(unit.ck, ctx) + ctx.tau * self.expected_recompute(unit.ck, ctx) / freed
+        return self.recency(unit, ctx) + ctx.tau * self.expected_recompute(unit.ck, ctx) / freed
 
-    def recency(self, ck: Checkpoint, ctx: _Pass) -> float:
+    def recency(self, unit: HybridUnit, ctx: _Pass) -> float:
         """``t_x``: the unit's last access (logical ticks)."""
-        return float(ck.atime)
+        return float(unit.ck.atime)
 
     @staticmethod
     def expected_recompute(ck: Checkpoint, ctx: _Pass) -> float:
@@ -257,14 +257,11 @@ class HybridStoreEviction(HiStateEviction):
             ctx.tau = max(ctx.now - r.time_of(index.now() - int(ctx.tau)), 0.0)
         return ctx
 
-    def score(self, index: HybridIndex, unit: HybridUnit, ctx: _Pass) -> float:
+    def recency(self, unit: HybridUnit, ctx: _Pass) -> float:
+        ck = unit.ck
         if (self.supersede and unit.held and ctx.priced is None
-                and superseded(unit.ck, self.supersede)):
-            freed = max(unit.freed(None) / ctx.bytes_per_token, 1e-9)
-            return ctx.origin + ctx.tau * self.expected_recompute(unit.ck, ctx) / freed
-        return super().score(index, unit, ctx)
-
-    def recency(self, ck: Checkpoint, ctx: _Pass) -> float:
+                and superseded(ck, self.supersede)):
+            return ctx.origin    # a superseded state, where the whole unit is priced
         r = self.returns
         if r is None or ctx.gap is None:
             return float(ck.atime)

@@ -136,7 +136,7 @@ class Evictor:
             return self._make_room(tier, need, kind, last_resort)
 
     def _make_room(self, tier: str, need: int, kind: ObjectKind | None,
-                   last_resort: bool = True) -> None:
+                   last_resort: bool) -> None:
         res = self.res
         t = res.tiers[tier]
         if need > t.capacity_bytes:
@@ -524,8 +524,12 @@ class Evictor:
                     self.copies.drain()
             if not spilled and needed and self.policy.dependency_aware:
                 return 0
-        freed = res.tiers[tier].charge(nbytes)
-        res.drop(okey, tier)
+        return self._drop(okey, tier, nbytes)
+
+    def _drop(self, okey: ObjectKey, tier: str, nbytes: int) -> int:
+        """Drop ``okey`` from ``tier`` and count the eviction; returns the bytes it freed."""
+        freed = self.res.tiers[tier].charge(nbytes)
+        self.res.drop(okey, tier)
         self.evictions += 1
         return freed
 
@@ -615,11 +619,8 @@ class Evictor:
         tiers = res.index.page_tiers(nid)
         if not tiers & TIER_BITS[below] or not tiers & TIER_BITS[tier]:
             return 0          # the copy failed (drain reported it), or the page left meanwhile
-        freed = res.tiers[tier].charge(nbytes)
-        res.drop(okey, tier)
-        self.evictions += 1
         self.demotions += 1
-        return freed
+        return self._drop(okey, tier, nbytes)
 
     def _drop_with_dependents(self, nid: int, tier: str, owed: int) -> int:
         """Drop the checkpoints that need page ``nid``, then the page and the pages only
@@ -649,8 +650,6 @@ class Evictor:
         disk tier's catalog record with them); the index forgets it with its last copy and
         releases the pages it needed."""
         okey = object_key(ObjectKind.STATE, ck.key)
-        for name in self.res.chain:
-            if ck.tiers & TIER_BITS[name]:
-                self.res.drop(okey, name)
-                self.evictions += 1
+        for name in [n for n in self.res.chain if ck.tiers & TIER_BITS[n]]:
+            self._drop(okey, name, ck.nbytes)
         self.dropped_checkpoints += 1
