@@ -112,7 +112,8 @@ def _replay(args: argparse.Namespace) -> int:
                        host_gib=args.host_gib, disk_gib=args.disk_gib, seed=args.seed,
                        token_level=not args.block_level, max_requests=args.max_requests,
                        scale=scale, data=args.data, data_dir=args.data_dir,
-                       discipline=args.discipline, budget=budget, mamba_ratio=args.mamba_ratio,
+                       discipline=args.discipline or ("sequential" if args.headroom else "server"),
+                       budget=budget, mamba_ratio=args.mamba_ratio,
                        pools=args.pools, host_ratio=args.host_ratio,
                        disk_ratio=args.disk_ratio, state_scale=args.state_scale)
     specs = args.trace or [str(weka_sample())]
@@ -128,6 +129,20 @@ def _replay(args: argparse.Namespace) -> int:
         print_divergence(docs)
         return _outputs(args, {"traces": docs}, lambda path: plot_divergence(docs, path))
     trace = traces[0] if len(traces) == 1 else merge(traces)
+    if args.headroom and cfg.discipline == "server":
+        from hybridstore.errors import ConfigError
+        from hybridstore.replay.server_bound import (
+            plot_server_headroom,
+            print_server_headroom,
+            server_headroom,
+        )
+
+        if budgets is not None:
+            raise ConfigError("--headroom --discipline server takes --gpu-gib/--host-gib/"
+                              "--disk-gib, not --sweep")
+        doc = server_headroom(trace, cfg)
+        print_server_headroom(doc)
+        return _outputs(args, doc, lambda path: plot_server_headroom(doc, path))
     if args.headroom:
         from hybridstore.replay.headroom import headroom, plot_headroom, print_headroom
 
@@ -287,10 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--scale", type=_POSITIVE, default=None,
                      help="divide KV, checkpoint and budget bytes by this (hit rates are kept; "
                           "default 1, with --data 128)")
-    rep.add_argument("--discipline", choices=("server", "sequential"), default="server",
+    rep.add_argument("--discipline", choices=("server", "sequential"), default=None,
                      help="server: HiState's FIFO prefill server with live sessions (TTFT includes "
-                          "queueing); sequential: every request by trace time, one at a time "
-                          "(Marconi's and the engines' discipline)")
+                          "queueing; the default of a replay); sequential: every request by trace "
+                          "time, one at a time (Marconi's and the engines' discipline; the default "
+                          "of --headroom)")
     rep.add_argument("--budget", default=None,
                      help="cache budget as a fraction of the trace's KV footprint, e.g. 10%% "
                           "(the cache gets budget x footprint x (1 + --mamba-ratio) bytes), "
@@ -320,7 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="instead of a replay: what any cache could keep at each --sweep budget "
                           "(default 5%%,10%%,20%%,40%%): the exact free-state bound (Belady per "
                           "page), the same holding k states, and session-level LRU and Belady "
-                          "(heuristics) (--pools, --json/--plot get it; docs/replay.md)")
+                          "(heuristics) (--pools, --json/--plot get it; docs/replay.md); with "
+                          "--discipline server: the bound's TTFT tail at the --gpu-gib/--host-gib/"
+                          "--disk-gib budgets against unlimited's")
     rep.add_argument("--hold-states", type=_counts, default=None, metavar="K,...",
                      help="with --headroom, the k of the bound holding k states in the budget "
                           "(default: 1 and the median number of open sessions)")

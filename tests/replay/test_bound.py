@@ -28,16 +28,18 @@ def leading(prompt: np.ndarray, cached: frozenset[int]) -> int:
     return n
 
 
-def optimum(prompts: list[np.ndarray], capacity: int) -> int:
+def optimum(prompts: list[np.ndarray], capacity: int, stores: Sequence[bool] | None = None) -> int:
     """Most leading cached pages summed over the requests, over every cache content a
     cache could hold after each request (any subset of what it held and what the request
-    brought, within capacity; not assumed prefix-closed)."""
+    brought, within capacity; not assumed prefix-closed).  A request whose ``stores`` is
+    False brings nothing: the cache chooses among what it held."""
     best: dict[frozenset[int], int] = {frozenset(): 0}
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         nxt: dict[frozenset[int], int] = {}
+        brought = {int(x) for x in prompt} if stores is None or stores[i] else set()
         for cached, value in best.items():
             value += leading(prompt, cached)
-            pool = sorted(cached | {int(x) for x in prompt})
+            pool = sorted(cached | brought)
             for size in range(min(capacity, len(pool)) + 1):
                 for keep in itertools.combinations(pool, size):
                     key = frozenset(keep)
@@ -90,6 +92,26 @@ def test_belady_per_page_equals_the_exhaustive_optimum(contents, capacity):
     hits = belady_hits(prompts, capacity)
     assert int(hits.sum()) == optimum(prompts, capacity)
     assert all(0 <= h <= len(p) for h, p in zip(hits.tolist(), prompts, strict=True))
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt_lists, st.integers(0, 4), st.lists(st.booleans(), min_size=7, max_size=7))
+def test_belady_per_page_equals_the_exhaustive_optimum_when_some_prompts_cannot_be_cached(
+        contents, capacity, stores):
+    prompts = chained(contents)
+    mask = stores[:len(prompts)]
+    hits = belady_hits(prompts, capacity, stores=mask)
+    assert int(hits.sum()) == optimum(prompts, capacity, mask)
+    assert hits.sum() <= belady_hits(prompts, capacity).sum()
+
+
+def test_a_prompt_the_engine_cannot_cache_leaves_only_what_it_hit():
+    # [1,2] is cached; [1,2,3,4] cannot be: it hits 2 and its pages 3, 4 never enter, so
+    # the third request hits 2 where a cache that kept them hits 4.
+    p, q = chained([[1, 2], [1, 2, 3, 4]])
+    assert belady_hits([p, q, q], 8).tolist() == [0, 2, 4]
+    assert belady_hits([p, q, q], 8, stores=[True, False, True]).tolist() == [0, 2, 2]
+    assert belady_hits([p, q, q], None, stores=[False, False, False]).tolist() == [0, 0, 0]
 
 
 @settings(max_examples=100, deadline=None)

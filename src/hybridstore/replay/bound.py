@@ -9,6 +9,13 @@ the cache may keep any pages it held or the request brought, within ``capacity``
 Recurrent states are free and wherever they are needed, so no hybrid cache — any
 eviction order, any state placement — keeps more under the same page budget.
 
+A request may also be one the engine cannot cache (``stores``): a prompt whose KV alone
+exceeds the engine's KV pool cannot be prefilled with its KV resident, so the replay's
+engine serves it from its match and stores nothing of it (``sim._serve``, every preset
+alike).  The cache then keeps only what it held: the pages the request hit, never the
+ones it recomputed.  Belady's rule stays exact with that constraint (such pages simply
+never enter, in the optimum as in the rule's cache); the exhaustive check covers it.
+
 The optimum of that model is Belady's rule at page granularity:
 
 * a page's *next use* is the next request (in serving order) whose prompt holds it: the
@@ -69,12 +76,15 @@ def next_uses(prompts: Sequence[np.ndarray]) -> list[np.ndarray]:
     return np.split(following, np.cumsum(lengths)[:-1])
 
 
-def belady_hits(prompts: Sequence[np.ndarray], capacity: int | None) -> np.ndarray:
+def belady_hits(prompts: Sequence[np.ndarray], capacity: int | None, *,
+                stores: Sequence[bool] | None = None) -> np.ndarray:
     """Cached leading pages of each prompt under Belady's rule (module docstring).
 
     Args:
         prompts: page ids per request in serving order (chained).
         capacity: pages the cache holds; ``None``: no limit.
+        stores: per request, whether the cache may keep the pages it brought (``False``:
+            an engine that cannot cache the prompt; module docstring); default all.
 
     Returns:
         int64 array: per request, the pages of its prompt the cache held when it came.
@@ -99,6 +109,8 @@ def belady_hits(prompts: Sequence[np.ndarray], capacity: int | None) -> np.ndarr
                 break
             hits[i] = b
         held -= sum(b - a for a, b in cached)
+        if stores is not None and not stores[i]:
+            nxt = nxt[:hits[i]]                  # only what it hit stays
         if not len(nxt):
             continue
         cuts = np.flatnonzero(nxt[1:] != nxt[:-1]) + 1

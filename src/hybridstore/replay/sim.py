@@ -632,23 +632,28 @@ def _result(session: str, req: Request, served: _Served, arrival: float,
                          measured_restore_s=served.measured_restore_s)
 
 
-def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: float,
-         store: HybridStore, objects: ObjectPlane, clock: SimClock, *, progress: bool) -> PolicyRun:
-    """The server discipline's loop; results are at full size (the store's bytes and times
-    x ``scale``)."""
-    import time
+ServeFn = Callable[[Session, int, float], "_Served"]
+"""Serves request ``i`` of a session when the server takes it (at ``begin``, simulated
+seconds): the engine's match, restore and put; returns what it cost."""
 
-    name = p.name
-    run = PolicyRun(name, scale=scale)
+
+def server_loop(trace: Trace, cfg: ReplayConfig, model: ModelPreset, serve: ServeFn,
+                results: list[RequestResult], *, desc: str, progress: bool) -> None:
+    """The server discipline's events (module docstring): ``cfg.live_sessions`` closed-loop
+    sessions, a random waiting one admitted when one ends, one FIFO prefill server; each
+    request is served by ``serve`` and the session's next arrives ``decode + think`` after
+    its first token.  Shared by the replay (:func:`_run`, the store) and the bound
+    (``replay/server_bound.py``, hit counts): the same admission, the same clock.  Each
+    result is appended to ``results`` as it is served (the put of the next request reads
+    how many there are), in serving order, at most ``cfg.max_requests``.
+    """
     sessions = _Sessions([s for s in trace.sessions if s.requests], cfg.live_sessions, cfg.seed)
     total = trace.n_requests if cfg.max_requests is None else min(cfg.max_requests, trace.n_requests)
     events: list[tuple[float, int, Session, int]] = []
     seq = 0
-    tokens: dict[str, Iterator[np.ndarray]] = {}
 
     def start(session: Session, at: float) -> None:
         nonlocal seq
-        tokens[session.id] = session_tokens(session) if cfg.token_level else iter(())
         heapq.heappush(events, (at, seq, session, 0))
         seq += 1
 
@@ -658,20 +663,15 @@ def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: 
             break
         start(s, max(0.0, s.requests[0].arrival_s))  # the trace's own start offsets
     server_free = 0.0
-    t0 = time.perf_counter()
-    bar = tqdm(total=total, desc=f"replay {name}", unit="req", disable=not progress, leave=False)
-    kv_pool = kv_pool_pages(store, p, cfg, model.page_bytes(trace.block_size))
-    with store:
-        while events and len(run.results) < total:
+    with tqdm(total=total, desc=desc, unit="req", disable=not progress, leave=False) as bar:
+        while events and len(results) < total:
             arrival, _, session, i = heapq.heappop(events)
             req = session.requests[i]
-            prompt = _prompt(store, req, tokens[session.id], cfg.token_level)
             begin = max(arrival, server_free)
-            clock.now = begin
-            served = _serve(store, objects, p, model, scale, prompt, req, run, kv_pool)
+            served = serve(session, i, begin)
             done = begin + served.restore_s + served.recompute_s
             server_free = done
-            run.results.append(_result(session.id, req, served, arrival, begin - arrival))
+            results.append(_result(session.id, req, served, arrival, begin - arrival))
             bar.update()
             if i + 1 < len(session.requests):
                 nxt = session.requests[i + 1]
@@ -679,13 +679,37 @@ def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: 
                 heapq.heappush(events, (at, seq, session, i + 1))
                 seq += 1
             else:
-                tokens.pop(session.id, None)
                 s = sessions.admit()
                 if s is not None:
                     start(s, done)
+
+
+def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: float,
+         store: HybridStore, objects: ObjectPlane, clock: SimClock, *, progress: bool) -> PolicyRun:
+    """The server discipline's loop (:func:`server_loop`) over the store; results are at
+    full size (the store's bytes and times x ``scale``)."""
+    import time
+
+    run = PolicyRun(p.name, scale=scale)
+    tokens: dict[str, Iterator[np.ndarray]] = {}
+    kv_pool = kv_pool_pages(store, p, cfg, model.page_bytes(trace.block_size))
+
+    def serve(session: Session, i: int, begin: float) -> _Served:
+        req = session.requests[i]
+        if i == 0:
+            tokens[session.id] = session_tokens(session) if cfg.token_level else iter(())
+        prompt = _prompt(store, req, tokens[session.id], cfg.token_level)
+        clock.now = begin
+        served = _serve(store, objects, p, model, scale, prompt, req, run, kv_pool)
+        if i + 1 == len(session.requests):
+            tokens.pop(session.id, None)
+        return served
+
+    t0 = time.perf_counter()
+    with store:
+        server_loop(trace, cfg, model, serve, run.results, desc=f"replay {p.name}", progress=progress)
         run.evictions = store.stats()["evictions"]
         run.data = objects.finish(store)
-    bar.close()
     run.wall_s = time.perf_counter() - t0
     return run
 
