@@ -30,7 +30,9 @@ def _cells(directory: Path) -> list[dict[str, Any]]:
     out = []
     for bpath in bounds:
         trace, pools = bpath.stem[len("bound-"):].rsplit("-", 1)
-        bound = {round(r["budget"], 4): r["bound"] for r in json.loads(bpath.read_text())["rows"]}
+        brows = json.loads(bpath.read_text())["rows"]
+        bound = {round(r["budget"], 4): r["bound"] for r in brows}
+        in_pool = {round(r["budget"], 4): r.get("bound_engine_pool", r["bound"]) for r in brows}
         rows: dict[tuple[float, str], float] = {}
         for path in sorted(directory.glob(f"{trace}-{pools}-*.json")):
             if path.stem.endswith(EARLIER):    # an earlier run kept for comparison
@@ -43,8 +45,10 @@ def _cells(directory: Path) -> list[dict[str, Any]]:
                 continue
             others = {p: h for p, h in presets.items() if p != DEFAULT}
             best = max(others, key=others.__getitem__) if others else None
-            b = bound[budget]
+            b, bp = bound[budget], in_pool[budget]
             out.append({"trace": trace, "pools": pools, "budget": budget, "bound": b,
+                        "bound_engine_pool": bp,
+                        "default_share_engine_pool": presets[DEFAULT] / bp if bp else None,
                         "default": presets[DEFAULT], "best_other": best,
                         "best_other_hit": others.get(best) if best else None,
                         "default_share": presets[DEFAULT] / b if b else None,
@@ -69,6 +73,8 @@ def table(cells: list[dict[str, Any]]) -> str:
                 continue
             mark = "**" if c["best_other_hit"] is None or c["default"] >= c["best_other_hit"] else ""
             share = f"{c['default_share']:.1%}" if c["default_share"] is not None else "—"
+            if c["bound_engine_pool"] != c["bound"] and c["default_share_engine_pool"] is not None:
+                share += f"; {c['default_share_engine_pool']:.1%} in-pool"
             other = (f"{c['best_other_hit']:.3f} `{c['best_other']}`" if c["best_other"] else "—")
             row.append(f"{mark}{c['default']:.3f}{mark} ({share}) / {other} / {c['bound']:.3f}")
         lines.append(f"| {trace} | {pools} | " + " | ".join(row) + " |")

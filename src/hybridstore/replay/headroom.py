@@ -14,6 +14,11 @@ split``: SGLang's KV pool), in pages of ``block`` tokens (the KV of one full blo
   ties) keeps the most; no eviction order and no state placement keeps more tokens in
   the same page budget.  ``unlimited`` is the same model with no limit (every page seen
   before hits).
+* **bound in the engine's KV pool** (``bound_engine_pool``): the same optimum when a
+  prompt whose KV alone exceeds the pool (``refused``; the one pool, or the KV pool under
+  split pools) stores nothing, as the replay's engine refuses it for every preset
+  (``sim._serve``): it keeps only what it hit (``belady_hits(..., stores=...)``).  This is
+  the exact bound of what the replay lets any preset do.
 * **bound holding k states** (``bound_holding_states``): the same optimum when ``k``
   recurrent states (``checkpoint_bytes`` each, ``--state-scale`` applied) are charged
   against the budget for the whole replay: one pool, ``budget - k x state`` bytes of
@@ -137,8 +142,12 @@ def headroom(trace: Trace, budgets: Sequence[float], cfg: ReplayConfig, *,
     for b in tqdm(budgets, desc="headroom", unit="budget", disable=not progress, leave=False):
         kv_bytes = b * footprint * share               # the KV pool, or the one pool
         state_room = b * footprint * cfg.mamba_ratio   # the Mamba pool under split pools
+        pool = int(kv_bytes // page)
+        stores = [-(-r.input_tokens // block) <= pool for r in reqs]
         row: dict = {"budget": b, "unlimited": unlimited,
-                     "bound": rate(belady_hits(prompts, int(kv_bytes // page)))}
+                     "bound": rate(belady_hits(prompts, pool)),
+                     "bound_engine_pool": rate(belady_hits(prompts, pool, stores=stores)),
+                     "refused": stores.count(False)}
         held = {}
         for k in ks:
             if split:   # states in their own pool: free for the KV pool while they fit
@@ -165,14 +174,16 @@ def print_headroom(doc: dict) -> None:
     print(f"headroom, {doc['trace']} ({doc['requests']} requests, pools {doc['pools']}, "
           f"{doc['open_sessions']} sessions open at the median request): token hit rate")
     held = "".join(f" {'k=' + k:>7}" for k in ks)
-    print(f"{'budget':>8} {'unlimited':>10} {'bound':>7}{held} {'sess-Belady':>11} {'lru':>7} "
-          f"{'bound/unl':>10}")
+    print(f"{'budget':>8} {'unlimited':>10} {'bound':>7} {'in-pool':>7}{held} {'sess-Belady':>11} "
+          f"{'lru':>7} {'bound/unl':>10}")
     for r in doc["rows"]:
         cells = "".join(f" {'-' if v is None else format(v, '.3f'):>7}"
                         for v in r["bound_holding_states"].values())
-        print(f"{r['budget']:>8.0%} {r['unlimited']:>10.3f} {r['bound']:>7.3f}{cells} "
+        print(f"{r['budget']:>8.0%} {r['unlimited']:>10.3f} {r['bound']:>7.3f} "
+              f"{r['bound_engine_pool']:>7.3f}{cells} "
               f"{r['session_belady']:>11.3f} {r['lru']:>7.3f} {r['bound_share_of_unlimited']:>10.1%}")
-    print("bound: exact, free states (Belady per page); k=K: the same holding K states "
+    print("bound: exact, free states (Belady per page); in-pool: the same with prompts over "
+          "the KV pool uncached (the replay's engine); k=K: the same holding K states "
           "in the budget; sess-Belady, lru: whole session contexts (heuristics, not bounds)")
 
 
@@ -186,7 +197,9 @@ def plot_headroom(doc: dict, path: str | Path) -> None:
     rows = doc["rows"]
     x = [100 * r["budget"] for r in rows]
     lines = [("unlimited", [r["unlimited"] for r in rows], "k--"),
-             ("exact bound (free states)", [r["bound"] for r in rows], "r-o")]
+             ("exact bound (free states)", [r["bound"] for r in rows], "r-o"),
+             ("exact bound, prompts over the KV pool uncached",
+              [r["bound_engine_pool"] for r in rows], "r:x")]
     for k in rows[0]["bound_holding_states"] if rows else ():
         lines.append((f"bound holding k={k} states",
                       [r["bound_holding_states"][k] for r in rows], "m:^"))
