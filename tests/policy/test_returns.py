@@ -9,6 +9,7 @@ and a clock the test advances, bound as an engine or the replay binds theirs.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from hybridstore import HybridStore, StoreConfig
@@ -102,3 +103,34 @@ def test_a_branch_below_a_branch_point_does_not_inherit_its_gaps():
         assert returns.gaps(fork.checkpoint(3)) == ()
         assert gaps[fork.checkpoint(3).key] == default
     assert gaps[c.checkpoint(4).key] == gaps[c.checkpoint(3).key] == 30.0   # a chain inherits
+
+
+def test_a_queued_request_keeps_the_context_it_resumes_from():
+    """A session whose next turn waits in the engine's queue looks overdue (its predicted
+    return has passed), and overdue reads as gone: least recently used goes first.  The
+    engine tells the store what it has queued (``HybridStore.expect``), and that session's
+    context is due now: another one goes."""
+    store, (a, b, c) = rounds("hybridstore")     # A last at 60 s, B at 70, C at 80: all due
+    returns = store._eviction.returns
+    assert isinstance(returns, ReturnGaps) and isinstance(returns.clock, Clock)
+    returns.clock.now = 200.0                     # every one overdue: A, the oldest, goes first
+    queued = np.concatenate([a.tokens, np.arange(10**6, 10**6 + 8)])
+    assert store.expect(queued) == a.ends[3]      # where it would resume; nothing pinned
+    assert store.stats()["matches"] == 9 and not store.index.checkpoint(
+        a.checkpoint(3).key).pins
+    assert returns.expected(a.checkpoint(3)) and not returns.expected(b.checkpoint(3))
+    assert store.evict(STATE, "host") >= STATE
+    gone = [s.name for s in (a, b, c) if not all(s.has(t) for t in (1, 2, 3))]
+    assert gone == ["B"]                          # the least recent of those not queued
+    returns.clock.now = 210.0                     # served: the expectation is used up
+    assert a.resume_if_appended() == a.ends[3]
+    a.turn(4, 64)
+    assert not returns.expected(a.checkpoint(3))
+    assert store.expect(np.arange(5 * 10**6, 5 * 10**6 + 40)) == 0   # nothing to resume from
+
+
+def test_without_the_queue_the_overdue_session_goes_first():
+    store, (a, b, c) = rounds("hybridstore")
+    store._eviction.returns.clock.now = 200.0
+    assert store.evict(STATE, "host") >= STATE
+    assert [s.name for s in (a, b, c) if not all(s.has(t) for t in (1, 2, 3))] == ["A"]

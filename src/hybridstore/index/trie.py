@@ -786,6 +786,13 @@ class HybridIndex:
             return self._pin(prompt, pages, p, ck, len(arr))
         return self._pin(prompt, np.zeros(0, np.int64), 0, None, len(arr))
 
+    def resume_checkpoint(self, prompt: PrefixKeys, max_position: int | None = None
+                          ) -> Checkpoint | None:
+        """The checkpoint of :meth:`match`'s resume point (``None``: no resume point),
+        pinning nothing: what a request waiting in the engine's queue would resume from."""
+        arr = self._walk_ids(prompt)
+        return next((ck for _, _, ck, _ in self._resume_points(prompt, arr, max_position)), None)
+
     def restorable(self, prompt: PrefixKeys, max_position: int | None = None) -> list[int]:
         """Every position where ``prompt`` has a complete resume point, ascending.
 

@@ -245,6 +245,10 @@ class HybridStoreEviction(HiStateEviction):
             self.returns.on_hit(index, checkpoint)
         super().on_hit(index, checkpoint)
 
+    def on_expect(self, index: HybridIndex, checkpoint: Checkpoint) -> None:
+        if self.returns is not None:
+            self.returns.expect(index, checkpoint)
+
     def prepare(self, index: HybridIndex, tier: str, pages: dict[str, np.ndarray],
                 units: list[HybridUnit], kind: ObjectKind | None = None) -> _Pass:
         ctx = super().prepare(index, tier, pages, units, kind)
@@ -267,6 +271,8 @@ class HybridStoreEviction(HiStateEviction):
             return float(ck.atime)
         if ck.atime <= 0:        # an abandoned branch: before every live trajectory
             return ctx.origin
+        if r.expected(ck):       # a queued request resumes here: due now
+            return ctx.now
         return r.recency(r.time_of(ck.atime), ctx.gap.get(ck.key, math.inf), ctx.now)
 
 

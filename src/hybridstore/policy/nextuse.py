@@ -65,6 +65,7 @@ class ReturnGaps:
         self._times: list[float] = []     # the clock when the index was at that tick
         self._gaps: dict[bytes, tuple[float, ...]] = {}   # newest gaps of a trajectory
         self._last: dict[bytes, float] = {}               # last resume at or below a checkpoint
+        self._expected: dict[bytes, float] = {}           # queued for since (not yet served)
         self._all: deque[float] = deque(maxlen=history)
         self._prune_at = 4096
 
@@ -108,7 +109,23 @@ class ReturnGaps:
         if len(self._last) > self._prune_at:   # forget the checkpoints no longer held
             self._gaps = {k: v for k, v in self._gaps.items() if index.checkpoint(k) is not None}
             self._last = {k: v for k, v in self._last.items() if index.checkpoint(k) is not None}
+            self._expected = {k: v for k, v in self._expected.items()
+                              if index.checkpoint(k) is not None}
             self._prune_at = 2 * len(self._last) + 4096
+
+    def expect(self, index: HybridIndex, checkpoint: Checkpoint) -> None:
+        """A queued request will resume from ``checkpoint``: it and the checkpoints on its
+        path are due now (:meth:`expected`) until a request resumes at or below them."""
+        now = self.now(index)
+        ck: Checkpoint | None = checkpoint
+        while ck is not None:
+            self._expected[ck.key] = now
+            ck = ck.parent
+
+    def expected(self, checkpoint: Checkpoint) -> bool:
+        """Whether a queued request waits to resume at or below ``checkpoint``."""
+        t = self._expected.get(checkpoint.key)
+        return t is not None and t > self._last.get(checkpoint.key, -math.inf)
 
     def gaps(self, checkpoint: Checkpoint) -> tuple[float, ...]:
         """The newest gaps of the trajectory through ``checkpoint`` (its own, else those of

@@ -638,14 +638,17 @@ seconds): the engine's match, restore and put; returns what it cost."""
 
 
 def server_loop(trace: Trace, cfg: ReplayConfig, model: ModelPreset, serve: ServeFn,
-                results: list[RequestResult], *, desc: str, progress: bool) -> None:
+                results: list[RequestResult], *, desc: str, progress: bool,
+                queued: Callable[[Session, int, float], None] | None = None) -> None:
     """The server discipline's events (module docstring): ``cfg.live_sessions`` closed-loop
     sessions, a random waiting one admitted when one ends, one FIFO prefill server; each
     request is served by ``serve`` and the session's next arrives ``decode + think`` after
     its first token.  Shared by the replay (:func:`_run`, the store) and the bound
     (``replay/server_bound.py``, hit counts): the same admission, the same clock.  Each
     result is appended to ``results`` as it is served (the put of the next request reads
-    how many there are), in serving order, at most ``cfg.max_requests``.
+    how many there are), in serving order, at most ``cfg.max_requests``.  ``queued`` is
+    told, once per request, of every request that has arrived by the time ``begin`` the
+    server takes the next one, before that one is served: the engine's waiting queue.
     """
     sessions = _Sessions([s for s in trace.sessions if s.requests], cfg.live_sessions, cfg.seed)
     total = trace.n_requests if cfg.max_requests is None else min(cfg.max_requests, trace.n_requests)
@@ -663,11 +666,18 @@ def server_loop(trace: Trace, cfg: ReplayConfig, model: ModelPreset, serve: Serv
             break
         start(s, max(0.0, s.requests[0].arrival_s))  # the trace's own start offsets
     server_free = 0.0
+    told: set[tuple[int, int]] = set()
     with tqdm(total=total, desc=desc, unit="req", disable=not progress, leave=False) as bar:
         while events and len(results) < total:
             arrival, _, session, i = heapq.heappop(events)
             req = session.requests[i]
             begin = max(arrival, server_free)
+            if queued is not None:
+                told.discard((id(session), i))
+                for at, _, waiting, j in events:
+                    if at <= begin and (id(waiting), j) not in told:
+                        told.add((id(waiting), j))
+                        queued(waiting, j, begin)
             served = serve(session, i, begin)
             done = begin + served.restore_s + served.recompute_s
             server_free = done
@@ -694,11 +704,21 @@ def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: 
     tokens: dict[str, Iterator[np.ndarray]] = {}
     kv_pool = kv_pool_pages(store, p, cfg, model.page_bytes(trace.block_size))
 
-    def serve(session: Session, i: int, begin: float) -> _Served:
-        req = session.requests[i]
+    waiting: dict[tuple[str, int], PrefixKeys] = {}
+
+    def prompt_of(session: Session, i: int) -> PrefixKeys:
         if i == 0:
             tokens[session.id] = session_tokens(session) if cfg.token_level else iter(())
-        prompt = _prompt(store, req, tokens[session.id], cfg.token_level)
+        return _prompt(store, session.requests[i], tokens[session.id], cfg.token_level)
+
+    def queued(session: Session, i: int, begin: float) -> None:
+        prompt = waiting[(session.id, i)] = prompt_of(session, i)
+        clock.now = begin
+        store.expect(prompt)
+
+    def serve(session: Session, i: int, begin: float) -> _Served:
+        req = session.requests[i]
+        prompt = waiting.pop((session.id, i), None) or prompt_of(session, i)
         clock.now = begin
         served = _serve(store, objects, p, model, scale, prompt, req, run, kv_pool)
         if i + 1 == len(session.requests):
@@ -707,7 +727,8 @@ def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: 
 
     t0 = time.perf_counter()
     with store:
-        server_loop(trace, cfg, model, serve, run.results, desc=f"replay {p.name}", progress=progress)
+        server_loop(trace, cfg, model, serve, run.results, desc=f"replay {p.name}",
+                    progress=progress, queued=queued)
         run.evictions = store.stats()["evictions"]
         run.data = objects.finish(store)
     run.wall_s = time.perf_counter() - t0

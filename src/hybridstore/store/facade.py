@@ -678,6 +678,34 @@ class HybridStore:
             self._counters["query_tokens"] += prompt.length
             return plan
 
+    def expect(self, tokens: Any, *, max_position: int | None = None) -> int:
+        """A request with this prompt waits in the engine's queue: keep what it resumes from.
+
+        The engine calls this when it queues a request it cannot serve yet (vLLM's and
+        SGLang's waiting queues; SGLang's HiCache prefetches at the same moment).  The
+        eviction policy learns that the request's resume point will be used soon, whatever
+        it predicted (:meth:`~hybridstore.policy.base.EvictionPolicy.on_expect`): a session
+        whose next turn is delayed by the queue looks overdue, and an order that reads
+        overdue as gone would evict exactly the context the queue is about to need.
+        Nothing is pinned or counted as a lookup; :meth:`match` when the request is served.
+
+        Args:
+            tokens: token ids, or a :class:`PrefixKeys` (also from block ids).
+            max_position: as :meth:`match`'s.
+
+        Returns:
+            the position the request would resume at if served now (0: none).
+        """
+        prompt = self.prefix(tokens)
+        max_position = args.optional_whole(max_position, "max_position")
+        with self._lock:
+            self._check_open()
+            ck = self.index.resume_checkpoint(prompt, max_position)
+            if ck is None:
+                return 0
+            self._eviction.on_expect(self.index, ck)
+            return ck.position
+
     def match_pages(self, tokens: Any, *, first: int = 0, stop: int | None = None) -> ResumePlan:
         """Pin the held pages of blocks ``[first, stop)`` without a checkpoint.
 
