@@ -228,6 +228,8 @@ def api_calls(w: World) -> dict[str, tuple[Call, st.SearchStrategy[Any]]]:
         "restorable.tokens": (lambda s, w, v: s.restorable(v), toks),
         "restorable.max_position": (lambda s, w, v: s.restorable(T, max_position=v), opt_ints),
         "present_pages": (lambda s, w, v: s.present_pages(v), toks),
+        "expect.tokens": (lambda s, w, v: s.expect(v), toks),
+        "expect.max_position": (lambda s, w, v: s.expect(T, max_position=v), opt_ints),
         "prefix": (lambda s, w, v: s.prefix(v), toks),
         "prefix_from_block_ids": (lambda s, w, v: s.prefix_from_block_ids(v),
                                   st.one_of(st.lists(INTS, max_size=5), token_like(), hostile(3))),
@@ -253,7 +255,7 @@ def api_calls(w: World) -> dict[str, tuple[Call, st.SearchStrategy[Any]]]:
 
 
 CALLS_ON_CLOSED = ("put_kv.tokens", "put_state.position", "match.tokens", "match_pages.first",
-                   "restorable.tokens", "present_pages", "load.plan", "evict.nbytes",
+                   "restorable.tokens", "present_pages", "expect.tokens", "load.plan", "evict.nbytes",
                    "put_kv_sized.nbytes", "flush+stats", "release", "restore_cost")
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from hybridstore.replay.loaders import load
 from hybridstore.replay.samples import weka_sample
-from hybridstore.replay.sim import PolicyRun, ReplayConfig, _Served, replay_policy, server_loop
+from hybridstore.replay.sim import PolicyRun, ReplayConfig, Served, replay_policy, server_loop
 
 SHARED = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
 
@@ -28,7 +28,7 @@ def test_every_queued_request_is_announced_once_before_it_is_served():
 
     def serve(session, i, begin):   # every request a full prefill: a long queue
         served[(session.id, i)] = begin
-        return _Served(0, 0.0, model.prefill_seconds(0, session.requests[i].input_tokens), {}, None)
+        return Served(0, 0.0, model.prefill_seconds(0, session.requests[i].input_tokens), {}, None)
 
     run = PolicyRun("probe")
     server_loop(trace, cfg, model, serve, run.results, desc="probe", progress=False, queued=queued)

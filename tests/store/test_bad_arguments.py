@@ -31,6 +31,8 @@ CALLS = {
     "match_pages.first": lambda s, p, v: s.release(s.match_pages(TOKENS, first=v)),
     "match_pages.stop": lambda s, p, v: s.release(s.match_pages(TOKENS, stop=v)),
     "restorable.max_position": lambda s, p, v: s.restorable(TOKENS, max_position=v),
+    "expect.tokens": lambda s, p, v: s.expect(v),
+    "expect.max_position": lambda s, p, v: s.expect(TOKENS, max_position=v),
     "present_pages": lambda s, p, v: s.present_pages(v),
     "evict.nbytes": lambda s, p, v: s.evict(v),
     "evict.tier": lambda s, p, v: s.evict(10, tier=v),

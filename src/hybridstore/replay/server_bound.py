@@ -43,7 +43,7 @@ from hybridstore.replay.sim import (
     GIB,
     PolicyRun,
     ReplayConfig,
-    _Served,
+    Served,
     merged_requests,
     server_loop,
 )
@@ -74,11 +74,11 @@ def _serve_order(trace: Trace, cfg: ReplayConfig, hits: dict[tuple[str, int], in
     run = PolicyRun(name)
     order: list[Request] = []
 
-    def serve(session: Session, i: int, begin: float) -> _Served:
+    def serve(session: Session, i: int, begin: float) -> Served:
         req = session.requests[i]
         order.append(req)
         hit = hits.get((session.id, i), 0)
-        return _Served(hit, 0.0, model.prefill_seconds(hit, req.input_tokens), {}, None)
+        return Served(hit, 0.0, model.prefill_seconds(hit, req.input_tokens), {}, None)
 
     server_loop(trace, cfg, model, serve, run.results, desc=name, progress=False)
     return run, order

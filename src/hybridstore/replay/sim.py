@@ -435,7 +435,7 @@ def replay_policy(trace: Trace, name: str, cfg: ReplayConfig, *,
 
 
 @dataclass(slots=True)
-class _Served:
+class Served:
     """What serving one request cost (full-size times and bytes)."""
 
     hit_tokens: int
@@ -456,7 +456,7 @@ def kv_pool_pages(store: HybridStore, p: Preset, cfg: ReplayConfig, page_bytes: 
 
 
 def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPreset, scale: float,
-           prompt: PrefixKeys, req: Request, run: PolicyRun, kv_pool: int | None = None) -> _Served:
+           prompt: PrefixKeys, req: Request, run: PolicyRun, kv_pool: int | None = None) -> Served:
     """One request, as the engine serves it in either discipline: match, restore, then put
     the pages of the recomputed segment and the checkpoints the placement asks for.
 
@@ -513,7 +513,7 @@ def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPres
             # it, as it skips caching a prompt it has no free blocks for.  What landed
             # before the refusal stays; nothing more of this prompt is stored.
             run.unstored += 1
-    return _Served(plan.position, restore_s, recompute_s,
+    return Served(plan.position, restore_s, recompute_s,
                    {t: round(n * scale) for t, (n, _) in cost.items()}, measured)
 
 
@@ -623,7 +623,7 @@ def _allocate(store: HybridStore, prompt: PrefixKeys, cached: int, page_bytes: i
         pass
 
 
-def _result(session: str, req: Request, served: _Served, arrival: float,
+def _result(session: str, req: Request, served: Served, arrival: float,
             queue_s: float) -> RequestResult:
     return RequestResult(session=session, index=req.index, kind=req.tags[0] if req.tags else "",
                          input_tokens=req.input_tokens, hit_tokens=served.hit_tokens,
@@ -632,7 +632,7 @@ def _result(session: str, req: Request, served: _Served, arrival: float,
                          measured_restore_s=served.measured_restore_s)
 
 
-ServeFn = Callable[[Session, int, float], "_Served"]
+ServeFn = Callable[[Session, int, float], "Served"]
 """Serves request ``i`` of a session when the server takes it (at ``begin``, simulated
 seconds): the engine's match, restore and put; returns what it cost."""
 
@@ -716,7 +716,7 @@ def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: 
         clock.now = begin
         store.expect(prompt)
 
-    def serve(session: Session, i: int, begin: float) -> _Served:
+    def serve(session: Session, i: int, begin: float) -> Served:
         req = session.requests[i]
         prompt = waiting.pop((session.id, i), None) or prompt_of(session, i)
         clock.now = begin
