@@ -28,21 +28,28 @@ def leading(prompt: np.ndarray, cached: frozenset[int]) -> int:
     return n
 
 
-def optimum(prompts: list[np.ndarray], capacity: int, stores: Sequence[bool] | None = None) -> int:
+def optimum(prompts: list[np.ndarray], capacity: int, stores: Sequence[bool] | None = None,
+            resident: bool = False) -> int:
     """Most leading cached pages summed over the requests, over every cache content a
     cache could hold after each request (any subset of what it held and what the request
     brought, within capacity; not assumed prefix-closed).  A request whose ``stores`` is
-    False brings nothing: the cache chooses among what it held."""
+    False brings nothing: the cache chooses among what it held.  ``resident``: a request
+    holds its whole prompt in the cache while it runs, so what the cache keeps of other
+    prompts fits beside it (a prompt longer than the cache brings nothing)."""
     best: dict[frozenset[int], int] = {frozenset(): 0}
     for i, prompt in enumerate(prompts):
         nxt: dict[frozenset[int], int] = {}
         brought = {int(x) for x in prompt} if stores is None or stores[i] else set()
+        if resident and len(prompt) > capacity:
+            brought = set()
         for cached, value in best.items():
             value += leading(prompt, cached)
             pool = sorted(cached | brought)
             for size in range(min(capacity, len(pool)) + 1):
                 for keep in itertools.combinations(pool, size):
                     key = frozenset(keep)
+                    if brought and resident and len(key | brought) > capacity:
+                        continue                 # the prompt did not fit beside it
                     if nxt.get(key, -1) < value:
                         nxt[key] = value
         best = nxt
@@ -120,3 +127,22 @@ def test_the_bound_grows_with_capacity_up_to_unlimited(contents, capacity):
     prompts = chained(contents)
     small, large = belady_hits(prompts, capacity), belady_hits(prompts, capacity + 1)
     assert small.sum() <= large.sum() <= belady_hits(prompts, None).sum()
+
+
+def test_a_prompt_held_whole_while_it_runs_pushes_out_what_it_does_not_fit_beside():
+    # Room for 3: [1,2] is cached; [7,8,9] is never used again, but while it runs it takes
+    # the whole cache, so [1,2] is gone when it returns (the free bound keeps it).
+    p, q, r = chained([[1, 2], [7, 8, 9], [3, 3, 3, 3]])
+    assert belady_hits([p, q, p], 3).tolist() == [0, 0, 2]
+    assert belady_hits([p, q, p], 3, resident=True).tolist() == [0, 0, 0]
+    # a prompt longer than the cache is refused: it leaves the cache as it was
+    assert belady_hits([p, r, p], 3, resident=True).tolist() == [0, 0, 2]
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt_lists, st.integers(0, 4))
+def test_belady_per_page_equals_the_exhaustive_optimum_with_the_prompt_resident(contents, capacity):
+    prompts = chained(contents)
+    hits = belady_hits(prompts, capacity, resident=True)
+    assert int(hits.sum()) == optimum(prompts, capacity, resident=True)
+    assert hits.sum() <= belady_hits(prompts, capacity).sum()
