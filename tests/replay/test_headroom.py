@@ -81,12 +81,12 @@ def test_the_exact_bound_is_above_every_session_order_and_below_unlimited(trace,
         assert max(r["lru"], r["session_belady"]) <= r["bound"] <= r["unlimited"]
         assert r["session_unlimited"] <= r["unlimited"]     # pages of older branches hit too
         assert r["bound_holding_states"]["0"] == r["bound"]
-        # prompts over the engine's KV pool store nothing: a lower bound, equal without them
+        # held to the engine (prompts over its KV pool store nothing, a prompt's KV is
+        # resident while it prefills): never above the free bound
         assert r["bound_engine_pool"] <= r["bound"]
-        if not r["refused"]:
-            assert r["bound_engine_pool"] == r["bound"]
     assert [r["bound"] for r in rows] == sorted(r["bound"] for r in rows)
     assert rows[0]["refused"] > 0 and rows[0]["bound_engine_pool"] < rows[0]["bound"]
+    assert rows[-1]["bound"] - rows[-1]["bound_engine_pool"] < 0.01   # room to spare at 20 %
     tight = rows[1]
     assert tight["bound"] > tight["session_belady"] + 0.03    # the old "clairvoyant" was no bound
     held = [tight["bound_holding_states"][k] for k in ("0", "1", "8", "200")]

@@ -14,11 +14,13 @@ split``: SGLang's KV pool), in pages of ``block`` tokens (the KV of one full blo
   ties) keeps the most; no eviction order and no state placement keeps more tokens in
   the same page budget.  ``unlimited`` is the same model with no limit (every page seen
   before hits).
-* **bound in the engine's KV pool** (``bound_engine_pool``): the same optimum when a
-  prompt whose KV alone exceeds the pool (``refused``; the one pool, or the KV pool under
-  split pools) stores nothing, as the replay's engine refuses it for every preset
-  (``sim._serve``): it keeps only what it hit (``belady_hits(..., stores=...)``).  This is
-  the exact bound of what the replay lets any preset do.
+* **bound in the engine's KV pool** (``bound_engine_pool``): the same optimum held to the
+  replay's engine, as every preset is (``sim._serve``): a prompt whose KV alone exceeds
+  the pool (``refused``; the one pool, or the KV pool under split pools) stores nothing
+  and keeps only what it hit (``belady_hits(..., stores=...)``), and a prompt the engine
+  prefills holds its whole KV in the pool meanwhile, so the other pages must fit in the
+  rest (``resident=True``, ``sim._allocate``).  This is the exact bound of what the
+  replay lets any preset do.
 * **bound holding k states** (``bound_holding_states``): the same optimum when ``k``
   recurrent states (``checkpoint_bytes`` each, ``--state-scale`` applied) are charged
   against the budget for the whole replay: one pool, ``budget - k x state`` bytes of
@@ -146,7 +148,8 @@ def headroom(trace: Trace, budgets: Sequence[float], cfg: ReplayConfig, *,
         stores = [-(-r.input_tokens // block) <= pool for r in reqs]
         row: dict = {"budget": b, "unlimited": unlimited,
                      "bound": rate(belady_hits(prompts, pool)),
-                     "bound_engine_pool": rate(belady_hits(prompts, pool, stores=stores)),
+                     "bound_engine_pool": rate(belady_hits(prompts, pool, stores=stores,
+                                                           resident=True)),
                      "refused": stores.count(False)}
         held = {}
         for k in ks:
@@ -182,8 +185,9 @@ def print_headroom(doc: dict) -> None:
         print(f"{r['budget']:>8.0%} {r['unlimited']:>10.3f} {r['bound']:>7.3f} "
               f"{r['bound_engine_pool']:>7.3f}{cells} "
               f"{r['session_belady']:>11.3f} {r['lru']:>7.3f} {r['bound_share_of_unlimited']:>10.1%}")
-    print("bound: exact, free states (Belady per page); in-pool: the same with prompts over "
-          "the KV pool uncached (the replay's engine); k=K: the same holding K states "
+    print("bound: exact, free states (Belady per page); in-pool: the same held to the replay's "
+          "engine (prompts over the KV pool uncached, a prompt's KV resident while it "
+          "prefills); k=K: the same holding K states "
           "in the budget; sess-Belady, lru: whole session contexts (heuristics, not bounds)")
 
 
@@ -198,7 +202,7 @@ def plot_headroom(doc: dict, path: str | Path) -> None:
     x = [100 * r["budget"] for r in rows]
     lines = [("unlimited", [r["unlimited"] for r in rows], "k--"),
              ("exact bound (free states)", [r["bound"] for r in rows], "r-o"),
-             ("exact bound, prompts over the KV pool uncached",
+             ("exact bound held to the engine's KV pool",
               [r["bound_engine_pool"] for r in rows], "r:x")]
     for k in rows[0]["bound_holding_states"] if rows else ():
         lines.append((f"bound holding k={k} states",

@@ -15,8 +15,10 @@ page) instead of a store:
 * a prompt whose KV alone exceeds the GPU pool (``G`` GiB of pages) cannot be prefilled
   with its KV resident, and the replay's engine refuses to cache it for every preset
   (``sim._serve``); the bound is held to the same engine: such a prompt keeps only what
-  it hit (``belady_hits(..., stores=...)``).  ``free_state`` is the same without that
-  rule (what a cache could keep if the engine could hold any prompt).
+  it hit (``belady_hits(..., stores=...)``), and a prompt being prefilled holds its whole
+  KV meanwhile, the other pages in the rest of the pool (``resident=True``,
+  ``sim._allocate``).  ``free_state`` is the same without those rules (what a cache could
+  keep if the engine could hold any prompt and needed no room to prefill it).
 
 Belady needs the serving order and the serving order depends on the hits (a miss is a
 longer prefill, which moves later arrivals), so the two are iterated to a fixed point:
@@ -62,7 +64,7 @@ def _hits(order: Sequence[Request], block: int, capacity: int | None,
     more than ``pool`` pages stores nothing (``None``: every prompt stores)."""
     prompts = [r.block_ids[: r.input_tokens // block] for r in order]
     stores = None if pool is None else [-(-r.input_tokens // block) <= pool for r in order]
-    pages = belady_hits(prompts, capacity, stores=stores)
+    pages = belady_hits(prompts, capacity, stores=stores, resident=pool is not None)
     return {(r.session, r.index): min(int(n) * block, r.input_tokens)
             for r, n in zip(order, pages.tolist(), strict=True)}
 
