@@ -286,7 +286,7 @@ def test_unknown_extra_config_keys_are_rejected(tmp_path):
         engine.shutdown()
 
 
-def direct_config(tmp_path, rank: int, world: int):
+def direct_config(tmp_path, rank: int, world: int, **changes):
     """An ``OffloadingConfig`` as vLLM's ``build_offloading_config`` makes it: full
     attention (1024 B pages) + Mamba (576 B), 16-token blocks, 8 tokens per hash."""
     from vllm.v1.kv_offload.config import (
@@ -300,7 +300,7 @@ def direct_config(tmp_path, rank: int, world: int):
     return OffloadingConfig(
         groups=(group(16, "layer0", 0), group(16, "layer1", 1, 1)),
         worker_kv_bytes_per_block=1024 + 576, enable_kv_cache_events=True,
-        extra_config=extra(tmp_path), engine_id=f"direct{world}",
+        extra_config=extra(tmp_path, **changes), engine_id=f"direct{world}",
         model=OffloadingModelConfig("tiny", "float16",
                                     **({"max_model_len": 1024} if "max_model_len" in model
                                        else {})),
@@ -309,13 +309,13 @@ def direct_config(tmp_path, rank: int, world: int):
         kv_cache_layout="LBNHC")
 
 
-def direct_spec(tmp_path, rank: int, world: int):
+def direct_spec(tmp_path, rank: int, world: int, **changes):
     """``HybridStoreSpec`` of :func:`direct_config`, built as HybridStoreConnector builds it."""
     from hybridstore.adapters.vllm import HybridStoreSpec
     from hybridstore.adapters.vllm.compat import specs_see
 
     with specs_see(kv_cache_config([None, 1])):
-        return HybridStoreSpec(direct_config(tmp_path, rank, world))
+        return HybridStoreSpec(direct_config(tmp_path, rank, world, **changes))
 
 
 def direct_worker(tmp_path, rank: int, world: int, kv):
@@ -352,14 +352,14 @@ class Direct:
     the Scheduler: for what the CPU harness cannot make vLLM do (several ranks, partial
     tails, a worker in another process)."""
 
-    def __init__(self, tmp_path, world: int, workers: list | None = None) -> None:
+    def __init__(self, tmp_path, world: int, workers: list | None = None, **changes) -> None:
         gen = torch.Generator().manual_seed(world)
         self.kv = [[torch.randint(-128, 128, (16, n), dtype=torch.int8, generator=gen)
                     for n in (1024, 576)] for _ in range(world)]
         self.saved = [[t.clone() for t in rank] for rank in self.kv]
         self.workers = workers if workers is not None else [
             direct_worker(tmp_path, r, world, self.kv[r]) for r in range(world)]
-        self.manager = direct_spec(tmp_path, 0, world).get_manager()
+        self.manager = direct_spec(tmp_path, 0, world, **changes).get_manager()
         self.jobs = 0
 
     def run(self, submit: str, *args) -> None:
@@ -625,3 +625,50 @@ def test_staging_files_of_killed_engines_are_reclaimed_at_the_next_start(tmp_pat
     time.sleep(0.05)
     assert StagingRegion.reclaim(str(tmp_path)) == [str(tmp_path / "hybridstore-vllm-live.staging")]
     assert unrelated.exists()
+
+
+def test_a_request_looked_up_again_is_one_use(tmp_path):
+    """vLLM looks a waiting request up at every step it tries to schedule it, and matches
+    once more when it loads: with ``hybridstore``'s predicted returns each of those was a
+    return of the session a step after the last, and its learnt gaps became a step long.
+    The manager matches a request's resume point once as a use, the rest ``again``."""
+    import os
+
+    from vllm.v1.kv_offload.base import (
+        GPULoadStoreSpec,
+        LookupResult,
+        ScheduleEndContext,
+        make_offload_key,
+    )
+
+    d = Direct(tmp_path, world=1, policy="hybridstore")
+    hashes = [os.urandom(32) for _ in range(CHUNKS)]
+    pages = [make_offload_key(h, 0) for h in hashes]
+    state = make_offload_key(hashes[-1], 1)
+    positions = {**{k: (i + 1) * 16 for i, k in enumerate(pages)}, state: CHUNKS * 16}
+    try:
+        store = d.manager.store
+        returns = store._eviction.returns
+        ctx = context("A", positions)
+        d.manager.on_new_request(ctx)
+        d.store(pages, ctx, GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0],
+                                             block_indices=[0, 0]))
+        d.store([state], ctx, GPULoadStoreSpec([5], group_sizes=[0, 1], block_indices=[0, 3]))
+        d.manager.on_request_finished(ctx)
+        assert d.manager.flush()
+        ck = next(iter(store.index.checkpoints()))
+        ctx = context("B", positions)
+        d.manager.on_new_request(ctx)
+        for _ in range(3):        # three steps: looked up, not scheduled (vLLM's RETRY path)
+            assert [d.manager.lookup(k, ctx) for k in pages + [state]] == \
+                [LookupResult.HIT] * (CHUNKS + 1)
+            d.manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+        d.zero()
+        d.load(pages + [state], ctx,
+               GPULoadStoreSpec([7, 6, 8, 9, 10], group_sizes=[4, 1], block_indices=[0, 3]))
+        d.manager.on_request_finished(ctx)
+        assert torch.equal(d.kv[0][1][10], d.saved[0][1][5])      # the state came back
+        assert len(returns.gaps(ck)) == 1                         # one return, not five
+        assert store.stats()["hit_tokens"] == CHUNKS * 16
+    finally:
+        d.close()

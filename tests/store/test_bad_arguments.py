@@ -28,6 +28,7 @@ CALLS = {
     "put_kv_page.end": lambda s, p, v: s.put_kv_page(TOKENS, np.zeros(256, np.uint8), end=v),
     "match.tokens": lambda s, p, v: s.release(s.match(v)),
     "match.max_position": lambda s, p, v: s.release(s.match(TOKENS, max_position=v)),
+    "match.again": lambda s, p, v: s.release(s.match(TOKENS, again=v)),
     "match_pages.first": lambda s, p, v: s.release(s.match_pages(TOKENS, first=v)),
     "match_pages.stop": lambda s, p, v: s.release(s.match_pages(TOKENS, stop=v)),
     "restorable.max_position": lambda s, p, v: s.restorable(TOKENS, max_position=v),

@@ -645,19 +645,28 @@ class HybridStore:
             self._evictor.forget_rankings()
 
     # -- match / load / release ---------------------------------------------------------
-    def match(self, tokens: Any, *, max_position: int | None = None) -> ResumePlan:
+    def match(self, tokens: Any, *, max_position: int | None = None,
+              again: bool = False) -> ResumePlan:
         """The deepest complete resume point of a prompt; pinned until :meth:`release`.
 
         Args:
             tokens: token ids, or a :class:`PrefixKeys` (also from block ids).
             max_position: do not resume past this position (engines that
                 must compute the last token's logits pass ``len - 1``).
+            again: the engine asks again for a request it has matched before (vLLM looks
+                a waiting request up at every step it tries to schedule it, and once more
+                when it loads): the plan is pinned as usual, but the policies see no new
+                use (no return gap learnt, no resume counted, no hit in :meth:`stats`).
         """
         prompt = self.prefix(tokens)
         max_position = args.optional_whole(max_position, "max_position")
+        if not isinstance(again, bool):
+            raise InvalidArgumentError(f"again must be a bool, got {type(again).__name__}")
         with self._lock:
             self._check_open()
             self._refresh(prompt)
+            if again:
+                return self.index.match(prompt, max_position)
             self._eviction.on_match(self.index)
             plan = self.index.match(prompt, max_position)
             if plan.state_key is not None:

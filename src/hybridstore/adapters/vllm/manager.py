@@ -97,6 +97,10 @@ class _Request:
     """Full-attention keys this request showed us, by chunk index."""
     pins: dict[OffloadKey, ResumePlan] = field(default_factory=dict)
     """Plans pinned by lookup HITs, until the load's own plan replaces them."""
+    matched: set[int] = field(default_factory=set)
+    """Positions this request resumed at before: vLLM looks a waiting request up at every
+    step it tries it, and its load matches once more; only the first is a use
+    (``HybridStore.match(again=True)`` for the rest)."""
     finished: bool = False
 
 
@@ -206,8 +210,11 @@ class HybridStoreManager(OffloadingManager):
                 ok = plan is not None and len(plan.pages) == 1
             else:
                 prompt = self._resolve(self._page_key_at(key), p)
-                plan = self.store.match(prompt, max_position=p) if prompt is not None else None
+                plan = self.store.match(prompt, max_position=p, again=p in req.matched) \
+                    if prompt is not None else None
                 ok = plan is not None and plan.position == p
+                if ok:
+                    req.matched.add(p)
             if plan is None or not ok:
                 if plan is not None:
                     self.store.release(plan)
@@ -243,7 +250,7 @@ class HybridStoreManager(OffloadingManager):
         with self._mu:
             req = self._request(req_context)
             try:
-                plan = self._start_load(keys, slots, token, req_context)
+                plan = self._start_load(keys, slots, token, req_context, req)
             except Exception:
                 log.exception("hybridstore: cannot load %d keys of request %s", len(keys),
                               req_context.req_id)
@@ -255,7 +262,7 @@ class HybridStoreManager(OffloadingManager):
         return StagedKeys(slots, [token] * len(keys))
 
     def _start_load(self, keys: list[OffloadKey], slots: list[int], token: int,
-                    ctx: ReqContext) -> ResumePlan:
+                    ctx: ReqContext, req: _Request) -> ResumePlan:
         pages: dict[int, int] = {}        # chunk index -> slot
         states: dict[int, int] = {}       # group position -> slot
         end = 0
@@ -277,10 +284,11 @@ class HybridStoreManager(OffloadingManager):
             raise HybridStoreError(f"the page ending at {end} is no longer held")
         state_buf = None
         if states:
-            plan = self.store.match(prompt, max_position=end)
+            plan = self.store.match(prompt, max_position=end, again=end in req.matched)
             if plan.position != end:
                 self.store.release(plan)
                 raise HybridStoreError(f"no resume point at {end} any more")
+            req.matched.add(end)
             state_buf = np.empty(sum(self._nbytes(g) for g in self._plan.state_groups), np.uint8)
         else:
             first = min(pages)
