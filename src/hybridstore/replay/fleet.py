@@ -281,7 +281,13 @@ def _server(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scal
             nodes: list[_Node], router: Router, node_of: list[int], *, progress: bool,
             label: str) -> PolicyRun:
     """``sim._run`` with a server per node: the same events, the same admission, each
-    request served by the node its routing names and queued behind that node only."""
+    request served by the node its routing names and queued behind that node only.
+
+    Unlike ``sim._run`` (``server_loop``'s ``queued``), a node's engine does not announce
+    its waiting queue to its store (``HybridStore.expect``): the router names a request's
+    node only when the request is taken, so which node's queue holds it is not known while
+    it waits.  ``hybridstore`` on one node is therefore the plain replay as it was before
+    the queue was announced (the same except under queueing at tight budgets)."""
     run = PolicyRun(p.name, scale=scale)
     live = cfg.live_sessions * len(nodes)
     sessions = _Sessions([s for s in trace.sessions if s.requests], live, cfg.seed)
