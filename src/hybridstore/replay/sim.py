@@ -718,7 +718,9 @@ def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: 
 
     def serve(session: Session, i: int, begin: float) -> Served:
         req = session.requests[i]
-        prompt = waiting.pop((session.id, i), None) or prompt_of(session, i)
+        prompt = waiting.pop((session.id, i), None)
+        if prompt is None:        # not announced: served as it arrived
+            prompt = prompt_of(session, i)
         clock.now = begin
         served = _serve(store, objects, p, model, scale, prompt, req, run, kv_pool)
         if i + 1 == len(session.requests):

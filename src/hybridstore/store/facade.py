@@ -690,13 +690,16 @@ class HybridStore:
     def expect(self, tokens: Any, *, max_position: int | None = None) -> int:
         """A request with this prompt waits in the engine's queue: keep what it resumes from.
 
-        The engine calls this when it queues a request it cannot serve yet (vLLM's and
-        SGLang's waiting queues; SGLang's HiCache prefetches at the same moment).  The
-        eviction policy learns that the request's resume point will be used soon, whatever
-        it predicted (:meth:`~hybridstore.policy.base.EvictionPolicy.on_expect`): a session
+        An engine calls this for a request it has queued and will not look up until it
+        serves it (the replay's server discipline does: ``sim.server_loop``).  The eviction
+        policy learns that the request's resume point will be used soon, whatever it
+        predicted (:meth:`~hybridstore.policy.base.EvictionPolicy.on_expect`): a session
         whose next turn is delayed by the queue looks overdue, and an order that reads
         overdue as gone would evict exactly the context the queue is about to need.
         Nothing is pinned or counted as a lookup; :meth:`match` when the request is served.
+        (vLLM looks a waiting request up whenever it tries to schedule it, a use that keeps
+        it as well, and SGLang's HiCache prefetches a request when it queues it, so neither
+        adapter calls this.)
 
         Args:
             tokens: token ids, or a :class:`PrefixKeys` (also from block ids).
