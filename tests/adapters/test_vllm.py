@@ -385,6 +385,26 @@ class Direct:
         self.run("submit_load", src, gpu)
         self.manager.complete_load(keys, ctx)
 
+    def stored_request(self) -> tuple[list, object, dict]:
+        """Request ``A``: CHUNKS pages and the Mamba state at their end, stored and
+        flushed; returns ``(page keys, state key, key positions)``."""
+        import os
+
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec, make_offload_key
+
+        hashes = [os.urandom(32) for _ in range(CHUNKS)]
+        pages = [make_offload_key(h, 0) for h in hashes]
+        state = make_offload_key(hashes[-1], 1)
+        positions = {**{k: (i + 1) * 16 for i, k in enumerate(pages)}, state: CHUNKS * 16}
+        ctx = context("A", positions)
+        self.manager.on_new_request(ctx)
+        self.store(pages, ctx, GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0],
+                                                block_indices=[0, 0]))
+        self.store([state], ctx, GPULoadStoreSpec([5], group_sizes=[0, 1], block_indices=[0, 3]))
+        self.manager.on_request_finished(ctx)
+        assert self.manager.flush()
+        return pages, state, positions
+
     def zero(self) -> None:
         for rank in self.kv:
             for t in rank:
@@ -408,23 +428,11 @@ def context(req_id: str, positions):
 def test_two_workers_share_one_store_object(tmp_path):
     """Two worker ranks (as with TP=2) and one manager: each rank's shard goes to its part
     of the staging slot, one store object holds both, each rank gets its own bytes back."""
-    import os
-
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, make_offload_key
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult
 
     d = Direct(tmp_path, world=2)
-    hashes = [os.urandom(32) for _ in range(CHUNKS)]
-    pages = [make_offload_key(h, 0) for h in hashes]
-    state = make_offload_key(hashes[-1], 1)
-    positions = {**{k: (i + 1) * 16 for i, k in enumerate(pages)}, state: CHUNKS * 16}
     try:
-        ctx = context("A", positions)
-        d.manager.on_new_request(ctx)
-        d.store(pages, ctx, GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0],
-                                             block_indices=[0, 0]))
-        d.store([state], ctx, GPULoadStoreSpec([5], group_sizes=[0, 1], block_indices=[0, 3]))
-        d.manager.on_request_finished(ctx)
-        assert d.manager.flush()
+        pages, state, positions = d.stored_request()
         stats = d.manager.store.stats()
         assert stats["pages"] == CHUNKS and stats["checkpoints"] == 1
         events = list(d.manager.take_events())
@@ -632,30 +640,13 @@ def test_a_request_looked_up_again_is_one_use(tmp_path):
     once more when it loads: with ``hybridstore``'s predicted returns each of those was a
     return of the session a step after the last, and its learnt gaps became a step long.
     The manager matches a request's resume point once as a use, the rest ``again``."""
-    import os
-
-    from vllm.v1.kv_offload.base import (
-        GPULoadStoreSpec,
-        LookupResult,
-        ScheduleEndContext,
-        make_offload_key,
-    )
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, LookupResult, ScheduleEndContext
 
     d = Direct(tmp_path, world=1, policy="hybridstore")
-    hashes = [os.urandom(32) for _ in range(CHUNKS)]
-    pages = [make_offload_key(h, 0) for h in hashes]
-    state = make_offload_key(hashes[-1], 1)
-    positions = {**{k: (i + 1) * 16 for i, k in enumerate(pages)}, state: CHUNKS * 16}
     try:
         store = d.manager.store
         returns = store._eviction.returns
-        ctx = context("A", positions)
-        d.manager.on_new_request(ctx)
-        d.store(pages, ctx, GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0],
-                                             block_indices=[0, 0]))
-        d.store([state], ctx, GPULoadStoreSpec([5], group_sizes=[0, 1], block_indices=[0, 3]))
-        d.manager.on_request_finished(ctx)
-        assert d.manager.flush()
+        pages, state, positions = d.stored_request()
         ck = next(iter(store.index.checkpoints()))
         ctx = context("B", positions)
         d.manager.on_new_request(ctx)
