@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridstore.errors import ConfigError
-from hybridstore.replay.bound import NEVER, belady_hits, next_uses
+from hybridstore.replay.bound import NEVER, belady_hits, next_uses, relax_refused
 
 
 def chained(prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
@@ -29,18 +29,20 @@ def leading(prompt: np.ndarray, cached: frozenset[int]) -> int:
 
 
 def optimum(prompts: list[np.ndarray], capacity: int, stores: Sequence[bool] | None = None,
-            resident: bool = False) -> int:
+            resident: bool = False, exempt: Sequence[bool] | None = None) -> int:
     """Most leading cached pages summed over the requests, over every cache content a
     cache could hold after each request (any subset of what it held and what the request
     brought, within capacity; not assumed prefix-closed).  A request whose ``stores`` is
     False brings nothing: the cache chooses among what it held.  ``resident``: a request
     holds its whole prompt in the cache while it runs, so what the cache keeps of other
-    prompts fits beside it (a prompt longer than the cache brings nothing)."""
+    prompts fits beside it (a prompt longer than the cache brings nothing), but for the
+    requests ``exempt`` names."""
     best: dict[frozenset[int], int] = {frozenset(): 0}
     for i, prompt in enumerate(prompts):
         nxt: dict[frozenset[int], int] = {}
         brought = {int(x) for x in prompt} if stores is None or stores[i] else set()
-        if resident and len(prompt) > capacity:
+        held_whole = resident and not (exempt is not None and exempt[i])
+        if held_whole and len(prompt) > capacity:
             brought = set()
         for cached, value in best.items():
             value += leading(prompt, cached)
@@ -48,7 +50,7 @@ def optimum(prompts: list[np.ndarray], capacity: int, stores: Sequence[bool] | N
             for size in range(min(capacity, len(pool)) + 1):
                 for keep in itertools.combinations(pool, size):
                     key = frozenset(keep)
-                    if brought and resident and len(key | brought) > capacity:
+                    if brought and held_whole and len(key | brought) > capacity:
                         continue                 # the prompt did not fit beside it
                     if nxt.get(key, -1) < value:
                         nxt[key] = value
@@ -108,8 +110,27 @@ def test_belady_per_page_equals_the_exhaustive_optimum_when_some_prompts_cannot_
     prompts = chained(contents)
     mask = stores[:len(prompts)]
     hits = belady_hits(prompts, capacity, stores=mask)
-    assert int(hits.sum()) == optimum(prompts, capacity, mask)
+    # an upper bound on every cache of the engine's model, exact for the relaxation
+    assert int(hits.sum()) >= optimum(prompts, capacity, mask)
+    assert int(hits.sum()) == optimum(relax_refused(prompts, [not m for m in mask]), capacity)
     assert hits.sum() <= belady_hits(prompts, capacity).sum()
+    # both of the replay's engine's constraints at once (headroom's in-pool, the server bound)
+    both = belady_hits(prompts, capacity, stores=mask, resident=True)
+    refused = [not m or len(p) > capacity for m, p in zip(mask, prompts, strict=True)]
+    assert int(both.sum()) >= optimum(prompts, capacity, mask, resident=True)
+    assert int(both.sum()) == optimum(relax_refused(prompts, refused), capacity, resident=True,
+                                      exempt=refused)
+
+
+def test_belady_is_no_optimum_where_prompts_are_refused_so_the_bound_relaxes_them():
+    # Room for one page; the last three requests cannot be cached.  Keeping B (used twice
+    # later, by refused requests that cannot fetch it) beats keeping A (used next): 2 hits
+    # against Belady's 1 on the engine's model.  The relaxation lets a refused request fetch
+    # what a cacheable one brought before, and Belady is exact for it: 2.
+    prompts = chained([[0], [1], [0], [1], [1]])
+    mask = [True, True, False, False, False]
+    assert optimum(prompts, 1, mask) == 2
+    assert belady_hits(prompts, 1, stores=mask).sum() == 2
 
 
 def test_a_prompt_the_engine_cannot_cache_leaves_only_what_it_hit():
@@ -144,5 +165,8 @@ def test_a_prompt_held_whole_while_it_runs_pushes_out_what_it_does_not_fit_besid
 def test_belady_per_page_equals_the_exhaustive_optimum_with_the_prompt_resident(contents, capacity):
     prompts = chained(contents)
     hits = belady_hits(prompts, capacity, resident=True)
-    assert int(hits.sum()) == optimum(prompts, capacity, resident=True)
+    refused = [len(p) > capacity for p in prompts]
+    assert int(hits.sum()) >= optimum(prompts, capacity, resident=True)
+    assert int(hits.sum()) == optimum(relax_refused(prompts, refused), capacity, resident=True,
+                                      exempt=refused)
     assert hits.sum() <= belady_hits(prompts, capacity).sum()

@@ -12,9 +12,15 @@ eviction order, any state placement — keeps more under the same page budget.
 A request may also be one the engine cannot cache (``stores``): a prompt whose KV alone
 exceeds the engine's KV pool cannot be prefilled with its KV resident, so the replay's
 engine serves it from its match and stores nothing of it (``sim._serve``, every preset
-alike).  The cache then keeps only what it held: the pages the request hit, never the
-ones it recomputed.  Belady's rule stays exact with that constraint (such pages simply
-never enter, in the optimum as in the rule's cache); the exhaustive check covers it.
+alike).  Belady's rule is *not* exact under that constraint: a page whose next use is
+such a request cannot come back there once evicted, so its later uses count too (the
+exhaustive search finds a case: ``[A], [B], [A], [B], [B]`` in room for one page, the last
+three refused, keeps 2 where Belady keeps 1).  The bound relaxes it instead: a refused
+prompt only ever holds the leading pages some cacheable prompt brought before it (the
+rest were never in any cache), and it may fetch those as any request can.  Every cache of
+the engine's model is a cache of the relaxed one, so Belady on the relaxed instance, which
+is exact for it, is an upper bound for the engine's; the tests check both against the
+exhaustive search.
 
 The optimum of that model is Belady's rule at page granularity:
 
@@ -83,13 +89,14 @@ def belady_hits(prompts: Sequence[np.ndarray], capacity: int | None, *,
     Args:
         prompts: page ids per request in serving order (chained).
         capacity: pages the cache holds; ``None``: no limit.
-        stores: per request, whether the cache may keep the pages it brought (``False``:
-            an engine that cannot cache the prompt; module docstring); default all.
+        stores: per request, whether the engine caches the prompt (``False``: it cannot;
+            the bound then relaxes the request as the module docstring says); default all.
         resident: the engine's prefill holds the whole prompt's KV in the pool while it
             runs (``sim._allocate``): before a request's pages enter, the pages of other
             prompts are cut to ``capacity - len(prompt)`` by the same rule; a prompt
             longer than ``capacity`` is then one the engine cannot cache (as ``stores``
-            False).  Issue 27: about 1 point below the free bound at 10 % split pools.
+            False; refused prompts run no prefill of their own KV, so no cut).  Issue 27:
+            about 1 point below the free bound at 10 % split pools.
 
     Returns:
         int64 array: per request, the pages of its prompt the cache held when it came.
@@ -97,10 +104,14 @@ def belady_hits(prompts: Sequence[np.ndarray], capacity: int | None, *,
     Raises:
         ConfigError: ``capacity`` is negative.
     """
-    uses = next_uses(prompts)
-    hits = np.zeros(len(prompts), dtype=np.int64)
     if capacity is not None and capacity < 0:
         raise ConfigError(f"capacity must be >= 0 pages (None: no limit), got {capacity}")
+    refused = [(stores is not None and not stores[i])
+               or (resident and capacity is not None and len(p) > capacity)
+               for i, p in enumerate(prompts)]
+    prompts = relax_refused(prompts, refused)
+    uses = next_uses(prompts)
+    hits = np.zeros(len(prompts), dtype=np.int64)
     # runs: id -> [shallow end, deep end) of its prompt; due: next use -> run ids;
     # heap: (-next use, -deep end, id), stale entries skipped
     runs: dict[int, list[int]] = {}
@@ -131,13 +142,8 @@ def belady_hits(prompts: Sequence[np.ndarray], capacity: int | None, *,
                 break
             hits[i] = b
         held -= sum(b - a for a, b in cached)
-        refused = stores is not None and not stores[i]
-        if resident and capacity is not None:
-            refused = refused or len(nxt) > capacity
-            if not refused:
-                cut(capacity - len(nxt))         # room for the whole prompt while it runs
-        if refused:
-            nxt = nxt[:hits[i]]                  # only what it hit stays
+        if resident and capacity is not None and not refused[i]:
+            cut(capacity - len(nxt))             # room for the whole prompt while it runs
         if not len(nxt):
             continue
         cuts = np.flatnonzero(nxt[1:] != nxt[:-1]) + 1
@@ -157,4 +163,23 @@ def belady_hits(prompts: Sequence[np.ndarray], capacity: int | None, *,
     return hits
 
 
-__all__ = ["NEVER", "belady_hits", "next_uses"]
+def relax_refused(prompts: Sequence[np.ndarray], refused: Sequence[bool]) -> list[np.ndarray]:
+    """Each refused prompt cut to its leading pages that a prompt not refused brought
+    before it (module docstring: the relaxation the bound is exact for); the others as
+    they are."""
+    brought: set[int] = set()
+    out = []
+    for p, no in zip(prompts, refused, strict=True):
+        p = np.asarray(p)
+        if no:
+            n = 0
+            while n < len(p) and int(p[n]) in brought:
+                n += 1
+            out.append(p[:n])
+        else:
+            brought.update(p.tolist())
+            out.append(p)
+    return out
+
+
+__all__ = ["NEVER", "belady_hits", "next_uses", "relax_refused"]

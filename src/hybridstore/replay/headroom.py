@@ -17,10 +17,10 @@ split``: SGLang's KV pool), in pages of ``block`` tokens (the KV of one full blo
 * **bound in the engine's KV pool** (``bound_engine_pool``): the same optimum held to the
   replay's engine, as every preset is (``sim._serve``): a prompt whose KV alone exceeds
   the pool (``refused``; the one pool, or the KV pool under split pools) stores nothing
-  and keeps only what it hit (``belady_hits(..., stores=...)``), and a prompt the engine
-  prefills holds its whole KV in the pool meanwhile, so the other pages must fit in the
-  rest (``resident=True``, ``sim._allocate``).  This is the exact bound of what the
-  replay lets any preset do.
+  (``belady_hits(..., stores=...)``), and a prompt the engine prefills holds its whole KV
+  in the pool meanwhile, so the other pages must fit in the rest (``resident=True``,
+  ``sim._allocate``).  An upper bound on what the replay lets any preset keep, exact for
+  the relaxation :mod:`hybridstore.replay.bound` describes.
 * **bound holding k states** (``bound_holding_states``): the same optimum when ``k``
   recurrent states (``checkpoint_bytes`` each, ``--state-scale`` applied) are charged
   against the budget for the whole replay: one pool, ``budget - k x state`` bytes of

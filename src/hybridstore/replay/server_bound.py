@@ -14,8 +14,9 @@ page) instead of a store:
   of what the bound misses;
 * a prompt whose KV alone exceeds the GPU pool (``G`` GiB of pages) cannot be prefilled
   with its KV resident, and the replay's engine refuses to cache it for every preset
-  (``sim._serve``); the bound is held to the same engine: such a prompt keeps only what
-  it hit (``belady_hits(..., stores=...)``), and a prompt being prefilled holds its whole
+  (``sim._serve``); the bound is held to the same engine: such a prompt stores nothing
+  (``belady_hits(..., stores=...)``, relaxed so as to stay an upper bound: see
+  :mod:`hybridstore.replay.bound`), and a prompt being prefilled holds its whole
   KV meanwhile, the other pages in the rest of the pool (``resident=True``,
   ``sim._allocate``).  ``free_state`` is the same without those rules (what a cache could
   keep if the engine could hold any prompt and needed no room to prefill it).
@@ -24,8 +25,8 @@ Belady needs the serving order and the serving order depends on the hits (a miss
 longer prefill, which moves later arrivals), so the two are iterated to a fixed point:
 the sequential discipline's order first, then the bound of each run's order, until a run
 serves in the order its hits were computed for (``converged``; at most ``iterations``).
-At the fixed point the hits are the exact bound for the order served (no cache serving
-that order hits more tokens in all), every TTFT is what that order's prefills cost, and
+At the fixed point the hits bound those of any cache serving that order (the relaxed
+optimum: no cache serving it hits more tokens in all), every TTFT is what that order's prefills cost, and
 restores cost nothing.  It is the reference a cache's tail is compared with, not a bound
 on every cache's p99: Belady maximises the hits summed, not the tail, and a cache that
 serves another order meets other queues; the document says when the iteration did not
