@@ -109,7 +109,8 @@ def belady_hits(prompts: Sequence[np.ndarray], capacity: int | None, *,
     refused = [(stores is not None and not stores[i])
                or (resident and capacity is not None and len(p) > capacity)
                for i, p in enumerate(prompts)]
-    prompts = relax_refused(prompts, refused)
+    if any(refused):
+        prompts = relax_refused(prompts, refused)
     uses = next_uses(prompts)
     hits = np.zeros(len(prompts), dtype=np.int64)
     # runs: id -> [shallow end, deep end) of its prompt; due: next use -> run ids;
@@ -167,18 +168,23 @@ def relax_refused(prompts: Sequence[np.ndarray], refused: Sequence[bool]) -> lis
     """Each refused prompt cut to its leading pages that a prompt not refused brought
     before it (module docstring: the relaxation the bound is exact for); the others as
     they are."""
-    brought: set[int] = set()
+    arrays = [np.asarray(p, dtype=np.int64) for p in prompts]
+    kept = [i for i, no in enumerate(refused) if not no and len(arrays[i])]
+    if kept:   # each page's first request that brought it (lowest index first after sort)
+        ids = np.concatenate([arrays[i] for i in kept])
+        owner = np.repeat(np.asarray(kept, dtype=np.int64), [len(arrays[i]) for i in kept])
+        pages, first = np.unique(ids, return_index=True)   # ids sorted; first occurrence
+        since = owner[first]
+    else:
+        pages = since = np.empty(0, dtype=np.int64)
     out = []
-    for p, no in zip(prompts, refused, strict=True):
-        p = np.asarray(p)
-        if no:
-            n = 0
-            while n < len(p) and int(p[n]) in brought:
-                n += 1
-            out.append(p[:n])
-        else:
-            brought.update(p.tolist())
-            out.append(p)
+    for i, (p, no) in enumerate(zip(arrays, refused, strict=True)):
+        if no and len(p):
+            at = np.minimum(np.searchsorted(pages, p), max(len(pages) - 1, 0))
+            ok = (pages[at] == p) & (since[at] < i) if len(pages) else np.zeros(len(p), bool)
+            n = int(np.argmin(ok)) if not ok.all() else len(p)
+            p = p[:n]
+        out.append(p)
     return out
 
 
