@@ -179,11 +179,12 @@ def relax_refused(prompts: Sequence[np.ndarray], refused: Sequence[bool]) -> lis
         pages = since = np.empty(0, dtype=np.int64)
     out = []
     for i, (p, no) in enumerate(zip(arrays, refused, strict=True)):
-        if no and len(p):
-            at = np.minimum(np.searchsorted(pages, p), max(len(pages) - 1, 0))
-            ok = (pages[at] == p) & (since[at] < i) if len(pages) else np.zeros(len(p), bool)
-            n = int(np.argmin(ok)) if not ok.all() else len(p)
-            p = p[:n]
+        if no and len(pages):
+            at = np.minimum(np.searchsorted(pages, p), len(pages) - 1)
+            ok = (pages[at] == p) & (since[at] < i)       # brought before this request
+            p = p if ok.all() else p[:int(np.argmin(ok))]
+        elif no:
+            p = p[:0]                                       # nothing brought yet
         out.append(p)
     return out
 

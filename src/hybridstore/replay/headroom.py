@@ -93,6 +93,17 @@ def session_hit_rate(reqs: Sequence[Request], capacity: float | None, order: str
     return hit / total if total else 0.0
 
 
+def page_prompts(reqs: Sequence[Request], block: int) -> list[np.ndarray]:
+    """Each request's full-block page ids (chained): the prompts the bound sees."""
+    return [r.block_ids[: r.input_tokens // block] for r in reqs]
+
+
+def fits_pool(reqs: Sequence[Request], block: int, pool: int) -> list[bool]:
+    """Whether each prompt's KV fits an engine pool of ``pool`` pages: the replay's engine
+    caches no prompt longer than its pool (``sim._serve``, ``prompt.nblocks > kv_pool``)."""
+    return [-(-r.input_tokens // block) <= pool for r in reqs]
+
+
 def open_sessions(reqs: Sequence[Request]) -> int:
     """Median over the requests of the sessions open at each: seen at or before it and
     with a request after it (the states a cache must hold to resume every one of them)."""
@@ -130,7 +141,7 @@ def headroom(trace: Trace, budgets: Sequence[float], cfg: ReplayConfig, *,
     footprint = kv_footprint(trace, cfg, model)
     split = cfg.pools == "split"
     share = 1.0 if split else 1.0 + cfg.mamba_ratio
-    prompts = [r.block_ids[: r.input_tokens // block] for r in reqs]
+    prompts = page_prompts(reqs, block)
     total = sum(r.input_tokens for r in reqs)
 
     def rate(hit_pages: np.ndarray) -> float:
@@ -145,7 +156,7 @@ def headroom(trace: Trace, budgets: Sequence[float], cfg: ReplayConfig, *,
         kv_bytes = b * footprint * share               # the KV pool, or the one pool
         state_room = b * footprint * cfg.mamba_ratio   # the Mamba pool under split pools
         pool = int(kv_bytes // page)
-        stores = [-(-r.input_tokens // block) <= pool for r in reqs]
+        stores = fits_pool(reqs, block, pool)
         row: dict = {"budget": b, "unlimited": unlimited,
                      "bound": rate(belady_hits(prompts, pool)),
                      "bound_engine_pool": rate(belady_hits(prompts, pool, stores=stores,
@@ -202,7 +213,7 @@ def plot_headroom(doc: dict, path: str | Path) -> None:
     x = [100 * r["budget"] for r in rows]
     lines = [("unlimited", [r["unlimited"] for r in rows], "k--"),
              ("exact bound (free states)", [r["bound"] for r in rows], "r-o"),
-             ("exact bound held to the engine's KV pool",
+             ("bound held to the engine's KV pool",
               [r["bound_engine_pool"] for r in rows], "r:x")]
     for k in rows[0]["bound_holding_states"] if rows else ():
         lines.append((f"bound holding k={k} states",
@@ -220,4 +231,5 @@ def plot_headroom(doc: dict, path: str | Path) -> None:
     plt.close(fig)
 
 
-__all__ = ["headroom", "open_sessions", "plot_headroom", "print_headroom", "session_hit_rate"]
+__all__ = ["fits_pool", "headroom", "open_sessions", "page_prompts", "plot_headroom",
+           "print_headroom", "session_hit_rate"]

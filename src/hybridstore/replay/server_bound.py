@@ -1,12 +1,12 @@
-"""The exact bound in the server discipline: what any cache could do for the tail TTFT.
+"""The bound in the server discipline: what any cache could do for the tail TTFT.
 
 ``hybridstore replay --headroom --discipline server [--gpu-gib G --host-gib H --disk-gib
 D]`` answers the question the server discipline's p99 raises: at these tier budgets, how
 close to ``unlimited``'s p99 TTFT can *any* cache come?  It runs the server discipline's
 own events (:func:`~hybridstore.replay.sim.server_loop`: the same live sessions, admission,
 FIFO prefill server and closed-loop arrivals as every preset's replay) with each request's
-hit taken from the exact free-state bound (:mod:`hybridstore.replay.bound`, Belady per
-page) instead of a store:
+hit taken from the free-state bound (:mod:`hybridstore.replay.bound`, Belady per page)
+instead of a store:
 
 * one pool of ``G + H + D`` GiB of pages: the tiers hold disjoint bytes, and states are
   free (the free-state model);
@@ -42,6 +42,7 @@ import numpy as np
 
 from hybridstore.errors import ConfigError
 from hybridstore.replay.bound import belady_hits
+from hybridstore.replay.headroom import fits_pool, page_prompts
 from hybridstore.replay.sim import (
     GIB,
     PolicyRun,
@@ -56,16 +57,13 @@ ITERATIONS = 12
 """Most bound-and-serve rounds before the fixed point is given up (it is reached in 1-8
 on the bundled sample and the shared WEKA sessions)."""
 
-ROWS = ("unlimited", "free_state", "bound")
-
-
 def _hits(order: Sequence[Request], block: int, capacity: int | None,
           pool: int | None) -> dict[tuple[str, int], int]:
     """Hit tokens per request (session, index) of the bound for ``order``; a prompt of
     more than ``pool`` pages stores nothing (``None``: every prompt stores)."""
-    prompts = [r.block_ids[: r.input_tokens // block] for r in order]
-    stores = None if pool is None else [-(-r.input_tokens // block) <= pool for r in order]
-    pages = belady_hits(prompts, capacity, stores=stores, resident=pool is not None)
+    stores = None if pool is None else fits_pool(order, block, pool)
+    pages = belady_hits(page_prompts(order, block), capacity, stores=stores,
+                        resident=pool is not None)
     return {(r.session, r.index): min(int(n) * block, r.input_tokens)
             for r, n in zip(order, pages.tolist(), strict=True)}
 
@@ -105,7 +103,7 @@ def fixed_point(trace: Trace, cfg: ReplayConfig, capacity: int | None, pool: int
         run, served = _serve_order(trace, cfg, _hits(order, block, capacity, pool), name=name)
         converged = [(r.session, r.index) for r in served] == [(r.session, r.index) for r in order]
         order = served
-    refused = 0 if pool is None else sum(-(-r.input_tokens // block) > pool for r in order)
+    refused = 0 if pool is None else fits_pool(order, block, pool).count(False)
     return run, rounds, converged, refused
 
 
@@ -127,8 +125,7 @@ def server_headroom(trace: Trace, cfg: ReplayConfig, *,
     pool = int(cfg.gpu_gib * GIB) // page
     cases = {"unlimited": (None, None), "free_state": (capacity, None), "bound": (capacity, pool)}
     rows = []
-    for name in ROWS:
-        cap, gpu = cases[name]
+    for name, (cap, gpu) in cases.items():
         run, rounds, converged, refused = fixed_point(trace, cfg, cap, gpu, name=name,
                                                       iterations=iterations)
         s = run.summary()
@@ -158,8 +155,9 @@ def print_server_headroom(doc: dict) -> None:
         print(f"{r['name']:>11} {r['token_hit_rate']:>8.4f} {r['ttft_p50_s']:>7.2f} "
               f"{r['ttft_p95_s']:>7.2f} {r['ttft_p99_s']:>7.2f} {r['p99_vs_unlimited']:>7.2f}x "
               f"{r['refused_requests']:>7} {r['rounds']:>6}{mark}")
-    print("bound: the exact free-state bound of the order served, prompts over the GPU pool "
-          "uncached (as the replay's engine); free_state: without that rule")
+    print("bound: the free-state bound of the order served, held to the replay's engine "
+          "(prompts over the GPU pool uncached, a prompt's KV resident while it prefills); "
+          "free_state: without those rules")
 
 
 def plot_server_headroom(doc: dict, path: str | Path) -> None:
