@@ -414,3 +414,27 @@ def test_extra_config_keys_and_rank_identity():
     assert "Qwen/Qwen3-Next" in r0.namespace("", "L")
     mla = [RankIdentity(tp_rank=i, tp_size=2, replicated_kv=True) for i in (0, 1)]
     assert mla[0].namespace("", "L") == mla[1].namespace("", "L")
+
+
+def test_an_sglang_without_the_storage_interface_is_a_config_error(engine_modules, tmp_path,
+                                                                     monkeypatch):
+    """SGLang 0.5.22 and older lack ``is_storage_writer`` and ``on_host_pools_registered``:
+    the adapter says so at startup instead of failing inside SGLang's attach."""
+    from dataclasses import fields
+    from types import SimpleNamespace
+
+    from hybridstore.adapters import sglang as adapter_mod
+    from hybridstore.errors import ConfigError
+
+    hs = engine_modules.hs
+    cfg = hs.HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                                  attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
+                                  is_page_first_layout=True, model_name="m",
+                                  extra_config={"disk_path": str(tmp_path)})
+    adapter_mod.HybridStoreHiCache(cfg, {}).close()          # 0.5.23: accepted
+    old = SimpleNamespace(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})  # 0.5.22's fields
+    with pytest.raises(ConfigError, match="is_storage_writer"):
+        adapter_mod.HybridStoreHiCache(old, {})
+    monkeypatch.delattr(adapter_mod.HiCacheStorage, "on_host_pools_registered")
+    with pytest.raises(ConfigError, match="on_host_pools_registered"):
+        adapter_mod.HybridStoreHiCache(cfg, {})

@@ -138,6 +138,25 @@ class _Counters:
             self.totals[name] += n
 
 
+def _check_interface(storage_config: Any) -> None:
+    """Raise ConfigError unless the running SGLang has the HiCache storage interface this
+    adapter is written against (0.5.23's), judged by what it has, not by its version string.
+
+    SGLang 0.5.22 and older have neither hook below: the store would never open (no
+    ``on_host_pools_registered`` call) and SGLang's attach would fail on the missing
+    ``is_storage_writer``, with an AttributeError deep in its own code.
+    """
+    missing = [name for name, present in (
+        ("HiCacheStorage.on_host_pools_registered",
+         callable(getattr(HiCacheStorage, "on_host_pools_registered", None))),
+        ("HiCacheStorageConfig.is_storage_writer", hasattr(storage_config, "is_storage_writer")),
+    ) if not present]
+    if missing:
+        raise ConfigError(f"hybridstore's SGLang adapter needs SGLang 0.5.23's HiCache storage "
+                          f"interface; this SGLang has no {' and no '.join(missing)}: "
+                          "install sglang==0.5.23")
+
+
 class HybridStoreHiCache(HiCacheStorage):
     """One hybridstore :class:`~hybridstore.HybridStore` per TP/PP rank behind SGLang's
     HiCache storage interface (legacy, ``interface_v1`` and v2 multi-pool calls).
@@ -149,7 +168,8 @@ class HybridStoreHiCache(HiCacheStorage):
         kwargs: the factory's positional extra dict (unused).
 
     Raises:
-        ConfigError: an unknown extra-config key or a bad value (at startup).
+        ConfigError: an unknown extra-config key or a bad value, or an SGLang without
+            0.5.23's storage interface (at startup).
 
     The store opens when SGLang has registered its host pools
     (:meth:`on_host_pools_registered`): its page size and byte layout come from
@@ -158,6 +178,7 @@ class HybridStoreHiCache(HiCacheStorage):
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        _check_interface(storage_config)
         self.settings = SGLangSettings.from_extra_config(storage_config.extra_config)
         self.rank = RankIdentity.of(storage_config)
         self.store: HybridStore | None = None
