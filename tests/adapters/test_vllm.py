@@ -272,6 +272,22 @@ def test_group_windows_on_every_vllm(tmp_path):
         assert group_windows(groups[:1], 1) == (None,)    # one group: full attention
 
 
+def test_a_vllm_without_the_interface_is_a_config_error(monkeypatch):
+    """0.30 and older lack what the adapter calls (``ReqContext.get_offload_key_position``;
+    0.28 also ``iter_layer_specs``): the import says so, naming it. This vLLM has it all."""
+    from vllm.v1.kv_offload import base
+
+    from hybridstore.adapters.vllm import compat
+
+    assert compat.missing_interface() == []
+    compat.check_vllm()
+    monkeypatch.delattr(base.ReqContext, "get_offload_key_position")
+    assert compat.missing_interface() == [
+        "vllm.v1.kv_offload.base.ReqContext.get_offload_key_position"]
+    with pytest.raises(ConfigError, match="0.31 to 0.34.*get_offload_key_position"):
+        compat.check_vllm()
+
+
 def test_unknown_extra_config_keys_are_rejected(tmp_path):
     """A misspelt key must not leave a setting at its default silently (issue 26 §3)."""
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['disk_byte'\]"):

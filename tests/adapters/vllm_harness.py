@@ -1,4 +1,4 @@
-"""Drive vLLM's own scheduler and worker-side offloading connector on CPU (0.32 to 0.34).
+"""Drive vLLM's own scheduler and worker-side offloading connector on CPU (0.31 to 0.34).
 
 What runs is vLLM's code: a real ``vllm.v1.core.sched.scheduler.Scheduler`` (it
 builds the scheduler-role ``OffloadingConnector`` and, through it, the spec's

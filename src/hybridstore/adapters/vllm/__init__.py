@@ -1,4 +1,4 @@
-"""hybridstore as vLLM's KV offloading medium, 0.32 to 0.34 (``docs/engines/vllm.md``).
+"""hybridstore as vLLM's KV offloading medium, 0.31 to 0.34 (``docs/engines/vllm.md``).
 
 * :class:`HybridStoreSpec` — an ``OffloadingSpec`` for vLLM's
   ``OffloadingConnector`` (``"spec_name": "HybridStoreSpec", "spec_module_path":
@@ -9,7 +9,7 @@
   ``TieringOffloadingSpec``: vLLM keeps its own DRAM tier, hybridstore is the SSD
   tier beneath it.
 * :class:`HybridStoreConnector` — vLLM's ``OffloadingConnector`` that hands the
-  spec its ``KVCacheConfig``: what hybrid models need on vLLM 0.32
+  spec its ``KVCacheConfig``: what hybrid models need on vLLM 0.31 and 0.32
   (``compat.py``, where every difference between the releases is answered).
 
 Importing this package imports vLLM.

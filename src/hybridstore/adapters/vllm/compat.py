@@ -1,11 +1,13 @@
-"""The one place that knows how vLLM 0.32, 0.33 and 0.34 differ for the adapter.
+"""The one place that knows how vLLM 0.31 to 0.34 differ for the adapter.
 
 Every difference the adapter meets between the releases it supports is answered
 here, by what the running vLLM *has* (an attribute, a type), never by reading
-version strings or stack frames:
+version strings or stack frames. A vLLM without the interface the adapter uses
+(0.30 and older: :data:`NEEDED`) is refused when this package is imported, with a
+:class:`~hybridstore.errors.ConfigError` that names what is missing.
 
 ========================  ==========================================  ==========================
-what                      0.32                                        0.33 / 0.34
+what                      0.31 / 0.32                                 0.33 / 0.34
 ========================  ==========================================  ==========================
 a group's window          not in ``OffloadingGroupConfig``: computed  ``OffloadingGroupConfig.
                           from the ``KVCacheConfig`` that             sliding_window_size_in_
@@ -19,7 +21,7 @@ touch``
 ``OffloadingEvent``       keys, medium, removed, locality             0.34: + ``req_context``
 ========================  ==========================================  ==========================
 
-On 0.32 an offloading spec sees only ``OffloadingConfig``, which does not say
+On 0.31 and 0.32 an offloading spec sees only ``OffloadingConfig``, which does not say
 which KV cache groups are Mamba groups. Models with one KV cache group need
 nothing more; hybrid models name this package's connector, a subclass of vLLM's
 ``OffloadingConnector`` that only passes the ``KVCacheConfig`` vLLM gives every
@@ -45,21 +47,69 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+
+from hybridstore.errors import ConfigError, UnsupportedModelError
+
+NEEDED: dict[str, tuple[str, ...]] = {
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector": ("OffloadingConnector",),
+    "vllm.v1.kv_cache_interface": ("iter_layer_specs",),
+    "vllm.v1.kv_offload.base": (
+        "CanonicalKVCaches", "LoadStoreSpec", "Locality", "LookupResult", "Medium",
+        "OffloadKey", "OffloadingEvent", "OffloadingManager", "OffloadingSpec",
+        "OffloadingWorker", "PrepareStoreOutput", "ReqContext", "RequestOffloadingContext",
+        "TransferResult", "ReqContext.get_offload_key_position"),
+    "vllm.v1.kv_offload.config": ("OffloadingConfig",),
+    "vllm.v1.kv_offload.tiering.base": ("JobResult", "SecondaryTierManager", "TransferJob"),
+}
+"""What the adapter uses of vLLM, by module: every name it imports, and the methods it
+calls that older releases lack (0.30 has no ``ReqContext.get_offload_key_position``, 0.28
+no ``iter_layer_specs``)."""
+
+
+def missing_interface() -> list[str]:
+    """The names of :data:`NEEDED` that the running vLLM lacks (empty: supported)."""
+    missing = []
+    for module, names in NEEDED.items():
+        try:
+            found: Any = importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+            continue
+        for name in names:
+            obj = found
+            for part in name.split("."):
+                obj = getattr(obj, part, None)
+            if obj is None:
+                missing.append(f"{module}.{name}")
+    return missing
+
+
+def check_vllm() -> None:
+    """Raise ConfigError unless the running vLLM has what the adapter uses (:data:`NEEDED`)."""
+    missing = missing_interface()
+    if missing:
+        import vllm
+
+        raise ConfigError(f"hybridstore's vLLM adapter supports vLLM 0.31 to 0.34; this vLLM "
+                          f"({getattr(vllm, '__version__', 'unknown')}) has no "
+                          f"{', '.join(missing)}")
+
+
+check_vllm()
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # noqa: E402
     OffloadingConnector,
 )
-from vllm.v1.kv_cache_interface import iter_layer_specs
-from vllm.v1.kv_offload.base import Medium, OffloadingEvent
+from vllm.v1.kv_cache_interface import iter_layer_specs  # noqa: E402
+from vllm.v1.kv_offload.base import Medium, OffloadingEvent  # noqa: E402
 
-from hybridstore.errors import UnsupportedModelError
-
-# The KVCacheConfig of the connector being built in this thread (0.32 only needs it).
+# The KVCacheConfig of the connector being built in this thread (0.31 and 0.32 need it).
 _KV_CACHE_CONFIG: contextvars.ContextVar[Any] = contextvars.ContextVar(
     "hybridstore_vllm_kv_cache_config", default=None)
 
 
 def _window_function() -> Callable[[Any, int], int | None]:
-    """vLLM's own ``get_sliding_window_size_in_chunks`` (0.32: scheduler, 0.33+: config)."""
+    """vLLM's own ``get_sliding_window_size_in_chunks`` (0.31, 0.32: scheduler, 0.33+: config)."""
     for module in ("vllm.distributed.kv_transfer.kv_connector.v1.offloading.config",
                    "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"):
         fn = getattr(importlib.import_module(module), "get_sliding_window_size_in_chunks", None)
@@ -67,13 +117,13 @@ def _window_function() -> Callable[[Any, int], int | None]:
             return fn
     raise UnsupportedModelError(  # pragma: no cover - every supported release has it
         "this vLLM has no get_sliding_window_size_in_chunks; the hybridstore adapter supports "
-        "vLLM 0.32, 0.33 and 0.34")
+        "vLLM 0.31 to 0.34")
 
 
 class HybridStoreConnector(OffloadingConnector):
     """vLLM's ``OffloadingConnector``, handing its ``KVCacheConfig`` to the offloading spec.
 
-    Needed on vLLM 0.32 for hybrid (Mamba / GDN) models only: 0.32's
+    Needed on vLLM 0.31 and 0.32 for hybrid (Mamba / GDN) models only: their
     ``OffloadingConfig`` leaves out which groups are Mamba groups, so the spec
     reads each group's window from the ``KVCacheConfig`` with vLLM's own
     ``get_sliding_window_size_in_chunks``. Behaves as ``OffloadingConnector``
@@ -88,7 +138,7 @@ class HybridStoreConnector(OffloadingConnector):
 @contextlib.contextmanager
 def specs_see(kv_cache_config: Any) -> Iterator[None]:
     """Offloading specs built in this block read their groups' windows from
-    ``kv_cache_config`` (vLLM's ``KVCacheConfig``) where vLLM (0.32) does not say them."""
+    ``kv_cache_config`` (vLLM's ``KVCacheConfig``) where vLLM (0.31, 0.32) does not say them."""
     token = _KV_CACHE_CONFIG.set(kv_cache_config)
     try:
         yield
@@ -104,7 +154,7 @@ def group_windows(groups: Sequence[Any], blocks_per_chunk: int) -> tuple[int | N
         blocks_per_chunk: GPU blocks per offloaded chunk.
 
     Raises:
-        UnsupportedModelError: vLLM 0.32 with several KV cache groups, built by
+        UnsupportedModelError: vLLM 0.31 or 0.32 with several KV cache groups, built by
             vLLM's plain ``OffloadingConnector`` (it does not say which are Mamba
             groups): name :class:`HybridStoreConnector` instead.
     """
@@ -115,7 +165,7 @@ def group_windows(groups: Sequence[Any], blocks_per_chunk: int) -> tuple[int | N
         if len(groups) == 1:
             return (None,)
         raise UnsupportedModelError(
-            f"this vLLM (0.32) does not tell an offloading spec which of the model's "
+            f"this vLLM (0.31 or 0.32) does not tell an offloading spec which of the model's "
             f"{len(groups)} KV cache groups are Mamba groups. Name hybridstore's connector: "
             '"kv_connector": "HybridStoreConnector", "kv_connector_module_path": '
             '"hybridstore.adapters.vllm" in --kv-transfer-config (or use vLLM 0.33+).')
@@ -145,7 +195,7 @@ class BlockSpan:
 
 
 def block_span(gpu: Any, tensors: Sequence[Any], group_tensor: Sequence[int]) -> BlockSpan:
-    """A job's GPU side as block ids, from 0.32/0.33's ``GPULoadStoreSpec`` or 0.34's pointers.
+    """A job's GPU side as block ids, from 0.31-0.33's ``GPULoadStoreSpec`` or 0.34's pointers.
 
     0.34 hands the worker ``DevicePointers``: for each group, for each of its
     layer refs, one address per block, ``base + block_id * row stride``

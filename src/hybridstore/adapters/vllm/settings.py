@@ -60,7 +60,7 @@ ADAPTER_KEYS = frozenset(("disk_path", "namespace", "staging_bytes", "staging_di
 VLLM_KEYS = frozenset(("spec_name", "spec_module_path", "block_size", "blocks_per_chunk",
                        "offload_prompt_only", "canonical_layout", "self_describing_kv_events",
                        "sync_load_budget_bytes"))
-"""Keys vLLM's ``OffloadingConnector`` itself reads for any offloading spec (0.32-0.34)."""
+"""Keys vLLM's ``OffloadingConnector`` itself reads for any offloading spec (0.31-0.34)."""
 
 
 def check_keys(extra: Mapping[str, Any], own: frozenset[str], where: str) -> None:
