@@ -50,6 +50,7 @@ def test_missing_extra_error_is_typed():
     (["replay", "--host-gib", "-1"], "--host-gib"),
     (["replay", "--max-requests", "-1"], "--max-requests"),
     (["replay", "--live-sessions", "0"], "--live-sessions"),
+    (["replay", "--resume-hints", "-0.5"], "--resume-hints"),
     (["replay", "--json", "/no/such/dir/r.json"], "cannot write"),
     (["replay", "--plot", "."], "cannot write"),
     (["demo", "--scale", "-2"], "--scale"),

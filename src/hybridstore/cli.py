@@ -115,7 +115,8 @@ def _replay(args: argparse.Namespace) -> int:
                        discipline=args.discipline or ("sequential" if args.headroom else "server"),
                        budget=budget, mamba_ratio=args.mamba_ratio,
                        pools=args.pools, host_ratio=args.host_ratio,
-                       disk_ratio=args.disk_ratio, state_scale=args.state_scale)
+                       disk_ratio=args.disk_ratio, state_scale=args.state_scale,
+                       resume_hints=args.resume_hints)
     specs = args.trace or [str(weka_sample())]
     traces = [load(spec) for spec in specs]
     if args.divergence:
@@ -284,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--state-scale", type=_POSITIVE, default=1.0,
                      help="checkpoints this many times the model's own (a what-if: 0.5 = states "
                           "half the size; docs/replay.md)")
+    rep.add_argument("--resume-hints", type=_NON_NEGATIVE, default=None, metavar="SIGMA",
+                     help="a what-if: an orchestrator announces each session's next request to "
+                          "the store (HybridStore.expect(..., in_s=)), its time off by a factor "
+                          "exp(N(0, SIGMA)) (0: exact), and a session's end (docs/replay.md)")
     rep.add_argument("--live-sessions", type=_COUNT, default=24)
     rep.add_argument("--gpu-gib", type=_NON_NEGATIVE, default=45.0)
     rep.add_argument("--host-gib", type=_NON_NEGATIVE, default=96.0)

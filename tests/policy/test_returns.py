@@ -129,6 +129,54 @@ def test_a_queued_request_keeps_the_context_it_resumes_from():
     assert store.expect(np.arange(5 * 10**6, 5 * 10**6 + 40)) == 0   # nothing to resume from
 
 
+def test_a_session_announced_over_goes_first_and_one_announced_back_stays():
+    """An orchestrator's announcements (``HybridStore.expect(..., in_s=)``): at 200 s every
+    session is overdue and A, the least recent, would go first. C's end announced
+    (``math.inf``) goes first instead; A announced back in 30 s is kept until then, and once
+    that time has passed without it, the prediction rules again."""
+    import math
+
+    store, (a, b, c) = rounds("hybridstore")
+    returns = store._eviction.returns
+    assert isinstance(returns, ReturnGaps) and isinstance(returns.clock, Clock)
+    returns.clock.now = 200.0
+    assert store.expect(c.tokens, in_s=math.inf) == c.ends[3]
+    assert store.expect(a.tokens, in_s=30.0) == a.ends[3]
+    assert returns.expectation(c.checkpoint(3)) == (math.inf, True)
+    assert returns.expectation(a.checkpoint(3)) == (230.0, True)
+    assert store.evict(STATE, "host") >= STATE
+    assert [s.name for s in (a, b, c) if not all(s.has(t) for t in (1, 2, 3))] == ["C"]
+    returns.clock.now = 231.0                     # A did not come: the estimate gives way
+    assert returns.expectation(a.checkpoint(3), 231.0) is None
+    assert store.evict(2 * STATE, "host") >= STATE
+    assert not all(a.has(t) for t in (1, 2, 3))   # A, the least recent, goes next
+
+
+def test_a_session_over_says_nothing_of_the_prefix_it_shares():
+    """Sessions after a shared prefix: one's end announced demotes its own branch only;
+    the prefix keeps its own ranking, and a later announcement of the other session
+    (back in 10 s) holds for the prefix too (the earliest due wins)."""
+    import math
+
+    store, (a, b, c) = rounds("hybridstore")
+    returns = store._eviction.returns
+    clock = returns.clock
+    assert isinstance(clock, Clock)
+    clock.now = 100.0
+    x, y = a.fork(2, "X"), a.fork(2, "Y")
+    x.turn(3, 256)
+    y.turn(3, 256)
+    shared = a.checkpoint(2)
+    assert len(shared.children) == 3             # A's turn 3, X's and Y's
+    store.expect(x.tokens, in_s=math.inf)
+    assert returns.expectation(x.checkpoint(3)) == (math.inf, True)
+    assert returns.expectation(shared) is None   # not X's alone
+    clock.now = 105.0                            # after Y's own resume there at 100 s
+    store.expect(y.tokens, in_s=10.0)
+    assert returns.expectation(y.checkpoint(3)) == (115.0, True)
+    assert returns.expectation(shared) == (115.0, False)   # bounds, never replaces, its rank
+
+
 def test_without_the_queue_the_overdue_session_goes_first():
     store, (a, b, c) = rounds("hybridstore")
     store._eviction.returns.clock.now = 200.0

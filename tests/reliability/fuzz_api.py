@@ -230,6 +230,8 @@ def api_calls(w: World) -> dict[str, tuple[Call, st.SearchStrategy[Any]]]:
         "present_pages": (lambda s, w, v: s.present_pages(v), toks),
         "expect.tokens": (lambda s, w, v: s.expect(v), toks),
         "expect.max_position": (lambda s, w, v: s.expect(T, max_position=v), opt_ints),
+        "expect.in_s": (lambda s, w, v: s.expect(T, in_s=v),
+                        st.one_of(st.floats(allow_nan=True, allow_infinity=True), ints)),
         "prefix": (lambda s, w, v: s.prefix(v), toks),
         "prefix_from_block_ids": (lambda s, w, v: s.prefix_from_block_ids(v),
                                   st.one_of(st.lists(INTS, max_size=5), token_like(), hostile(3))),

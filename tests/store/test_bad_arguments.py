@@ -34,6 +34,7 @@ CALLS = {
     "restorable.max_position": lambda s, p, v: s.restorable(TOKENS, max_position=v),
     "expect.tokens": lambda s, p, v: s.expect(v),
     "expect.max_position": lambda s, p, v: s.expect(TOKENS, max_position=v),
+    "expect.in_s": lambda s, p, v: s.expect(TOKENS, in_s=v),
     "present_pages": lambda s, p, v: s.present_pages(v),
     "evict.nbytes": lambda s, p, v: s.evict(v),
     "evict.tier": lambda s, p, v: s.evict(10, tier=v),

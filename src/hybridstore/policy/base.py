@@ -142,10 +142,11 @@ class EvictionPolicy(ABC):
     def on_hit(self, index: HybridIndex, checkpoint: Checkpoint) -> None:  # noqa: B027
         """Called after a resume from ``checkpoint`` (e.g. to refresh ancestors)."""
 
-    def on_expect(self, index: HybridIndex, checkpoint: Checkpoint) -> None:  # noqa: B027
-        """Called when a request that would resume from ``checkpoint`` waits in the
-        engine's queue (:meth:`~hybridstore.store.facade.HybridStore.expect`): its next
-        use is known to be now, whatever was predicted."""
+    def on_expect(self, index: HybridIndex, checkpoint: Checkpoint,  # noqa: B027
+                  in_s: float = 0.0) -> None:
+        """Called when a request that would resume from ``checkpoint`` is expected in
+        ``in_s`` seconds (:meth:`~hybridstore.store.facade.HybridStore.expect`; 0: it waits
+        in the engine's queue, ``math.inf``: none will come)."""
 
     def bind_clock(self, clock: Callable[[], float]) -> None:  # noqa: B027
         """The store's owner gives the time requests are served at (seconds: an engine's

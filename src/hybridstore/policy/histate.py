@@ -245,9 +245,9 @@ class HybridStoreEviction(HiStateEviction):
             self.returns.on_hit(index, checkpoint)
         super().on_hit(index, checkpoint)
 
-    def on_expect(self, index: HybridIndex, checkpoint: Checkpoint) -> None:
+    def on_expect(self, index: HybridIndex, checkpoint: Checkpoint, in_s: float = 0.0) -> None:
         if self.returns is not None:
-            self.returns.expect(index, checkpoint)
+            self.returns.expect(index, checkpoint, in_s)
 
     def prepare(self, index: HybridIndex, tier: str, pages: dict[str, np.ndarray],
                 units: list[HybridUnit], kind: ObjectKind | None = None) -> _Pass:
@@ -271,9 +271,13 @@ class HybridStoreEviction(HiStateEviction):
             return float(ck.atime)
         if ck.atime <= 0:        # an abandoned branch: before every live trajectory
             return ctx.origin
-        if r.expected(ck):       # a queued request resumes here: due now
-            return ctx.now
-        return r.recency(r.time_of(ck.atime), ctx.gap.get(ck.key, math.inf), ctx.now)
+        predicted = r.recency(r.time_of(ck.atime), ctx.gap.get(ck.key, math.inf), ctx.now)
+        e = r.expectation(ck, ctx.now)
+        if e is None:
+            return predicted
+        due, own = e            # announced (HybridStore.expect): queued, due later, or never
+        told = ctx.origin if due == math.inf else 2.0 * ctx.now - max(due, ctx.now)
+        return told if own else max(told, predicted)
 
 
 def superseded(ck: Checkpoint, span: float) -> bool:

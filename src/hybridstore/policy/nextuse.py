@@ -65,7 +65,8 @@ class ReturnGaps:
         self._times: list[float] = []     # the clock when the index was at that tick
         self._gaps: dict[bytes, tuple[float, ...]] = {}   # newest gaps of a trajectory
         self._last: dict[bytes, float] = {}               # last resume at or below a checkpoint
-        self._expected: dict[bytes, float] = {}           # queued for since (not yet served)
+        # announced at, due, whether only the announcing session uses it (HybridStore.expect)
+        self._expected: dict[bytes, tuple[float, float, bool]] = {}
         self._all: deque[float] = deque(maxlen=history)
         self._prune_at = 4096
 
@@ -113,19 +114,53 @@ class ReturnGaps:
                               if index.checkpoint(k) is not None}
             self._prune_at = 2 * len(self._last) + 4096
 
-    def expect(self, index: HybridIndex, checkpoint: Checkpoint) -> None:
-        """A queued request will resume from ``checkpoint``: it and the checkpoints on its
-        path are due now (:meth:`expected`) until a request resumes at or below them."""
+    def expect(self, index: HybridIndex, checkpoint: Checkpoint, in_s: float = 0.0) -> None:
+        """A request that resumes from ``checkpoint`` is expected in ``in_s`` seconds (0: it
+        is queued; ``math.inf``: none will come): :meth:`expectation` of it and of the
+        checkpoints on its path.
+
+        The checkpoints only this session uses (``checkpoint`` when nothing lies below it,
+        and its ancestors up to the first one with another child) take the announced
+        next use; a prefix other sessions share keeps the earlier of that and its own
+        prediction (:class:`~hybridstore.policy.histate.HybridStoreEviction`), and a
+        session's end (``math.inf``) says nothing of it. Where several announcements
+        meet, the earliest due holds.
+        """
         now = self.now(index)
+        due = now + in_s
+        own = not checkpoint.children
         ck: Checkpoint | None = checkpoint
-        while ck is not None:
-            self._expected[ck.key] = now
-            ck = ck.parent
+        while ck is not None and (own or due < math.inf):
+            held = self.expectation(ck, now)
+            if held is None or due < held[0]:
+                self._expected[ck.key] = (now, due, own)
+            parent = ck.parent
+            own = own and parent is not None and len(parent.children) == 1
+            ck = parent
+
+    def expectation(self, checkpoint: Checkpoint, now: float | None = None
+                    ) -> tuple[float, bool] | None:
+        """``(due, only this session uses it)`` of the announcement (:meth:`expect`) that
+        holds for ``checkpoint`` at ``now`` (the latest stamp by default), or ``None``.
+
+        An announcement holds until a request resumes at or below ``checkpoint`` after
+        it, and one of a time to come (``in_s > 0``, finite) until that time has passed:
+        an orchestrator's estimate that proved wrong gives way to the prediction."""
+        e = self._expected.get(checkpoint.key)
+        if e is None:
+            return None
+        at, due, own = e
+        if self._last.get(checkpoint.key, -math.inf) >= at:
+            return None
+        if now is None:
+            now = self._times[-1] if self._times else 0.0
+        if at < due < math.inf and now > due:
+            return None
+        return due, own
 
     def expected(self, checkpoint: Checkpoint) -> bool:
-        """Whether a queued request waits to resume at or below ``checkpoint``."""
-        t = self._expected.get(checkpoint.key)
-        return t is not None and t > self._last.get(checkpoint.key, -math.inf)
+        """Whether an announcement (:meth:`expect`) holds for ``checkpoint`` now."""
+        return self.expectation(checkpoint) is not None
 
     def gaps(self, checkpoint: Checkpoint) -> tuple[float, ...]:
         """The newest gaps of the trajectory through ``checkpoint`` (its own, else those of

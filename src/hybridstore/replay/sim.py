@@ -47,6 +47,7 @@ import dataclasses
 import heapq
 import math
 import random
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,6 +144,10 @@ class ReplayConfig:
         state_scale: checkpoints ``state_scale`` times the model's own
             (:meth:`~hybridstore.replay.model_presets.ModelPreset.with_state_scale`): how
             much of a gap the states' bytes make (docs/replay.md).
+        resume_hints: a what-if of an orchestrator that announces each session's next
+            request (:func:`announce_next`, ``HybridStore.expect(..., in_s=)``) when a
+            request has been served: its time, off by a factor ``exp(N(0, resume_hints))``
+            (0: exact), or ``math.inf`` after a session's last request. ``None``: none.
     """
 
     model: str = "qwen3.5-9b"
@@ -165,6 +170,7 @@ class ReplayConfig:
     host_ratio: float | None = None
     disk_ratio: float | None = None
     state_scale: float = 1.0
+    resume_hints: float | None = None
 
     def __post_init__(self) -> None:
         if self.pools not in POOLS:
@@ -192,6 +198,10 @@ class ReplayConfig:
             raise ConfigError("tier budgets must be non-negative")
         if not self.scale >= 1:
             raise ConfigError(f"scale must be at least 1, got {self.scale}")
+        if self.resume_hints is not None and not (math.isfinite(self.resume_hints)
+                                                  and self.resume_hints >= 0):
+            raise ConfigError(f"resume_hints is the log-normal error of the announced times "
+                              f"(>= 0; 0: exact), got {self.resume_hints!r}")
 
     def full_model(self) -> ModelPreset:
         """The replayed model at full size: ``model``'s preset, its checkpoints
@@ -520,6 +530,22 @@ def _serve(store: HybridStore, objects: ObjectPlane, p: Preset, model: ModelPres
 _NO_TIMES = np.zeros(0, np.int64)
 
 
+def announce_next(store: HybridStore, prompt: PrefixKeys, cfg: ReplayConfig, session: Session,
+                  i: int, in_s: float) -> None:
+    """``cfg.resume_hints``' orchestrator, once request ``i`` of ``session`` was served: it
+    tells the store when the session's next request comes (``in_s`` from the store's
+    clock, times ``exp(N(0, resume_hints))``: the same error for the request under every
+    preset), or that none will (its last request)."""
+    if cfg.resume_hints is None:
+        return
+    if i + 1 < len(session.requests):
+        rng = np.random.default_rng([cfg.seed, zlib.crc32(session.id.encode()), i])
+        in_s *= math.exp(rng.normal(0.0, cfg.resume_hints)) if cfg.resume_hints else 1.0
+    else:
+        in_s = math.inf
+    store.expect(prompt, in_s=max(in_s, 0.0))
+
+
 def _cached_past(store: HybridStore, prompt: PrefixKeys, position: int) -> np.ndarray:
     """When each page of the prompt's leading held run from ``position`` on was last used
     (read before the engine's put touches them again; one walk of the prompt)."""
@@ -725,6 +751,10 @@ def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: 
         served = _serve(store, objects, p, model, scale, prompt, req, run, kv_pool)
         if i + 1 == len(session.requests):
             tokens.pop(session.id, None)
+        # server_loop's next arrival of the session, from begin: done + decode + think
+        think = session.requests[i + 1].think_s if i + 1 < len(session.requests) else 0.0
+        announce_next(store, prompt, cfg, session, i, served.restore_s + served.recompute_s
+                      + req.output_tokens * model.decode_s_per_token + think)
         return served
 
     t0 = time.perf_counter()
@@ -761,6 +791,11 @@ def _run_sequential(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPres
             clock.now = max(clock.now, req.arrival_s)
             served = _serve(store, objects, p, model, scale, prompt, req, run, kv_pool)
             run.results.append(_result(req.session, req, served, req.arrival_s, 0.0))
+            if req.index + 1 < len(session.requests):
+                in_s = session.requests[req.index + 1].arrival_s - clock.now
+            else:
+                in_s = math.inf
+            announce_next(store, prompt, cfg, session, req.index, in_s)
             if req.index + 1 == len(session.requests):
                 tokens.pop(req.session, None)
         run.evictions = store.stats()["evictions"]

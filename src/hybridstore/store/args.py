@@ -31,6 +31,17 @@ def optional_whole(value: Any, what: str, *, low: int = 0) -> int | None:
     return None if value is None else whole(value, what, low=low)
 
 
+def seconds(value: Any, what: str) -> float:
+    """``value`` as a float >= 0 (a real number, not a bool; ``math.inf`` allowed, NaN not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidArgumentError(f"{what} must be a number of seconds, got "
+                                   f"{type(value).__name__} {value!r:.40}")
+    x = float(value)
+    if not x >= 0:      # NaN too
+        raise InvalidArgumentError(f"{what} must be >= 0 seconds, got {x}")
+    return x
+
+
 def plan(value: Any) -> ResumePlan:
     """A :class:`ResumePlan` (what :meth:`~hybridstore.HybridStore.match` returns)."""
     if not isinstance(value, ResumePlan):

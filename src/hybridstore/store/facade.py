@@ -687,35 +687,52 @@ class HybridStore:
             self._counters["query_tokens"] += prompt.length
             return plan
 
-    def expect(self, tokens: Any, *, max_position: int | None = None) -> int:
-        """A request with this prompt waits in the engine's queue: keep what it resumes from.
+    def expect(self, tokens: Any, *, max_position: int | None = None, in_s: float = 0.0) -> int:
+        """A request continuing this prompt is expected ``in_s`` seconds from now: keep what
+        it resumes from until then (or, with ``in_s=math.inf``, none is: it may go first).
 
-        An engine calls this for a request it has queued and will not look up until it
-        serves it (the replay's server discipline does: ``sim.server_loop``).  The eviction
-        policy learns that the request's resume point will be used soon, whatever it
-        predicted (:meth:`~hybridstore.policy.base.EvictionPolicy.on_expect`): a session
-        whose next turn is delayed by the queue looks overdue, and an order that reads
-        overdue as gone would evict exactly the context the queue is about to need.
-        Nothing is pinned or counted as a lookup; :meth:`match` when the request is served.
-        (vLLM looks a waiting request up whenever it tries to schedule it, a use that keeps
-        it as well, and SGLang's HiCache prefetches a request when it queues it, so neither
-        adapter calls this.)
+        ``in_s=0`` (the default): the request waits in the engine's queue. An engine calls
+        this for a request it has queued and will not look up until it serves it (the
+        replay's server discipline does: ``sim.server_loop``); a session whose next turn is
+        delayed by the queue looks overdue, and an order that reads overdue as gone would
+        evict exactly the context the queue is about to need. The expectation holds until a
+        request resumes there. (vLLM looks a waiting request up whenever it tries to
+        schedule it, a use that keeps it as well, and SGLang's HiCache prefetches a request
+        when it queues it, so neither adapter calls this.)
+
+        ``in_s > 0``: an orchestrator that knows when the session comes back (an agent
+        waiting on a tool call with a known duration, a scheduled turn) says so; the
+        expectation holds until a request resumes there or its time has passed, then the
+        policy's own prediction takes over. ``in_s=math.inf``: the session is over (an
+        agent's task ended, a conversation was closed); its own checkpoints, up to where
+        another session shares the prefix, rank as an abandoned branch's until a request
+        resumes there after all. This is what the orchestrator KV hints of vLLM, SGLang and
+        Dynamo (an estimated resume time, a session's end) carry;
+        ``docs/replay.md`` measures what exact and noisy ones are worth.
+
+        The eviction policy weighs it against its own prediction
+        (:meth:`~hybridstore.policy.base.EvictionPolicy.on_expect`; ``hybridstore``'s
+        :class:`~hybridstore.policy.nextuse.ReturnGaps`). Nothing is pinned or counted as a
+        lookup; :meth:`match` when the request is served.
 
         Args:
-            tokens: token ids, or a :class:`PrefixKeys` (also from block ids).
+            tokens: token ids, or a :class:`PrefixKeys` (also from block ids): the prompt
+                the next request continues (a queued request's own prompt).
             max_position: as :meth:`match`'s.
+            in_s: seconds from now until the request comes (>= 0; ``math.inf``: never).
 
         Returns:
             the position the request would resume at if served now (0: none).
         """
         prompt = self.prefix(tokens)
         max_position = args.optional_whole(max_position, "max_position")
+        in_s = args.seconds(in_s, "in_s")
         with self._lock:
             self._check_open()
             ck = self.index.resume_checkpoint(prompt, max_position)
             if ck is None:
                 return 0
-            self._eviction.on_expect(self.index, ck)
+            self._eviction.on_expect(self.index, ck, in_s)
             return ck.position
 
     def match_pages(self, tokens: Any, *, first: int = 0, stop: int | None = None) -> ResumePlan:
