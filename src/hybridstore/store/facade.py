@@ -715,11 +715,18 @@ class HybridStore:
         :class:`~hybridstore.policy.nextuse.ReturnGaps`). Nothing is pinned or counted as a
         lookup; :meth:`match` when the request is served.
 
+        ``in_s`` counts on the clock the eviction policy dates uses by
+        (:meth:`~hybridstore.policy.base.EvictionPolicy.bind_clock`): bind the engine's
+        wall clock for seconds (``p = eviction_policy("hybridstore");
+        p.bind_clock(time.monotonic); HybridStore(cfg, eviction=p)``; the replay binds its
+        simulated time). Without one, ``hybridstore`` dates uses by the index's ticks, and
+        ``in_s`` counts ticks.
+
         Args:
             tokens: token ids, or a :class:`PrefixKeys` (also from block ids): the prompt
                 the next request continues (a queued request's own prompt).
             max_position: as :meth:`match`'s.
-            in_s: seconds from now until the request comes (>= 0; ``math.inf``: never).
+            in_s: time from now until the request comes (>= 0; ``math.inf``: never).
 
         Returns:
             the position the request would resume at if served now (0: none).
