@@ -401,9 +401,10 @@ class Direct:
         self.run("submit_load", src, gpu)
         self.manager.complete_load(keys, ctx)
 
-    def stored_request(self) -> tuple[list, object, dict]:
+    def stored_request(self, hints=None) -> tuple[list, object, dict]:
         """Request ``A``: CHUNKS pages and the Mamba state at their end, stored and
-        flushed; returns ``(page keys, state key, key positions)``."""
+        flushed; returns ``(page keys, state key, key positions)``. ``hints``: its
+        ``ReqContext.kv_hints``."""
         import os
 
         from vllm.v1.kv_offload.base import GPULoadStoreSpec, make_offload_key
@@ -412,7 +413,7 @@ class Direct:
         pages = [make_offload_key(h, 0) for h in hashes]
         state = make_offload_key(hashes[-1], 1)
         positions = {**{k: (i + 1) * 16 for i, k in enumerate(pages)}, state: CHUNKS * 16}
-        ctx = context("A", positions)
+        ctx = context("A", positions, hints)
         self.manager.on_new_request(ctx)
         self.store(pages, ctx, GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0],
                                                 block_indices=[0, 0]))
@@ -432,10 +433,10 @@ class Direct:
         self.manager.shutdown()
 
 
-def context(req_id: str, positions):
+def context(req_id: str, positions, hints=None):
     from vllm.v1.kv_offload.base import ReqContext
 
-    ctx = ReqContext(req_id)
+    ctx = ReqContext(req_id, kv_hints=hints)
     for key, p in positions.items():
         ctx.set_offload_key_position(key, p)
     return ctx
@@ -649,6 +650,56 @@ def test_staging_files_of_killed_engines_are_reclaimed_at_the_next_start(tmp_pat
     time.sleep(0.05)
     assert StagingRegion.reclaim(str(tmp_path)) == [str(tmp_path / "hybridstore-vllm-live.staging")]
     assert unrelated.exists()
+
+
+def resume_hint(seconds, version="1"):
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    return KvHintsEnvelope(protocol_version="1", message_id="m", actions=[
+        KvHintAction(action_id="other", action_type="kv.fetch", action_version="1.0",
+                     payload={}),                           # another component's: ignored
+        KvHintAction(action_id="r", action_type="hybridstore.resume_in",
+                     action_version=version, payload={"seconds": seconds})])
+
+
+@pytest.mark.parametrize("seconds", [None, 30.0])
+def test_an_orchestrator_hint_announces_when_the_session_comes_back(tmp_path, seconds):
+    """A ``hybridstore.resume_in`` action in the request's ``kv_hints`` (vLLM's
+    ``KvHintsEnvelope``): once the request's pages and state are stored, the store expects
+    the session back in ``seconds`` on the scheduler's wall clock (``None``: never)."""
+    import math
+    import time
+
+    d = Direct(tmp_path, world=1, policy="hybridstore")
+    try:
+        returns = d.manager.store._eviction.returns
+        assert returns.clock is time.monotonic
+        t0 = time.monotonic()
+        d.stored_request(hints=resume_hint(seconds))
+        ck = next(iter(d.manager.store.index.checkpoints()))
+        due, own = returns.expectation(ck, time.monotonic())
+        assert own
+        if seconds is None:
+            assert due == math.inf
+        else:
+            assert t0 + seconds <= due <= time.monotonic() + seconds
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize("action_version, payload", [
+    ("2", {"seconds": 5.0}), ("1", {}), ("1", {"seconds": -1}), ("1", {"seconds": "soon"}),
+    ("1", {"seconds": True}), ("1", None)])
+def test_a_malformed_resume_hint_is_ignored(tmp_path, action_version, payload, caplog):
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    from hybridstore.adapters.vllm.hints import resume_in
+
+    env = KvHintsEnvelope(protocol_version="1", message_id="m", actions=[
+        KvHintAction(action_id="r", action_type="hybridstore.resume_in",
+                     action_version=action_version, payload=payload)])
+    assert resume_in(env) is None and "ignoring" in caplog.text
+    assert resume_in(None) is None and resume_in(resume_hint(2)) == 2.0
 
 
 def test_a_request_looked_up_again_is_one_use(tmp_path):

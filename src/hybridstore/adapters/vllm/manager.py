@@ -63,6 +63,7 @@ from vllm.v1.kv_offload.base import (
 
 from hybridstore import HybridStore, PrefixKeys, ResumePlan
 from hybridstore.adapters.vllm.compat import offloading_event
+from hybridstore.adapters.vllm.hints import RESUME_IN, resume_in
 from hybridstore.adapters.vllm.settings import GroupPlan
 from hybridstore.adapters.vllm.staging import SlotPool, StagingRegion
 from hybridstore.adapters.vllm.worker import StagedKeys
@@ -102,6 +103,11 @@ class _Request:
     step it tries it, and its load matches once more; only the first is a use
     (``HybridStore.match(again=True)`` for the rest)."""
     finished: bool = False
+    resume_in: float | None = None
+    """An orchestrator's ``hybridstore.resume_in`` hint (``hints.py``): when the session
+    that continues this request comes back (``math.inf``: never)."""
+    end: PrefixKeys | None = None
+    """The prompt of the deepest state stored for this request: where the next one resumes."""
 
 
 class HybridStoreManager(OffloadingManager):
@@ -526,6 +532,10 @@ class HybridStoreManager(OffloadingManager):
             if self.store.put_state(prompt, state, position=prompt.length):
                 self.counters["stored_states"] += 1
                 self._announce([s.key for s in parts.values()])
+                with self._mu:
+                    req = self._reqs.get(next(iter(parts.values())).req_id)
+                    if req is not None and (req.end is None or req.end.length < prompt.length):
+                        req.end = prompt
         except (HybridStoreError, OSError):
             log.exception("hybridstore: cannot put the state at %d", prompt.length)
             self.counters["dropped"] += 1
@@ -533,6 +543,7 @@ class HybridStoreManager(OffloadingManager):
             with self._mu:
                 for s in parts.values():
                     self._unstage(s)
+                self._maybe_drop(next(iter(parts.values())).req_id)
         return True
 
     def _retry_deferred(self) -> None:
@@ -578,7 +589,8 @@ class HybridStoreManager(OffloadingManager):
     # -- requests ---------------------------------------------------------------------------
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         with self._mu:
-            self._request(req_context)
+            self._request(req_context).resume_in = resume_in(
+                getattr(req_context, "kv_hints", None))
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -627,6 +639,11 @@ class HybridStoreManager(OffloadingManager):
                     self._unstage(s)
         if not any(s.req_id == req_id for s in self._staged.values()):
             del self._reqs[req_id]
+            if req.resume_in is not None and req.end is not None:
+                try:    # every store of the request is done: announce its session's return
+                    self.store.expect(req.end, in_s=req.resume_in)
+                except HybridStoreError:
+                    log.exception("hybridstore: cannot apply a %s hint", RESUME_IN)
 
     # -- lifecycle --------------------------------------------------------------------------
     @property

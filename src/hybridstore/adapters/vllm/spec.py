@@ -16,6 +16,7 @@ file (``staging.py``), named after the engine id.
 from __future__ import annotations
 
 import os
+import time
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
@@ -26,6 +27,7 @@ from hybridstore.adapters.vllm.manager import HybridStoreManager
 from hybridstore.adapters.vllm.settings import GroupPlan, VllmSettings
 from hybridstore.adapters.vllm.staging import ALIGN, StagingRegion
 from hybridstore.adapters.vllm.worker import HybridStoreWorker
+from hybridstore.policy import eviction_policy
 
 
 class HybridStoreSpec(OffloadingSpec):
@@ -63,7 +65,11 @@ class HybridStoreSpec(OffloadingSpec):
             StagingRegion.reclaim(os.path.dirname(self.settings.staging_path))
             region = self._region()
             try:
-                store = HybridStore(self.settings.store)
+                # uses dated by the scheduler's wall clock: predicted returns and the
+                # orchestrator's hints (hints.py) count seconds, not index ticks
+                eviction = eviction_policy(self.settings.store.policy)
+                eviction.bind_clock(time.monotonic)
+                store = HybridStore(self.settings.store, eviction=eviction)
             except BaseException:
                 region.close()
                 raise
