@@ -652,6 +652,17 @@ def test_staging_files_of_killed_engines_are_reclaimed_at_the_next_start(tmp_pat
     assert unrelated.exists()
 
 
+def test_a_finished_request_is_forgotten_once_its_last_put_is_done(tmp_path):
+    """A request whose last put was a state stayed in the manager's table for good (its
+    chain of keys too): the state's put now drops it, as a page put does."""
+    d = Direct(tmp_path, world=1)
+    try:
+        d.stored_request()
+        assert d.manager._reqs == {}
+    finally:
+        d.close()
+
+
 def resume_hint(seconds, version="1"):
     from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 
