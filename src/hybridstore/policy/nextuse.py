@@ -28,6 +28,13 @@ default until it has returned itself.  :meth:`ReturnGaps.recency` turns the pred
 back into a recency term (``2 now - next``: least recent use for an overdue unit), the
 ``t_x`` of HiState's eq. 7 in :class:`~hybridstore.policy.histate.HybridStoreEviction`.
 
+**Announcements** (:meth:`ReturnGaps.expect`, from ``HybridStore.expect``): where the engine
+or an orchestrator knows a session's next use (a request waiting in the engine's queue: now;
+an agent waiting on a tool call of known length: in so many seconds; a task that ended:
+never), it replaces the prediction for the checkpoints only that session uses and bounds it
+(the earlier of the two) for a prefix others share, until a request resumes there or the
+announced time passes (:meth:`ReturnGaps.expectation`).
+
 Measured in docs/replay.md (the default preset against the exact bound): tight budgets
 gain most, where least-recently-used order thrashes.
 """
