@@ -35,17 +35,17 @@ def test_the_announced_times_are_exact_noisy_per_request_or_the_end():
     session = load(str(weka_sample())).sessions[0]
     last = len(session.requests) - 1
     rec = _Recorder()
-    announce_next(rec, None, ReplayConfig(), session, 0, 12.0)       # off: nothing said
+    announce_next(rec, None, ReplayConfig(), session, 0, lambda nxt: 12.0)  # off: nothing said
     assert rec.calls == []
     exact = ReplayConfig(resume_hints=0.0)
-    announce_next(rec, None, exact, session, 0, 12.0)
-    announce_next(rec, None, exact, session, last, 12.0)
+    announce_next(rec, None, exact, session, 0, lambda nxt: 12.0)
+    announce_next(rec, None, exact, session, last, lambda nxt: 12.0)
     assert rec.calls == [12.0, math.inf]
     rec.calls.clear()
     noisy = ReplayConfig(resume_hints=1.0)
     for _ in range(2):          # the same request gets the same error (every preset sees it)
-        announce_next(rec, None, noisy, session, 0, 12.0)
-    announce_next(rec, None, noisy, session, 1, 12.0)
+        announce_next(rec, None, noisy, session, 0, lambda nxt: 12.0)
+    announce_next(rec, None, noisy, session, 1, lambda nxt: 12.0)
     assert rec.calls[0] == rec.calls[1] != 12.0 and rec.calls[2] != rec.calls[0]
     assert all(0 < x < math.inf for x in rec.calls)
 

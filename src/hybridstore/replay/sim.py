@@ -399,10 +399,9 @@ def build_store(p: Preset, cfg: ReplayConfig, model: ModelPreset, block_size: in
                             tier_policy=p.tier_policy, h2d_gbps=cfg.h2d_gbps, ssd_gbps=cfg.ssd_gbps,
                             hash_secret=hash_secret)
     eviction, admission = p.policies(model)
-    if clock is not None:
-        eviction.bind_clock(clock)
     return HybridStore(store_cfg, tiers=tiers, placement=p.placement(model, block_size),
-                       eviction=eviction, admission=admission, tiering=tiering_of(p, cfg))
+                       eviction=eviction, admission=admission, tiering=tiering_of(p, cfg),
+                       clock=clock)
 
 
 class _Sessions:
@@ -531,18 +530,20 @@ _NO_TIMES = np.zeros(0, np.int64)
 
 
 def announce_next(store: HybridStore, prompt: PrefixKeys, cfg: ReplayConfig, session: Session,
-                  i: int, in_s: float) -> None:
+                  i: int, wait: Callable[[Request], float]) -> None:
     """``cfg.resume_hints``' orchestrator, once request ``i`` of ``session`` was served: it
-    tells the store when the session's next request comes (``in_s`` from the store's
-    clock, times ``exp(N(0, resume_hints))``: the same error for the request under every
-    preset), or that none will (its last request)."""
+    tells the store when the session's next request ``nxt`` comes (``wait(nxt)`` seconds
+    from the store's clock, times ``exp(N(0, resume_hints))``: the same error for the
+    request under every preset), or that none will (its last request)."""
     if cfg.resume_hints is None:
         return
-    if i + 1 < len(session.requests):
+    if i + 1 == len(session.requests):
+        store.expect(prompt, in_s=math.inf)
+        return
+    in_s = wait(session.requests[i + 1])
+    if cfg.resume_hints:
         rng = np.random.default_rng([cfg.seed, zlib.crc32(session.id.encode()), i])
-        in_s *= math.exp(rng.normal(0.0, cfg.resume_hints)) if cfg.resume_hints else 1.0
-    else:
-        in_s = math.inf
+        in_s *= math.exp(rng.normal(0.0, cfg.resume_hints))
     store.expect(prompt, in_s=max(in_s, 0.0))
 
 
@@ -752,9 +753,9 @@ def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: 
         if i + 1 == len(session.requests):
             tokens.pop(session.id, None)
         # server_loop's next arrival of the session, from begin: done + decode + think
-        think = session.requests[i + 1].think_s if i + 1 < len(session.requests) else 0.0
-        announce_next(store, prompt, cfg, session, i, served.restore_s + served.recompute_s
-                      + req.output_tokens * model.decode_s_per_token + think)
+        announce_next(store, prompt, cfg, session, i, lambda nxt: served.restore_s
+                      + served.recompute_s + req.output_tokens * model.decode_s_per_token
+                      + nxt.think_s)
         return served
 
     t0 = time.perf_counter()
@@ -791,11 +792,8 @@ def _run_sequential(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPres
             clock.now = max(clock.now, req.arrival_s)
             served = _serve(store, objects, p, model, scale, prompt, req, run, kv_pool)
             run.results.append(_result(req.session, req, served, req.arrival_s, 0.0))
-            if req.index + 1 < len(session.requests):
-                in_s = session.requests[req.index + 1].arrival_s - clock.now
-            else:
-                in_s = math.inf
-            announce_next(store, prompt, cfg, session, req.index, in_s)
+            announce_next(store, prompt, cfg, session, req.index,
+                          lambda nxt: nxt.arrival_s - clock.now)
             if req.index + 1 == len(session.requests):
                 tokens.pop(req.session, None)
         run.evictions = store.stats()["evictions"]

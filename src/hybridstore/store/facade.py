@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, cast
@@ -121,6 +121,11 @@ class HybridStore:
             e.g. a model's prefill cost).
         tiering: a tier policy instance that overrides ``config.tier_policy``
             (e.g. a partition with another state share).
+        clock: the time requests are served at, in seconds (an engine's wall clock,
+            ``time.monotonic``; the replay's simulated time), bound to the eviction policy
+            (:meth:`~hybridstore.policy.base.EvictionPolicy.bind_clock`): ``hybridstore``
+            dates uses, predicted returns and :meth:`expect`'s ``in_s`` by it. ``None``:
+            the policy's own (``hybridstore``'s: the index's ticks).
 
     Example::
 
@@ -136,11 +141,14 @@ class HybridStore:
     def __init__(self, config: StoreConfig | None = None, *, tiers: dict[str, Tier] | None = None,
                  placement: PlacementPolicy | None = None, eviction: EvictionPolicy | None = None,
                  admission: AdmissionPolicy | None = None,
-                 tiering: TierPolicy | None = None) -> None:
+                 tiering: TierPolicy | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.config = cfg = config or StoreConfig()
         self._lock = threading.RLock()
         self._closed = False
         self._eviction = eviction or eviction_policy(cfg.policy)
+        if clock is not None:
+            self._eviction.bind_clock(clock)
         self._admission = admission or admission_policy(cfg.checkpoint_policy)
         self._placement = placement or RequestEnd()
         self.tiers: dict[str, Tier] = dict(tiers) if tiers is not None else self._open_tiers(cfg)
@@ -715,12 +723,9 @@ class HybridStore:
         :class:`~hybridstore.policy.nextuse.ReturnGaps`). Nothing is pinned or counted as a
         lookup; :meth:`match` when the request is served.
 
-        ``in_s`` counts on the clock the eviction policy dates uses by
-        (:meth:`~hybridstore.policy.base.EvictionPolicy.bind_clock`): bind the engine's
-        wall clock for seconds (``p = eviction_policy("hybridstore");
-        p.bind_clock(time.monotonic); HybridStore(cfg, eviction=p)``; the replay binds its
-        simulated time). Without one, ``hybridstore`` dates uses by the index's ticks, and
-        ``in_s`` counts ticks.
+        ``in_s`` counts on the store's ``clock`` (``HybridStore(cfg, clock=time.monotonic)``
+        for seconds; the replay binds its simulated time). Without one, ``hybridstore``
+        dates uses by the index's ticks, and ``in_s`` counts ticks.
 
         Args:
             tokens: token ids, or a :class:`PrefixKeys` (also from block ids): the prompt

@@ -519,7 +519,8 @@ class HybridStoreManager(OffloadingManager):
     def _put_state(self, anchor: OffloadKey, parts: dict[int, _Staged]) -> bool:
         """Put thread: the state of all state groups at one position (False: its page is not
         held yet, the state waits in the deferred list)."""
-        end = next(iter(parts.values())).position
+        first = next(iter(parts.values()))
+        end, req_id = first.position, first.req_id
         prompt = self._resolve(anchor, end)
         if prompt is None:
             with self._mu:
@@ -533,7 +534,7 @@ class HybridStoreManager(OffloadingManager):
                 self.counters["stored_states"] += 1
                 self._announce([s.key for s in parts.values()])
                 with self._mu:
-                    req = self._reqs.get(next(iter(parts.values())).req_id)
+                    req = self._reqs.get(req_id)
                     if req is not None and (req.end is None or req.end.length < prompt.length):
                         req.end = prompt
         except (HybridStoreError, OSError):
@@ -543,7 +544,7 @@ class HybridStoreManager(OffloadingManager):
             with self._mu:
                 for s in parts.values():
                     self._unstage(s)
-                self._maybe_drop(next(iter(parts.values())).req_id)
+                self._maybe_drop(req_id)
         return True
 
     def _retry_deferred(self) -> None:

@@ -27,7 +27,6 @@ from hybridstore.adapters.vllm.manager import HybridStoreManager
 from hybridstore.adapters.vllm.settings import GroupPlan, VllmSettings
 from hybridstore.adapters.vllm.staging import ALIGN, StagingRegion
 from hybridstore.adapters.vllm.worker import HybridStoreWorker
-from hybridstore.policy import eviction_policy
 
 
 class HybridStoreSpec(OffloadingSpec):
@@ -67,9 +66,7 @@ class HybridStoreSpec(OffloadingSpec):
             try:
                 # uses dated by the scheduler's wall clock: predicted returns and the
                 # orchestrator's hints (hints.py) count seconds, not index ticks
-                eviction = eviction_policy(self.settings.store.policy)
-                eviction.bind_clock(time.monotonic)
-                store = HybridStore(self.settings.store, eviction=eviction)
+                store = HybridStore(self.settings.store, clock=time.monotonic)
             except BaseException:
                 region.close()
                 raise
