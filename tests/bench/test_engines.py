@@ -147,3 +147,16 @@ def test_policy_hit_rates(run) -> None:
         assert r["loads_short"] == 0
     lru = sorted((r["budget_share"], r["token_hit_rate"]) for r in runs if r["policy"] == "lru-file")
     assert lru[-1][1] >= lru[0][1]  # a bigger budget never hits less here
+
+
+def test_the_load_floor_is_measured_for_every_vllm_run(run) -> None:
+    """One thread's O_DIRECT reads of a repetition's bytes, with and without the chunk
+    checksums, beside the loads (issue 26's CPU goal against what no tier can go under)."""
+    doc, _ = run
+    floors = doc["load_floor"]
+    assert [(f["engine"], f["run"]) for f in floors] == [("vllm", "j8")]
+    for f in floors:
+        assert f["read_cpu_ms_per_mib"] > 0 and f["checked_cpu_ms_per_mib"] > 0
+        assert f["read_gbps"] > 0 and f["chunks_checked"] * f["chunk_bytes"] == f["bytes"]
+    g = doc["goals"]
+    assert g["load_floor_checked_max"] == max(f["checked_cpu_ms_per_mib"] for f in floors)

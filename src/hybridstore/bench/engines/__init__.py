@@ -166,6 +166,7 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
     restart: list[dict[str, Any]] = []
     policy_runs: list[dict[str, Any]] = []
     device_now: list[dict[str, Any]] = []
+    floors: list[dict[str, Any]] = []
 
     def measure(engine: str, geometry: str, tag: str, batch: int, run: Any) -> None:
         """Warm-up and repetitions of one run, then its rows, device reading, cache drops
@@ -181,6 +182,8 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
         drops.extend({"engine": engine, "geometry": geometry, "batch": batch, **d}
                      for d in run.drops)
         restart.append({"engine": engine, "geometry": geometry, "batch": batch, **run.restart})
+        if getattr(run, "floor", None):
+            floors.append({"engine": engine, "geometry": geometry, "run": tag, **run.floor})
 
     steps = (3 + len(tps) * len(plan) * 2 * (reps + warmup + 1)
              + len(budgets) * (1 + 4 * (len(sgl_names) > 1)) * (n_requests // 25 + 1) + 2)
@@ -278,6 +281,7 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
         "disk": {"dir": root, "fs_type": fs_type(os.path.dirname(root) or ".")},
         "device_limit": {k: v for k, v in device.items() if k != "matrix"},
         "device_now": device_now,
+        "load_floor": floors,
         "ours": S.OURS,
         "rows": rows,
         "ratios": ratios,
@@ -290,7 +294,7 @@ def _run(json_path: str | None, plot_path: str | None, disk_dir: str | None, qui
                    "scale": wl.scale if wl else None,
                    "footprint_bytes": wl.footprint_bytes if wl else None,
                    "runs": policy_runs},
-        "goals": report.goals(ratios, large, S.OURS),
+        "goals": report.goals(ratios, large, S.OURS, floors),
         "unavailable": unavailable,
         "issues": issues,
     }

@@ -11,7 +11,10 @@ tiers, and in the last repetition after a restart (tier shut down, a new one
 built over the same directory).  Throughput is bytes over the wall time of
 all jobs of the repetition, CPU per MiB the process's CPU time (every thread)
 over that wall time per MiB moved; latency is per job, from ``submit_*`` to its
-``JobResult`` in ``get_finished_jobs()``.
+``JobResult`` in ``get_finished_jobs()``.  The last repetition also measures the
+load floor (:func:`~hybridstore.bench.engines.floor.load_floor`): one thread reading a
+repetition's bytes with ``O_DIRECT`` in the disk tier's coalesced requests, with and
+without the checksum of every chunk, no tier at all.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from hybridstore.backends.disk.objects import COALESCE_BYTES
 from hybridstore.bench.engines import vtier as V
+from hybridstore.bench.engines.floor import load_floor
 from hybridstore.bench.engines.geometry import Geometry
 from hybridstore.bench.engines.pagecache import (
     device_now,
@@ -32,6 +37,7 @@ from hybridstore.bench.engines.pagecache import (
     flush_store,
 )
 from hybridstore.bench.engines.series import Series
+from hybridstore.errors import ConfigError
 
 __all__ = ["VllmJobRun"]
 
@@ -60,6 +66,8 @@ class VllmJobRun:
         self.ref_job = ref_job
         self.device_now: list[float] = []
         self.restart: dict[str, Any] = {}
+        self.floor: dict[str, Any] | None = None
+        self.root = root
         self.primary = V.Primary.make(2 * n_chunks, self.chunk_bytes)
         rng = np.random.default_rng(seed)
         self.primary.array[:n_chunks] = rng.integers(-128, 128, (n_chunks, self.chunk_bytes),
@@ -128,7 +136,9 @@ class VllmJobRun:
         for name in order:
             self._run(name, keys, rep, "load", "cold", r)
         if last:
-            step(f"vllm {self.g.label} j{self.job_chunks}: restart (shutdown, new tier, load)")
+            step(f"vllm {self.g.label} j{self.job_chunks}: restart (shutdown, new tier, load), "
+                 "load floor")
+            self._floor()
             for name in order:
                 t0 = time.perf_counter()
                 self.tiers[name].close()
@@ -138,6 +148,16 @@ class VllmJobRun:
                 hit = self._run(name, keys, rep, "load", "restart", rep)
                 self.restart[name] = {"reopen_s": opened, "hit_chunks": hit,
                                       "resident_after_drop": drop["resident_after"]}
+
+    def _floor(self) -> None:
+        """The load floor for a repetition's bytes in runs of as many chunks as one
+        coalesced read of the disk tier takes."""
+        run = max(1, COALESCE_BYTES // self.chunk_bytes) * self.chunk_bytes
+        try:
+            self.floor = load_floor(os.path.join(self.root, f"floor-{self.g.label}.dat"),
+                                    self.rep_bytes, run_bytes=run, chunk_bytes=self.chunk_bytes)
+        except (ConfigError, OSError) as e:
+            self.issues.append(f"vllm {self.g.label} j{self.job_chunks}: no load floor: {e}")
 
     def _run(self, name: str, keys: list[bytes], rep: int, op: str, cache: str,
              timed_rep: int | None) -> int:
