@@ -102,6 +102,38 @@ def test_a_branch_reaching_far_past_the_divergence_is_not_an_edit():
     assert abandoned_branches(s1, a.ends[2], a.ends[1], continues=True) == []
 
 
+def test_branches_at_a_prefix_many_sessions_continue_are_other_sessions_not_edits():
+    """A document several conversations ask about (Mooncake's shape): each question is a
+    short branch after the shared checkpoint, never resumed yet, and a new question leaves
+    them all there.  They are other sessions whose next turns may come, not the dead ends
+    of a rewritten turn (measured: docs/replay.md, "Branches at a shared prefix")."""
+    store = make_store("hybridstore", state_slots=16)
+    doc = Session(store, "D")
+    doc.turn(1, 4096)                  # the shared document
+    asked = [doc.fork(1, name) for name in ("B", "C", "E")]
+    for q in asked:
+        q.turn(2, 256)                 # short questions: within REWRITE_SPAN of the document
+    tips = [q.checkpoint(2) for q in asked]
+    assert all(ck is not None and ck.hits == 0 for ck in tips)
+    atimes = [ck.atime for ck in tips]
+    s1 = doc.checkpoint(1)
+    assert s1 is not None and len(s1.children) == 3
+    assert abandoned_branches(s1, doc.ends[1] + 256, doc.ends[1], continues=True) == []
+    doc.turn(2, 256)                   # another question leaves the three at the document
+    assert [ck.atime for ck in tips] == atimes
+
+
+def test_one_sibling_beside_the_rewritten_turn_still_counts_as_an_edit():
+    """An agent that rewrites its last turn twice: the second rewrite leaves the original
+    turn (already a dead end) and the first rewrite, two children of its resume point."""
+    a = two_turns("hybridstore")
+    rewrite(a, 1, 100)                 # the first rewrite: S2 is a dead end
+    first = a.checkpoint(2)
+    assert first is not None and first.atime > 0
+    rewrite(a, 1, 120)                 # the second: leaves the first rewrite too
+    assert first.atime == 0
+
+
 @pytest.mark.parametrize("policy, first_to_go", [("hybridstore", "A2"), ("histate", "C1")])
 def test_under_pressure_the_dead_end_goes_before_an_idle_live_session(policy, first_to_go):
     store = make_store(policy, state_slots=6)

@@ -198,6 +198,11 @@ REWRITE_SPAN = 0.125
 """A left branch counts as an edit of the prompt only when its part past the prompt's
 shared prefix is at most this share of that prefix (:func:`abandoned_branches`)."""
 
+REWRITE_FANOUT = 2
+"""A prompt rewrites the branches it leaves at its resume point only when that checkpoint
+has at most this many children (:func:`abandoned_branches`): more are a prefix that
+sessions share."""
+
 
 def abandoned_branches(checkpoint: Checkpoint, limit: int, walked: int, *,
                        continues: bool) -> list[Checkpoint]:
@@ -215,7 +220,12 @@ def abandoned_branches(checkpoint: Checkpoint, limit: int, walked: int, *,
       a block there that the prompt does not.
 
     A child past ``limit`` that the prompt may still continue into (a lookup that stops
-    early, a prompt that ends inside the block) is left alone.  Of the children the
+    early, a prompt that ends inside the block) is left alone, and so is every child of a
+    checkpoint with more than :data:`REWRITE_FANOUT` children: an agent rewriting its
+    turn leaves one continuation there (two when it rewrites again), while a prefix many
+    branches continue is one that sessions share (a system prompt, a document several
+    conversations ask about), whose other branches are sessions of their own (measured:
+    docs/replay.md, "Branches at a shared prefix").  Of the children the
     prompt left, a subtree counts as rewritten, and is returned whole, when
 
     * no checkpoint in it was ever resumed from (``hits == 0``): a subtree some request
@@ -234,6 +244,8 @@ def abandoned_branches(checkpoint: Checkpoint, limit: int, walked: int, *,
             (:attr:`~hybridstore.index.trie.ResumePlan.kv_tokens`).
         continues: a full block of the prompt follows ``walked``.
     """
+    if len(checkpoint.children) > REWRITE_FANOUT:
+        return []
     reach = walked * (1.0 + REWRITE_SPAN)
     out: list[Checkpoint] = []
     for child in _left_children(checkpoint, limit, walked, continues):
