@@ -49,8 +49,9 @@ after ``x`` that no request ever resumed from (the dead end of the turn it edits
 :func:`~hybridstore.policy.base.abandoned_branches`), that branch's ``t_x`` drops to
 0, so its units go before every live trajectory's while their ``C_x / M_x`` still
 orders them among themselves; not at a checkpoint many branches continue (more than
-:data:`~hybridstore.policy.base.REWRITE_FANOUT`), a prefix sessions share.  On the shared WEKA sessions about 4 % of requests
-rewrite the previous last block and 3 % diverge further back.  For a
+:data:`~hybridstore.policy.base.REWRITE_FANOUT`), a prefix sessions share.  On the
+shared WEKA sessions about 4 % of requests rewrite the previous last block and 3 %
+diverge further back.  For a
 tier that is not the last copy (a DRAM copy also on SSD) ``C_x`` is an upper
 bound: the object only moves down.
 """
