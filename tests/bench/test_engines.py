@@ -18,6 +18,7 @@ for _engine in ("sglang", "vllm"):  # find_spec: importing sglang's __init__ nee
                     allow_module_level=True)
 pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the bench extra)")
 
+from hybridstore.bench import threadcpu
 from hybridstore.bench.engines.geometry import QWEN3_NEXT
 from hybridstore.cli import main
 
@@ -75,6 +76,14 @@ def test_every_row_is_a_checked_measurement(run) -> None:
         if r["engine"] == "vllm":
             assert r["object_bytes"] >= QUICK.kv_page_bytes
             assert r["cpu_ms_per_mib"] > 0, r      # process CPU per MiB beside GB/s (issue 26)
+            pools = r.get("cpu_ms_per_mib_by_pool")
+            if threadcpu.snapshot() is not None:  # and where it goes, by thread pool
+                assert pools and "MainThread" in pools, r      # the bench's polling loop
+                if r["backend"] == "hybridstore" and r["op"] == "submit_load":
+                    assert pools.get("hs-disk", 0.0) > 0, r    # the disk tier's reads
+                # no pool spends more than the whole process (per-thread clocks are read a
+                # moment apart from the process clock, so with some slack)
+                assert max(pools.values()) <= 1.5 * r["cpu_ms_per_mib"], r
             if r["backend"] == "hybridstore" and r["op"] == "submit_store":
                 assert r["cpu_ms_per_mib_incl_flush"] >= r["cpu_ms_per_mib"], r
 

@@ -175,7 +175,7 @@ class VllmJobRun:
             if hit != self.n:
                 self.issues.append(f"vllm {self.g.label} {name} {cache}: lookups hit {hit} of "
                                    f"{self.n} stored chunks")
-        wall, lat, ok, cpu = tier.run_jobs(jobs, load=load)
+        wall, lat, ok, cpu, pools = tier.run_jobs(jobs, load=load)
         for _, _, ctx in jobs:
             tier.tier.on_request_finished(ctx)
         if timed_rep is None:
@@ -186,7 +186,7 @@ class VllmJobRun:
         share = wall / len(lat)
         for dt, (ks, _, _) in zip(lat, jobs):
             ser.add(timed_rep, share, len(ks) * self.chunk_bytes, len(ks), latency=dt)
-        ser.add_cpu(timed_rep, cpu)
+        ser.add_cpu(timed_rep, cpu, pools)
         ser.checks.append(all(ok))
         if load:
             exact = bool(np.array_equal(self.primary.array[self.n:], self.primary.array[:self.n]))

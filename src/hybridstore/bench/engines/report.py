@@ -124,6 +124,17 @@ def print_report(doc: dict[str, Any], console: Any) -> None:
         q.add_row(r["engine"], r["op"], r["cache"], r["geometry"], r.get("run", ""), str(r["batch_objects"]),
                   f"{r['ratio']:.2f}x", f"{r['ratio_min']:.2f}", f"{r['ratio_max']:.2f}", *cpu)
     console.print(q)
+    pooled = [r for r in doc["rows"] if r.get("cpu_ms_per_mib_by_pool")]
+    if pooled:
+        w = Table(title="where the CPU per MiB goes: each thread pool's ms per MiB (median); "
+                        "MainThread is the bench's polling loop")
+        for col in ("backend", "op", "cache", "run", "total", "by pool"):
+            w.add_column(col, justify="right" if col == "total" else "left")
+        for r in pooled:
+            w.add_row(r["backend"], r["op"], r["cache"], r.get("run", ""), _cpu_cell(r),
+                      ", ".join(f"{k} {v:.3f}" for k, v in sorted(
+                          r["cpu_ms_per_mib_by_pool"].items(), key=lambda kv: -kv[1])))
+        console.print(w)
     d = doc["device_limit"]
     console.print(f"SSD read limit {d.get('read_gbps') or float('nan'):.2f} GB/s "
                   f"({d.get('tool')}); large cold batch loads:")

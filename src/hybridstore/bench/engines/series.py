@@ -40,6 +40,7 @@ class Series:
     latencies: list[float] = field(default_factory=list)
     flush: dict[int, float] = field(default_factory=dict)   # rep -> seconds to durable
     cpu: dict[int, float] = field(default_factory=dict)     # rep -> process CPU seconds
+    pools: dict[int, dict[str, float]] = field(default_factory=dict)  # rep -> pool -> CPU s
     flush_cpu: dict[int, float] = field(default_factory=dict)  # rep -> CPU seconds to durable
     checks: list[bool] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -59,18 +60,39 @@ class Series:
         self.reps.setdefault(rep, []).append((seconds, nbytes, objects))
         self.latencies.append(seconds if latency is None else latency)
 
-    def add_cpu(self, rep: int, seconds: float) -> None:
-        """Process CPU seconds (every thread) spent while the repetition's calls ran."""
+    def add_cpu(self, rep: int, seconds: float, pools: dict[str, float] | None = None) -> None:
+        """Process CPU seconds (every thread) spent while the repetition's calls ran, and
+        the same by thread pool where measured (:mod:`hybridstore.bench.threadcpu`)."""
         self.cpu[rep] = self.cpu.get(rep, 0.0) + seconds
+        if pools is not None:
+            mine = self.pools.setdefault(rep, {})
+            for pool, spent in pools.items():
+                mine[pool] = mine.get(pool, 0.0) + spent
+
+    def _mib(self, rep: int) -> float:
+        return sum(b for _, b, _ in self.reps.get(rep, ())) / (1 << 20)
 
     def rep_cpu_ms_per_mib(self, flush: bool = False) -> dict[int, float]:
         """CPU milliseconds per MiB moved, per repetition (``flush``: the CPU until durable
         added, where it was measured)."""
         out = {}
         for r, cpu in self.cpu.items():
-            mib = sum(b for _, b, _ in self.reps.get(r, ())) / (1 << 20)
+            mib = self._mib(r)
             if mib > 0 and (not flush or r in self.flush_cpu):
                 out[r] = (cpu + (self.flush_cpu.get(r, 0.0) if flush else 0.0)) * 1e3 / mib
+        return out
+
+    def pool_cpu_ms_per_mib(self) -> dict[str, float]:
+        """CPU milliseconds per MiB moved by each thread pool: the median over the
+        repetitions that measured pools (a pool idle in one counts 0 there); pools whose
+        median is under 0.001 are left out."""
+        reps = {r: mib for r in self.pools if (mib := self._mib(r)) > 0}
+        names = {pool for r in reps for pool in self.pools[r]}
+        out = {}
+        for pool in sorted(names):
+            m = median([self.pools[r].get(pool, 0.0) * 1e3 / mib for r, mib in reps.items()])
+            if m >= 0.001:
+                out[pool] = m
         return out
 
     def rep_gbps(self) -> dict[int, float]:
@@ -102,6 +124,8 @@ class Series:
             out["flush_ms_median"] = median(list(self.flush.values())) * 1e3
         if self.cpu:
             out["cpu_ms_per_mib"] = median(list(self.rep_cpu_ms_per_mib().values()))
+        if self.pools:
+            out["cpu_ms_per_mib_by_pool"] = self.pool_cpu_ms_per_mib()
         if self.flush_cpu:
             out["cpu_ms_per_mib_incl_flush"] = median(
                 list(self.rep_cpu_ms_per_mib(flush=True).values()))

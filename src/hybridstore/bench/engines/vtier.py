@@ -30,13 +30,14 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from hybridstore.bench import threadcpu
 from hybridstore.bench.common import aligned
 
-__all__ = ["BUILTIN", "OURS", "Tier", "Vllm", "vllm"]
+__all__ = ["BUILTIN", "OURS", "JobsRun", "Tier", "Vllm", "vllm"]
 
 OURS = "hybridstore"
 BUILTIN = "fs"
@@ -138,6 +139,16 @@ class Primary:
         return cls(array=arr, view=memoryview(arr))
 
 
+class JobsRun(NamedTuple):
+    """What :meth:`Tier.run_jobs` measured."""
+
+    wall_s: float
+    latencies_s: list[float]          # per job, submit to finished, in job order
+    ok: list[bool]                    # per job, its JobResult's success
+    cpu_s: float                      # process CPU (every thread) meanwhile
+    pools_s: dict[str, float] | None  # the same by thread pool (bench/threadcpu.py)
+
+
 class Tier:
     """One secondary tier and the jobs it has in flight."""
 
@@ -151,15 +162,17 @@ class Tier:
         self._next_job = 0
 
     def run_jobs(self, jobs: list[tuple[list[bytes], np.ndarray, Any]], *, load: bool,
-                 timeout_s: float = 600.0) -> tuple[float, list[float], list[bool], float]:
+                 timeout_s: float = 600.0) -> JobsRun:
         """Submit every job at once, poll until all finished.
 
         Returns:
-            ``(wall seconds, per-job seconds from submit to finished, per-job success,
-            process CPU seconds meanwhile)``: ``time.process_time``, every thread of the
-            process (the tier's I/O threads, this polling loop: the same for both tiers).
+            The wall time, each job's time from submit to finished and success, and the
+            process CPU meanwhile (``time.process_time``: every thread of the process, the
+            tier's I/O threads and this polling loop alike, the same for both tiers), also
+            by thread pool where Linux gives per-thread times (``MainThread`` is this loop).
         """
         v = vllm()
+        threads0 = threadcpu.snapshot()
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         started: dict[int, float] = {}
@@ -180,8 +193,9 @@ class Tier:
                 time.sleep(_POLL_S)
         wall = time.perf_counter() - t0
         cpu = time.process_time() - cpu0
+        pools = threadcpu.by_pool(threads0, threadcpu.snapshot())
         order = sorted(done)
-        return wall, [done[j][0] for j in order], [done[j][1] for j in order], cpu
+        return JobsRun(wall, [done[j][0] for j in order], [done[j][1] for j in order], cpu, pools)
 
     def _finished(self) -> Iterable[Any]:
         return list(self.tier.get_finished_jobs())
