@@ -178,6 +178,28 @@ class Layout:
         """
         return self._match(batch, n)
 
+    def rows_bytes(self, array: Any) -> np.ndarray:
+        """The ``(rows, nbytes)`` uint8 view of a host array whose every row is one whole
+        object of this layout (a layout of one tensor): checked once for all of its rows
+        (:meth:`~hybridstore.HybridStore.load_rows`).
+
+        Raises:
+            LayoutMismatchError: the layout has several tensors, the rows' dtype or shape
+                differ from it, the array is on a GPU, not contiguous, or read-only.
+        """
+        if not self.single or len(self.specs) != 1:
+            raise LayoutMismatchError("rows of one array restore objects of one tensor; this "
+                                      "layout has several: pass a buffer per object")
+        if self.specs[0].offset or self.specs[0].nbytes != self.nbytes:
+            raise LayoutMismatchError("this layout pads its tensor; rows of one array cannot "
+                                      "hold its objects back to back")
+        host = self._match(array, 0)[0].host
+        if host is None:
+            raise LayoutMismatchError("the array of rows is on a GPU; pass host memory")
+        if not host.flags.writeable:
+            raise LayoutMismatchError("the array of rows is read-only")
+        return host
+
     def _match(self, buffers: Any, rows: int | None) -> list[Target]:
         items = _items(buffers)
         if len(items) != len(self.specs):

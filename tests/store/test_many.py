@@ -159,3 +159,127 @@ def test_a_put_of_a_page_another_call_has_reserved_leaves_it_to_that_call(tmp_pa
             pages, _ = store.load(plan).result()
             store.release(plan)
             assert np.array_equal(np.asarray(pages[0]).view(np.int8).reshape(-1), row)
+
+
+def test_load_rows_lands_each_page_in_its_row_from_disk_and_pool(tmp_path):
+    """``load_rows``: pages from the SSD (read in place, neighbours together) and from the
+    pinned pool land bit-exact in the rows asked for, on the calling thread; nothing else
+    of the array is written."""
+    keys, rows = chunks(24, seed=13)
+    with HybridStore(cfg(tmp_path)) as store:
+        prompts = [store.engine_prefix([k], prefix=()) for k in keys]
+        assert store.put_kv_many(prompts, list(rows)) == 24
+        store.flush()
+        store.evict(store.tiers["host"].capacity_bytes, tier="host")    # only the SSD
+        disk = store.tiers["disk"]
+        reads = disk.stats()["reads"]
+        dst = np.zeros((40, PAGE), np.int8)
+        order = [3, 4, 5, 6, 0, 17, 21, 23, 9]
+        at = [10, 11, 12, 13, 39, 0, 25, 7, 30]
+        plans = [store.match_pages(prompts[i]) for i in order]
+        loads = store.stats()["loads"]
+        assert store.load_rows(plans, dst, at) is None         # done when it returns
+        for plan in plans:
+            store.release(plan)
+        for i, r in zip(order, at):
+            assert np.array_equal(dst[r], rows[i])
+        untouched = np.ones(len(dst), bool)
+        untouched[at] = False
+        assert not dst[untouched].any()
+        assert disk.stats()["reads"] - reads == len(order)
+        assert store.stats()["loads"] == loads + 1
+        # the same from the pinned pool: copied out of its slots, nothing read
+        fresh = [store.engine_prefix([k], prefix=()) for k in chunks(3, seed=29)[0]]
+        more = chunks(3, seed=29)[1]
+        store.put_kv_many(fresh, list(more))
+        reads = disk.stats()["reads"]
+        plans = [store.match_pages(p) for p in fresh]
+        store.load_rows(plans, dst, [1, 2, 3])
+        for plan in plans:
+            store.release(plan)
+        assert np.array_equal(dst[1:4], more)
+        assert disk.stats()["reads"] == reads
+
+
+def test_load_rows_takes_a_torch_array_of_rows(tmp_path):
+    torch = pytest.importorskip("torch")
+    keys, rows = chunks(3, seed=17)
+    with HybridStore(cfg(tmp_path)) as store:
+        prompts = [store.engine_prefix([k], prefix=()) for k in keys]
+        store.put_kv_many(prompts, [torch.from_numpy(r) for r in rows])   # a torch layout
+        store.flush()
+        store.evict(store.tiers["host"].capacity_bytes, tier="host")
+        plans = [store.match_pages(p) for p in prompts]
+        dst = torch.zeros((4, PAGE), dtype=torch.int8)
+        store.load_rows(plans, dst, [3, 1, 0])
+        for plan in plans:
+            store.release(plan)
+        assert np.array_equal(dst.numpy()[[3, 1, 0]], rows)
+
+
+def test_load_rows_checks_its_arguments_before_reading(tmp_path):
+    from hybridstore.errors import PlanReleasedError
+
+    keys, rows = chunks(2, seed=19)
+    with HybridStore(cfg(tmp_path)) as store:
+        prompts = [store.engine_prefix([k], prefix=()) for k in keys]
+        store.put_kv_many(prompts, list(rows))
+        plans = [store.match_pages(p) for p in prompts]
+        dst = np.zeros((4, PAGE), np.int8)
+        bad = [
+            (InvalidArgumentError, (plans, dst, [0, 4])),                 # a row past the end
+            (InvalidArgumentError, (plans, dst, [0, -1])),
+            (InvalidArgumentError, (plans, dst, [0.0, 1.0])),             # not row numbers
+            (InvalidArgumentError, (plans, dst, 3)),
+            (LayoutMismatchError, (plans, dst, [0])),                     # one row for two pages
+            (LayoutMismatchError, (plans, np.zeros((4, PAGE), np.int16), [0, 1])),   # dtype
+            (LayoutMismatchError, (plans, np.zeros((4, PAGE // 2), np.int8), [0, 1])),
+            (LayoutMismatchError, (plans, np.zeros((4, 2 * PAGE), np.int8)[:, ::2], [0, 1])),
+            (InvalidArgumentError, (["not a plan"], dst, [0])),
+        ]
+        frozen = np.zeros((4, PAGE), np.int8)
+        frozen.flags.writeable = False
+        bad.append((LayoutMismatchError, (plans, frozen, [0, 1])))
+        for error, call in bad:
+            with pytest.raises(error):
+                store.load_rows(*call)
+            assert not dst.any()
+        for plan in plans:                                   # the plans were not touched
+            assert store.index.is_live(plan)
+        store.load_rows(plans, dst, [2, 0])
+        store.release(plans[0])
+        with pytest.raises(PlanReleasedError):
+            store.load_rows(plans, dst, [2, 0])
+        store.release(plans[1])
+        assert np.array_equal(dst[[2, 0]], rows)
+        assert store.load_rows([], dst, []) is None
+
+
+def test_load_rows_of_a_corrupt_page_raises_and_forgets_it(tmp_path):
+    """A page whose bytes on the SSD changed fails its checksum: load_rows raises
+    CorruptObjectError once every read has finished, the page is dropped (a new match
+    no longer finds it), and the other pages' rows hold their bytes."""
+    from hybridstore.errors import CorruptObjectError
+
+    keys, rows = chunks(4, seed=23)
+    with HybridStore(cfg(tmp_path)) as store:
+        prompts = [store.engine_prefix([k], prefix=()) for k in keys]
+        store.put_kv_many(prompts, list(rows))
+        store.flush()
+        store.evict(store.tiers["host"].capacity_bytes, tier="host")
+        disk = store.tiers["disk"]
+        okey = _okeys(store, prompts[2:3])[0]
+        rec = disk._objects[okey].record
+        with open(disk._segment_path(rec.segment), "r+b") as f:
+            f.seek(rec.offset + 100)
+            f.write(b"\xff" * 8)
+        plans = [store.match_pages(p) for p in prompts]
+        dst = np.zeros((4, PAGE), np.int8)
+        with pytest.raises(CorruptObjectError):
+            store.load_rows(plans, dst, [0, 1, 2, 3])
+        for plan in plans:
+            store.release(plan)
+        for i in (0, 1, 3):
+            assert np.array_equal(dst[i], rows[i])
+        assert not disk.contains(okey)
+        assert len(store.match_pages(prompts[2]).pages) == 0

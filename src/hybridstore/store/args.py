@@ -82,6 +82,21 @@ def positions(value: Any, what: str) -> list[int]:
     return [whole(v, f"{what}[{i}]") for i, v in enumerate(value)]
 
 
+def indices(value: Any, what: str, high: int) -> list[int]:
+    """A sequence of ints in ``[0, high)`` (row numbers), checked at once."""
+    if not is_sequence(value):
+        raise InvalidArgumentError(f"{what} must be a sequence of row numbers, got "
+                                   f"{type(value).__name__}")
+    arr = np.asarray(value)
+    if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or arr.dtype == np.bool_)):
+        raise InvalidArgumentError(f"{what} must be a flat sequence of ints, got {arr.dtype} "
+                                   f"of shape {arr.shape}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= high):
+        raise InvalidArgumentError(f"{what} must lie in 0..{high - 1}, got "
+                                   f"{int(arr.min())}..{int(arr.max())}")
+    return arr.tolist()
+
+
 def key_list(value: Any, what: str) -> list[Any]:
     """A sequence of engine page hashes (each checked where it is hashed)."""
     if not is_sequence(value):

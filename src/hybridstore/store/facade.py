@@ -937,6 +937,61 @@ class HybridStore:
         fut.add_done_callback(done)
         return out
 
+    def load_rows(self, plans: Sequence[ResumePlan], array: Any, rows: Sequence[int]) -> None:
+        """Restore the pages of live page plans into rows of one host array, on this thread.
+
+        For an engine whose host cache is one array of page rows and whose transfers run
+        on job threads of its own: vLLM's primary CPU tier (``(num_chunks, chunk_bytes)``)
+        under its ``TieringOffloadingManager``, whose secondary tier runs each job on its
+        own pool (:class:`~hybridstore.adapters.vllm.HybridStoreTier`).  Page ``i`` of the
+        plans (their pages concatenated) lands in row ``rows[i]``: read from the SSD
+        straight into the row (the disk tier reads rows spaced like their slots with one
+        I/O, :meth:`load_many`'s rule) or copied from the pinned pool.  Against
+        :meth:`load_many` the array is checked once for all of its rows instead of a buffer
+        per page, and the reads are issued and waited for here, not on the store's load
+        threads: the call returns once every row is written.
+
+        Args:
+            plans: live plans without a checkpoint (:meth:`match_pages`); they stay pinned
+                until :meth:`release`.
+            array: a writable, C-contiguous host array (numpy, or a CPU torch tensor) whose
+                rows each hold one page of the stored page layout (one tensor: the row's
+                dtype and shape are the layout's).
+            rows: the row of each page, in ``[0, len(array))``.
+
+        Raises:
+            PlanReleasedError: a plan was released.
+            LayoutMismatchError: ``rows`` and the plans' pages differ in number, or the
+                array's rows do not hold the page layout.
+            InvalidArgumentError: a plan has a checkpoint, or a row is out of range.
+            CorruptObjectError, BackendIOError: a read failed (the object is dropped, as by
+                :meth:`load`); rows of other pages may have been written.
+        """
+        plans = [args.plan(plan) for plan in plans]
+        if any(plan.state_key is not None for plan in plans):
+            raise InvalidArgumentError("load_rows restores pages only; load a plan with a "
+                                       "checkpoint with load()")
+        n = sum(len(plan.pages) for plan in plans)
+        with self._lock:
+            self._check_open()
+            for plan in plans:
+                if not self.index.is_live(plan):
+                    raise PlanReleasedError(f"plan {plan.plan_id} was released; match again "
+                                            "before load")
+            layout = self._layouts.get(ObjectKind.PAGE)
+            if n and layout is None:
+                raise LayoutMismatchError("the store holds no page layout yet")
+            if not n:
+                return
+            assert layout is not None
+            view = layout.rows_bytes(array)
+            at = args.indices(rows, "rows", len(view))
+            if len(at) != n:
+                raise LayoutMismatchError(f"rows has {len(at)} rows; the plans restore {n} pages")
+            jobs, sources = self._loader.prepare(cast(ResumePlan, _PagesOnly(plans)), (), 0)
+            self._counters["loads"] += 1
+        self._loader.run_rows(jobs, sources, view, at, plans)
+
     # -- eviction ---------------------------------------------------------------------
     def evict(self, nbytes: int, tier: str = "host") -> int:
         """Free at least ``nbytes`` of ``tier`` if the policy and pins allow.

@@ -205,7 +205,6 @@ class Loader:
         plans = plans or (plan,)
         tiers = self.res.tiers
         outputs: list[Any] = []
-        waits: list[tuple[str, list[int], Future]] = []
         bufs: list[np.ndarray | None] = []
         devices: set[Any] = set()          # CUDA devices with copies from pool slots in flight
         # A page-major batch: page i is row i, restored by one gather per entry below.
@@ -292,18 +291,7 @@ class Loader:
             calls = [(name, idx, arena, [offsets[i] for i in idx]) for name, idx in reads.items()]
             calls += [(name, idx, root, at)
                       for (name, _, _), (root, idx, at) in reads_direct.items()]
-            for name, idx, dst, at in calls:
-                okeys = [jobs[i][0] for i in idx]
-                try:
-                    waits.append((name, idx, tiers[name].read_many_into(okeys, dst, at)))
-                except KeyError as e:
-                    raise self._left(plans, name, okeys, e) from e
-            for name, idx, fut in waits:
-                try:
-                    fut.result()
-                except (CorruptObjectError, BackendIOError):   # a remote tier drops on both
-                    self._forget_dropped(name, [jobs[i][0] for i in idx])
-                    raise
+            self._read(calls, jobs, plans)
             if batch and targets is not None and rows:
                 try:
                     self.gather_batch(rows, arena, offsets, targets[0], n_batch)
@@ -336,6 +324,71 @@ class Loader:
         if plan.state_key is None:
             return outputs, None
         return outputs[:-1], outputs[-1]
+
+    def run_rows(self, jobs: list[Job], sources: list[str | None], rows: np.ndarray,
+                 at: Sequence[int], plans: Sequence[ResumePlan]) -> None:
+        """Read the pages of a prepared load into rows of the caller's host array, on the
+        calling thread (:meth:`~hybridstore.HybridStore.load_rows`); releases its pins.
+
+        ``rows`` is the array's ``(rows, nbytes)`` byte view (``Layout.rows_bytes``) and
+        page ``i`` lands in row ``at[i]``.  Each byte tier reads its pages with one
+        ``read_many_into`` straight into the rows (neighbours spaced like their slots in
+        one I/O); a page in the pinned pool is copied out of its slot.
+        """
+        tiers = self.res.tiers
+        flat = rows.reshape(-1)
+        size = rows.shape[1]
+        groups: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+        try:
+            for i, ((okey, _), src) in enumerate(zip(jobs, sources)):
+                if src is None:
+                    continue
+                tier = tiers[src]
+                if tier.zero_copy:
+                    try:
+                        view = tier.view(okey)
+                    except KeyError as e:
+                        raise self._left(plans, src, [okey], e) from e
+                    rows[at[i]] = view[:size]
+                elif tier.stores_bytes:
+                    # a slot that spans more than the page is read alone: a read of its
+                    # neighbours would land the slot's padding on the next row
+                    alone = tier.slot_bytes(size) != size
+                    idx, offsets = groups.setdefault((src, i if alone else -1), ([], []))
+                    idx.append(i)
+                    offsets.append(at[i] * size)
+                self.loaded_bytes[src] += size
+            self._read([(src, idx, flat, offsets) for (src, _), (idx, offsets) in groups.items()],
+                       jobs, plans)
+        finally:
+            self.release_sources(jobs, sources)
+
+    def _read(self, calls: list[tuple[str, list[int], np.ndarray, list[int]]], jobs: list[Job],
+              plans: Sequence[ResumePlan]) -> None:
+        """Run ``calls`` (a byte tier, the jobs it reads, where they land: one
+        ``read_many_into`` each) at once and wait for every one: the first error is raised
+        once none is still writing into the destinations."""
+        tiers = self.res.tiers
+        waits: list[tuple[str, list[int], Future]] = []
+        error: BaseException | None = None
+        for name, idx, dst, at in calls:
+            okeys = [jobs[i][0] for i in idx]
+            try:
+                waits.append((name, idx, tiers[name].read_many_into(okeys, dst, at)))
+            except KeyError as e:
+                error = self._left(plans, name, okeys, e)
+                error.__cause__ = e
+                break
+        for name, idx, fut in waits:
+            try:
+                fut.result()
+            except (CorruptObjectError, BackendIOError) as e:   # a remote tier drops on both
+                self._forget_dropped(name, [jobs[i][0] for i in idx])
+                error = error or e
+            except BaseException as e:  # noqa: BLE001 - raised below, once all are done
+                error = error or e
+        if error is not None:
+            raise error
 
     def _left(self, plans: Sequence[ResumePlan], src: str, okeys: list[ObjectKey],
               error: KeyError) -> HybridStoreError:

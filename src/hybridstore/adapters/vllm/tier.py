@@ -281,9 +281,10 @@ class HybridStoreTier(SecondaryTierManager):
 
     def _load(self, job: TransferJob, plans: list[ResumePlan | None]
               ) -> tuple[list[OffloadKey], int]:
-        """A job's chunks in one :meth:`~hybridstore.HybridStore.load_many` (the disk tier
-        reads neighbours in one I/O and the rest in parallel); chunk by chunk only if
-        that fails (a corrupt chunk then costs itself only)."""
+        """A job's chunks in one :meth:`~hybridstore.HybridStore.load_rows` on this job
+        thread, straight into the primary rows (the disk tier reads neighbours in one I/O
+        and the rest in parallel); chunk by chunk only if that fails (a corrupt chunk then
+        costs itself only)."""
         keys, chunks = list(job.keys), job.chunk_ids.tolist()
         found: list[tuple[OffloadKey, int, ResumePlan]] = []
         try:
@@ -299,8 +300,8 @@ class HybridStoreTier(SecondaryTierManager):
             if not found:
                 return [], 0
             try:
-                self.store.load_many([p for _, _, p in found],
-                                     [self._primary[c] for _, c, _ in found]).result()
+                self.store.load_rows([p for _, _, p in found], self._primary,
+                                     [c for _, c, _ in found])
                 return [k for k, _, _ in found], len(found) * self._primary.shape[1]
             except HybridStoreError:
                 log.warning("HybridStoreTier: a load job failed as a batch; loading its chunks "
