@@ -66,3 +66,32 @@ def test_pool_names_drop_the_thread_index() -> None:
 def test_no_snapshot_gives_no_breakdown() -> None:
     assert threadcpu.by_pool(None, threadcpu.snapshot()) is None
     assert threadcpu.by_pool(threadcpu.snapshot(), None) is None
+
+
+def test_the_calling_threads_time_leaves_out_reading_the_others() -> None:
+    """With hundreds of threads alive, reading their times costs the calling thread more
+    than what it does between start and stop; :class:`PoolClock` counts only the latter,
+    and no pool spends more than the process did meanwhile."""
+    stop = threading.Event()
+    idle = [threading.Thread(target=stop.wait, name=f"idle-{i}") for i in range(300)]
+    for t in idle:
+        t.start()
+    try:
+        t0 = time.thread_time()
+        for _ in range(5):
+            threadcpu.snapshot()
+        reading = (time.thread_time() - t0) / 5
+        clock = threadcpu.PoolClock()
+        clock.start()
+        cpu0 = time.process_time()
+        _burn(0.002)
+        cpu = time.process_time() - cpu0
+        spent = clock.stop()
+    finally:
+        stop.set()
+        for t in idle:
+            t.join()
+    assert spent is not None
+    assert reading > 0.0005, reading                       # the case this guards against
+    assert spent["MainThread"] <= cpu + 0.0005, (spent, cpu, reading)
+    assert spent["MainThread"] >= 0.0019, spent

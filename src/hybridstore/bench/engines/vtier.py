@@ -172,7 +172,8 @@ class Tier:
             by thread pool where Linux gives per-thread times (``MainThread`` is this loop).
         """
         v = vllm()
-        threads0 = threadcpu.snapshot()
+        pools = threadcpu.PoolClock()
+        pools.start()
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         started: dict[int, float] = {}
@@ -193,9 +194,10 @@ class Tier:
                 time.sleep(_POLL_S)
         wall = time.perf_counter() - t0
         cpu = time.process_time() - cpu0
-        pools = threadcpu.by_pool(threads0, threadcpu.snapshot())
+        by_pool = pools.stop()
         order = sorted(done)
-        return JobsRun(wall, [done[j][0] for j in order], [done[j][1] for j in order], cpu, pools)
+        return JobsRun(wall, [done[j][0] for j in order], [done[j][1] for j in order], cpu,
+                       by_pool)
 
     def _finished(self) -> Iterable[Any]:
         return list(self.tier.get_finished_jobs())
