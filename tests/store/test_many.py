@@ -52,6 +52,13 @@ def test_put_kv_many_then_load_many_from_disk_is_bit_exact_and_read_in_place(tmp
             assert disk.stats()["reads"] > reads_before
 
 
+def _put(store: HybridStore, keys: list[bytes], rows) -> list:
+    """One single-page prompt per key, its row put: the vLLM tier's chunks."""
+    prompts = [store.engine_prefix([k], prefix=()) for k in keys]
+    store.put_kv_many(prompts, list(rows))
+    return prompts
+
+
 def _okeys(store: HybridStore, prompts) -> list[bytes]:
     from hybridstore.objects import ObjectKind, object_key
 
@@ -61,8 +68,7 @@ def _okeys(store: HybridStore, prompts) -> list[bytes]:
 def test_load_many_into_separate_buffers_and_from_the_pool(tmp_path):
     keys, rows = chunks(6, seed=3)
     with HybridStore(cfg(tmp_path)) as store:
-        prompts = [store.engine_prefix([k], prefix=()) for k in keys]
-        store.put_kv_many(prompts, list(rows))
+        prompts = _put(store, keys, rows)
         plans = [store.match_pages(p) for p in prompts]
         bufs = [np.zeros(PAGE, np.int8) for _ in prompts]     # each its own array
         store.load_many(plans, bufs).result()
@@ -189,9 +195,8 @@ def test_load_rows_lands_each_page_in_its_row_from_disk_and_pool(tmp_path):
         assert disk.stats()["reads"] - reads == len(order)
         assert store.stats()["loads"] == loads + 1
         # the same from the pinned pool: copied out of its slots, nothing read
-        fresh = [store.engine_prefix([k], prefix=()) for k in chunks(3, seed=29)[0]]
-        more = chunks(3, seed=29)[1]
-        store.put_kv_many(fresh, list(more))
+        more_keys, more = chunks(3, seed=29)
+        fresh = _put(store, more_keys, more)
         reads = disk.stats()["reads"]
         plans = [store.match_pages(p) for p in fresh]
         store.load_rows(plans, dst, [1, 2, 3])
@@ -222,8 +227,7 @@ def test_load_rows_checks_its_arguments_before_reading(tmp_path):
 
     keys, rows = chunks(2, seed=19)
     with HybridStore(cfg(tmp_path)) as store:
-        prompts = [store.engine_prefix([k], prefix=()) for k in keys]
-        store.put_kv_many(prompts, list(rows))
+        prompts = _put(store, keys, rows)
         plans = [store.match_pages(p) for p in prompts]
         dst = np.zeros((4, PAGE), np.int8)
         bad = [
@@ -263,8 +267,7 @@ def test_load_rows_of_a_corrupt_page_raises_and_forgets_it(tmp_path):
 
     keys, rows = chunks(4, seed=23)
     with HybridStore(cfg(tmp_path)) as store:
-        prompts = [store.engine_prefix([k], prefix=()) for k in keys]
-        store.put_kv_many(prompts, list(rows))
+        prompts = _put(store, keys, rows)
         store.flush()
         store.evict(store.tiers["host"].capacity_bytes, tier="host")
         disk = store.tiers["disk"]

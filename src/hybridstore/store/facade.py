@@ -93,6 +93,15 @@ def _pack_one(layout: Layout, page: Any, _i: int, slot: np.ndarray) -> None:
     layout.pack_into(page, slot)
 
 
+def _page_plans(plans: Sequence[ResumePlan], call: str) -> tuple[list[ResumePlan], int]:
+    """``plans`` checked for ``call`` (plans without a checkpoint), and their pages in all."""
+    checked = [args.plan(plan) for plan in plans]
+    if any(plan.state_key is not None for plan in checked):
+        raise InvalidArgumentError(f"{call} restores pages only; load a plan with a "
+                                   "checkpoint with load()")
+    return checked, sum(len(plan.pages) for plan in checked)
+
+
 class _PagesOnly:
     """What :meth:`Loader.prepare` and :meth:`Loader.run` read of a plan, for the pages of
     several (``load_many``: prepared as one plan, one pass over the index for all)."""
@@ -829,6 +838,13 @@ class HybridStore:
                 sizes[name] = sizes.get(name, 0) + ck.nbytes
             return {name: (n, self.tiers[name].read_seconds(n)) for name, n in sizes.items()}
 
+    def _check_live(self, plans: Sequence[ResumePlan]) -> None:
+        """Under the lock: PlanReleasedError for a plan released before its load."""
+        for plan in plans:
+            if not self.index.is_live(plan):
+                raise PlanReleasedError(f"plan {plan.plan_id} was released; match again "
+                                        "before load")
+
     def load(self, plan: ResumePlan, into: tuple[Any, Any] | None = None, *,
              skip_tiers: Sequence[str] = (), skip_pages: int = 0) -> Future:
         """Restore the plan's pages and checkpoint.
@@ -868,8 +884,7 @@ class HybridStore:
                                        "for new arrays")
         with self._lock:
             self._check_open()
-            if not self.index.is_live(plan):
-                raise PlanReleasedError(f"plan {plan.plan_id} was released; match again before load")
+            self._check_live((plan,))
             targets = (self._loader.check_into(plan, into, skip_pages) if into is not None
                        else None)
             jobs, sources = self._loader.prepare(plan, skip_tiers, skip_pages)
@@ -898,20 +913,13 @@ class HybridStore:
             A future of the filled buffers (a list).  The plans stay pinned until
             :meth:`release`.
         """
-        plans = [args.plan(plan) for plan in plans]
-        if any(plan.state_key is not None for plan in plans):
-            raise InvalidArgumentError("load_many restores pages only; load a plan with a "
-                                       "checkpoint with load()")
+        plans, n = _page_plans(plans, "load_many")
         bufs = list(into)
-        n = sum(len(plan.pages) for plan in plans)
         if len(bufs) != n:
             raise LayoutMismatchError(f"into has {len(bufs)} page buffers; the plans restore {n}")
         with self._lock:
             self._check_open()
-            for plan in plans:
-                if not self.index.is_live(plan):
-                    raise PlanReleasedError(f"plan {plan.plan_id} was released; match again "
-                                            "before load")
+            self._check_live(plans)
             merged = cast(ResumePlan, _PagesOnly(plans))
             jobs, sources = self._loader.prepare(merged, (), 0)
             try:
@@ -967,17 +975,10 @@ class HybridStore:
             CorruptObjectError, BackendIOError: a read failed (the object is dropped, as by
                 :meth:`load`); rows of other pages may have been written.
         """
-        plans = [args.plan(plan) for plan in plans]
-        if any(plan.state_key is not None for plan in plans):
-            raise InvalidArgumentError("load_rows restores pages only; load a plan with a "
-                                       "checkpoint with load()")
-        n = sum(len(plan.pages) for plan in plans)
+        plans, n = _page_plans(plans, "load_rows")
         with self._lock:
             self._check_open()
-            for plan in plans:
-                if not self.index.is_live(plan):
-                    raise PlanReleasedError(f"plan {plan.plan_id} was released; match again "
-                                            "before load")
+            self._check_live(plans)
             layout = self._layouts.get(ObjectKind.PAGE)
             if n and layout is None:
                 raise LayoutMismatchError("the store holds no page layout yet")
