@@ -88,7 +88,7 @@ def indices(value: Any, what: str, high: int) -> list[int]:
         raise InvalidArgumentError(f"{what} must be a sequence of row numbers, got "
                                    f"{type(value).__name__}")
     arr = np.asarray(value)
-    if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or arr.dtype == np.bool_)):
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):     # bool is kind "b"
         raise InvalidArgumentError(f"{what} must be a flat sequence of ints, got {arr.dtype} "
                                    f"of shape {arr.shape}")
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= high):

@@ -979,12 +979,11 @@ class HybridStore:
         with self._lock:
             self._check_open()
             self._check_live(plans)
-            layout = self._layouts.get(ObjectKind.PAGE)
-            if n and layout is None:
-                raise LayoutMismatchError("the store holds no page layout yet")
             if not n:
                 return
-            assert layout is not None
+            layout = self._layouts.get(ObjectKind.PAGE)
+            if layout is None:
+                raise LayoutMismatchError("the store holds no page layout yet")
             view = layout.rows_bytes(array)
             at = args.indices(rows, "rows", len(view))
             if len(at) != n:

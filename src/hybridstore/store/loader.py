@@ -339,6 +339,9 @@ class Loader:
         flat = rows.reshape(-1)
         size = rows.shape[1]
         groups: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+        # per byte tier: whether a page's slot spans more than the page; such a page is
+        # read alone, as a read of its neighbours would land the padding on the next row
+        alone: dict[str, bool] = {}
         try:
             for i, ((okey, _), src) in enumerate(zip(jobs, sources)):
                 if src is None:
@@ -351,10 +354,9 @@ class Loader:
                         raise self._left(plans, src, [okey], e) from e
                     rows[at[i]] = view[:size]
                 elif tier.stores_bytes:
-                    # a slot that spans more than the page is read alone: a read of its
-                    # neighbours would land the slot's padding on the next row
-                    alone = tier.slot_bytes(size) != size
-                    idx, offsets = groups.setdefault((src, i if alone else -1), ([], []))
+                    if src not in alone:
+                        alone[src] = tier.slot_bytes(size) != size
+                    idx, offsets = groups.setdefault((src, i if alone[src] else -1), ([], []))
                     idx.append(i)
                     offsets.append(at[i] * size)
                 self.loaded_bytes[src] += size
