@@ -11,7 +11,8 @@ blocks the goals"):
   at its exact time and every session's end (``ReplayConfig(resume_hints=0)``,
   ``HybridStore.expect``): the default's order given the next uses Belady's rule sees;
 * ``bound``: the exact free-state bound (:func:`~hybridstore.replay.headroom.headroom`),
-  with the same holding one state per open session (``bound_holding_states``).
+  in the engine's pool (``bound_engine_pool``) and holding one state, and one per open
+  session (``bound_holding_states``).
 
 The gap ``bound - hybridstore`` splits three ways:
 
@@ -58,9 +59,9 @@ def ladder(trace: Trace, budgets: list[float], pools: str, *, label: str | None 
 
     Args:
         trace: the trace.
-        label: the rows' trace name (default: the trace's own).
         budgets: fractions of the KV footprint.
         pools: ``"unified"`` (one budget) or ``"split"`` (SGLang's KV and Mamba pools).
+        label: the rows' trace name (default: the trace's own).
         max_requests: replay only the first requests (the bound sees the same ones).
         progress: show a progress bar.
     """
