@@ -22,4 +22,19 @@ figures).  See ``benchmarks/README.md`` for what each needs.
 
 from __future__ import annotations
 
-__all__ = ["index", "peers", "ssd"]
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridstore.replay.trace import Trace
+
+__all__ = ["index", "load_trace", "peers", "ssd"]
+
+
+def load_trace(spec: str) -> Trace:
+    """The trace a replay benchmark's ``TRACE`` names: ``sample`` for the bundled WEKA
+    sample, else anything :func:`hybridstore.replay.loaders.load` reads (a path,
+    ``synthetic:...``)."""
+    from hybridstore.replay.loaders import load
+    from hybridstore.replay.samples import weka_sample
+
+    return load(str(weka_sample()) if spec == "sample" else spec)

@@ -39,9 +39,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from benchmarks import load_trace
 from hybridstore.replay.headroom import headroom
-from hybridstore.replay.loaders import load
-from hybridstore.replay.samples import weka_sample
 from hybridstore.replay.sim import ReplayConfig, replay_policy
 from hybridstore.replay.sweep import parse_budgets
 from hybridstore.replay.trace import Trace
@@ -139,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     budgets = parse_budgets(args.budgets)
     rows = []
     for spec in args.traces:
-        trace = load(str(weka_sample()) if spec == "sample" else spec)
+        trace = load_trace(spec)
         label = spec if spec == "sample" or spec.startswith("synthetic:") else Path(spec).name
         for pools in args.pools.split(","):
             rows += ladder(trace, budgets, pools, label=label, max_requests=args.max_requests)

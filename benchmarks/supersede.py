@@ -15,15 +15,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from benchmarks import load_trace
 from hybridstore.replay import systems
-from hybridstore.replay.loaders import load
-from hybridstore.replay.samples import weka_sample
 from hybridstore.replay.sim import ReplayConfig, replay_policy
 from hybridstore.replay.sweep import parse_budgets
 
 
 def run(trace: str, values: list[float], budgets: list[float], pools: str) -> list[dict]:
-    requests = load(str(weka_sample()) if trace == "sample" else trace)
+    requests = load_trace(trace)
     base = systems.PRESETS["hybridstore"]
     rows = []
     try:
