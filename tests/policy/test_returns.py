@@ -152,6 +152,24 @@ def test_a_session_announced_over_goes_first_and_one_announced_back_stays():
     assert not all(a.has(t) for t in (1, 2, 3))   # A, the least recent, goes next
 
 
+def test_an_announcement_at_the_clock_reading_of_its_own_resume_holds():
+    """An orchestrator announces a session's next turn as soon as the turn is served, at the
+    same reading of a coarse clock (the replay's arrival time, a clock in whole seconds).
+    The turn resumed there *before* the announcement, so the announcement holds for the
+    checkpoint it resumed from and every one above it, not only for the new one below;
+    the next resume there, even at that same reading, uses it up."""
+    store, (a, b, c) = rounds("hybridstore")
+    returns = store._eviction.returns
+    assert isinstance(returns, ReturnGaps) and isinstance(returns.clock, Clock)
+    returns.clock.now = 200.0
+    assert a.turn(4, 512) == a.ends[3]              # resumed from turn 3's state at 200 s
+    assert store.expect(a.tokens, in_s=30.0) == a.ends[4]
+    for t in (1, 2, 3, 4):
+        assert returns.expectation(a.checkpoint(t)) == (230.0, True), t
+    assert a.turn(5, 512) == a.ends[4]              # A came back, at the same reading
+    assert all(returns.expectation(a.checkpoint(t)) is None for t in (1, 2, 3, 4))
+
+
 def test_a_session_over_says_nothing_of_the_prefix_it_shares():
     """Sessions after a shared prefix: one's end announced demotes its own branch only;
     the prefix keeps its own ranking, and a later announcement of the other session

@@ -72,8 +72,13 @@ class ReturnGaps:
         self._times: list[float] = []     # the clock when the index was at that tick
         self._gaps: dict[bytes, tuple[float, ...]] = {}   # newest gaps of a trajectory
         self._last: dict[bytes, float] = {}               # last resume at or below a checkpoint
-        # announced at, due, whether only the announcing session uses it (HybridStore.expect)
-        self._expected: dict[bytes, tuple[float, float, bool]] = {}
+        # the order of resumes and announcements: a request served and announced at one
+        # reading of the clock (the replay's arrival time) resumed *before* it announced
+        self._events = 0
+        self._resumed: dict[bytes, int] = {}              # event of that last resume
+        # announced at, due, whether only the announcing session uses it, its event
+        # (HybridStore.expect)
+        self._expected: dict[bytes, tuple[float, float, bool, int]] = {}
         self._all: deque[float] = deque(maxlen=history)
         self._prune_at = 4096
 
@@ -110,13 +115,16 @@ class ReturnGaps:
         if gap > 0:
             self._gaps[checkpoint.key] = (*self.gaps(checkpoint), gap)[-self.window:]
             self._all.append(gap)
+        self._events += 1
         ck: Checkpoint | None = checkpoint
         while ck is not None:
             self._last[ck.key] = now
+            self._resumed[ck.key] = self._events
             ck = ck.parent
         if len(self._last) > self._prune_at:   # forget the checkpoints no longer held
             self._gaps = {k: v for k, v in self._gaps.items() if index.checkpoint(k) is not None}
             self._last = {k: v for k, v in self._last.items() if index.checkpoint(k) is not None}
+            self._resumed = {k: v for k, v in self._resumed.items() if k in self._last}
             self._expected = {k: v for k, v in self._expected.items()
                               if index.checkpoint(k) is not None}
             self._prune_at = 2 * len(self._last) + 4096
@@ -135,12 +143,13 @@ class ReturnGaps:
         """
         now = self.now(index)
         due = now + in_s
+        self._events += 1
         own = not checkpoint.children
         ck: Checkpoint | None = checkpoint
         while ck is not None and (own or due < math.inf):
             held = self.expectation(ck, now)
             if held is None or due < held[0]:
-                self._expected[ck.key] = (now, due, own)
+                self._expected[ck.key] = (now, due, own, self._events)
             parent = ck.parent
             own = own and parent is not None and len(parent.children) == 1
             ck = parent
@@ -151,13 +160,14 @@ class ReturnGaps:
         holds for ``checkpoint`` at ``now`` (the latest stamp by default), or ``None``.
 
         An announcement holds until a request resumes at or below ``checkpoint`` after
-        it, and one of a time to come (``in_s > 0``, finite) until that time has passed:
+        it (in the order of the calls: the request that announces its session's next one
+        resumed before it, at the same reading of the clock), and one of a time to come (``in_s > 0``, finite) until that time has passed:
         an orchestrator's estimate that proved wrong gives way to the prediction."""
         e = self._expected.get(checkpoint.key)
         if e is None:
             return None
-        at, due, own = e
-        if self._last.get(checkpoint.key, -math.inf) >= at:
+        at, due, own, event = e
+        if self._resumed.get(checkpoint.key, -1) > event:
             return None
         if now is None:
             now = self._times[-1] if self._times else 0.0
