@@ -698,6 +698,24 @@ def test_an_orchestrator_hint_announces_when_the_session_comes_back(tmp_path, se
         d.close()
 
 
+def test_a_finished_request_dates_its_sessions_next_turn(tmp_path):
+    """Once a request's stores are done the manager tells the store it finished
+    (``HybridStore.finished``): its session's next gap counts from then, on the scheduler's
+    wall clock, hint or no hint."""
+    import time
+
+    d = Direct(tmp_path, world=1, policy="hybridstore")
+    try:
+        returns = d.manager.store._eviction.returns
+        t0 = time.monotonic()
+        d.stored_request()
+        ck = next(iter(d.manager.store.index.checkpoints()))
+        assert t0 <= returns.since(ck, ck.atime) <= time.monotonic()
+        assert t0 <= returns._done[ck.key] <= time.monotonic()
+    finally:
+        d.close()
+
+
 @pytest.mark.parametrize("action_version, payload", [
     ("2", {"seconds": 5.0}), ("1", {}), ("1", {"seconds": -1}), ("1", {"seconds": "soon"}),
     ("1", {"seconds": True}), ("1", None)])

@@ -69,6 +69,50 @@ def test_gaps_are_learnt_per_trajectory_and_date_puts_by_their_request():
     assert returns.time_of(a.checkpoint(1).created) == 0.0
 
 
+@pytest.mark.parametrize("last_decode_s, first_to_go", [(2.0, "C"), (40.0, "B")])
+def test_the_next_turn_counts_from_the_end_of_the_last(last_decode_s, first_to_go):
+    """Sessions A, B, C arrive every 30 s (A at 0, 30, 60; B 10 s and C 20 s later) and the
+    engine reports each request finished 2 s after it arrived (``HybridStore.finished``):
+    each learns a 28 s return gap, from the end of its turn. At 85 s C is due last (80 + 2 +
+    28) and goes first. When B's last turn decodes a long answer (finished 40 s after it
+    arrived) B is due at 70 + 40 + 28 = 138 s, later than C: B goes first."""
+    clock = Clock()
+    store = store_with_clock("hybridstore", clock, state_slots=12)
+    returns = store._eviction.returns
+    assert isinstance(returns, ReturnGaps)
+    sessions = [Session(store, name) for name in "ABC"]
+    for r in range(3):
+        for i, s in enumerate(sessions):
+            clock.now = 30.0 * r + 10.0 * i
+            s.turn(r + 1, 512)
+            decode = last_decode_s if (r, s.name) == (2, "B") else 2.0
+            assert store.finished(s.tokens, in_s=decode) == s.ends[r + 1]
+    a, b, c = sessions
+    assert returns.gaps(a.checkpoint(3)) == (28.0, 28.0)   # from each finish to the next turn
+    clock.now = 85.0
+    assert store.evict(STATE, "host") >= STATE
+    touched = [s.name for s in sessions if not all(s.has(t) for t in (1, 2, 3))]
+    assert touched == [first_to_go]
+
+
+def test_a_finish_is_a_finite_time_and_needs_nothing_held():
+    """``finished`` takes seconds from now: a bad value is a typed error that changes nothing,
+    and a prompt the store holds no state of is a no-op (0)."""
+    import math
+
+    from hybridstore.errors import InvalidArgumentError
+
+    store, (a, b, c) = rounds("hybridstore")
+    returns = store._eviction.returns
+    assert isinstance(returns, ReturnGaps)
+    before = dict(returns._done)
+    for bad in (math.inf, -1.0, float("nan"), "1", True):
+        with pytest.raises(InvalidArgumentError):
+            store.finished(a.tokens, in_s=bad)
+    assert returns._done == before
+    assert store.finished(np.arange(7 * 10**6, 7 * 10**6 + 40)) == 0
+
+
 def test_an_overdue_trajectory_ranks_by_its_last_use():
     returns = ReturnGaps()
     assert returns.recency(last=80.0, gap=30.0, now=85.0) == 2 * 85.0 - 110.0   # due at 110

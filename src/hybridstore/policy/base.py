@@ -148,6 +148,12 @@ class EvictionPolicy(ABC):
         ``in_s`` seconds (:meth:`~hybridstore.store.facade.HybridStore.expect`; 0: it waits
         in the engine's queue, ``math.inf``: none will come)."""
 
+    def on_finish(self, index: HybridIndex, checkpoint: Checkpoint,  # noqa: B027
+                  in_s: float = 0.0) -> None:
+        """Called when the request that continued ``checkpoint``'s prompt finishes
+        decoding ``in_s`` seconds from now
+        (:meth:`~hybridstore.store.facade.HybridStore.finished`)."""
+
     def bind_clock(self, clock: Callable[[], float]) -> None:  # noqa: B027
         """The store's owner gives the time requests are served at (seconds: an engine's
         wall clock, the replay's simulated time), for policies that predict returns."""

@@ -251,6 +251,10 @@ class HybridStoreEviction(HiStateEviction):
         if self.returns is not None:
             self.returns.expect(index, checkpoint, in_s)
 
+    def on_finish(self, index: HybridIndex, checkpoint: Checkpoint, in_s: float = 0.0) -> None:
+        if self.returns is not None:
+            self.returns.finish(index, checkpoint, in_s)
+
     def prepare(self, index: HybridIndex, tier: str, pages: dict[str, np.ndarray],
                 units: list[HybridUnit], kind: ObjectKind | None = None) -> _Pass:
         ctx = super().prepare(index, tier, pages, units, kind)
@@ -273,7 +277,7 @@ class HybridStoreEviction(HiStateEviction):
             return float(ck.atime)
         if ck.atime <= 0:        # an abandoned branch: before every live trajectory
             return ctx.origin
-        predicted = r.recency(r.time_of(ck.atime), ctx.gap.get(ck.key, math.inf), ctx.now)
+        predicted = r.recency(r.since(ck, ck.atime), ctx.gap.get(ck.key, math.inf), ctx.now)
         e = r.expectation(ck, ctx.now)
         if e is None:
             return predicted

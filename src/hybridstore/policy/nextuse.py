@@ -76,6 +76,7 @@ class ReturnGaps:
         # reading of the clock (the replay's arrival time) resumed *before* it announced
         self._events = 0
         self._resumed: dict[bytes, int] = {}              # event of that last resume
+        self._done: dict[bytes, float] = {}               # when that request finished (finish)
         # announced at, due, whether only the announcing session uses it, its event
         # (HybridStore.expect)
         self._expected: dict[bytes, tuple[float, float, bool, int]] = {}
@@ -111,6 +112,9 @@ class ReturnGaps:
         """A request resumed from ``checkpoint``: one gap of its trajectory."""
         now = self.now(index)
         prev = max(self._last.get(checkpoint.key, -math.inf), self.time_of(checkpoint.created))
+        done = self._done.get(checkpoint.key, -math.inf)
+        if prev <= done <= now:    # from the end of that use (a finish after now: a model's)
+            prev = done
         gap = now - prev
         if gap > 0:
             self._gaps[checkpoint.key] = (*self.gaps(checkpoint), gap)[-self.window:]
@@ -125,9 +129,26 @@ class ReturnGaps:
             self._gaps = {k: v for k, v in self._gaps.items() if index.checkpoint(k) is not None}
             self._last = {k: v for k, v in self._last.items() if index.checkpoint(k) is not None}
             self._resumed = {k: v for k, v in self._resumed.items() if k in self._last}
+            self._done = {k: v for k, v in self._done.items() if index.checkpoint(k) is not None}
             self._expected = {k: v for k, v in self._expected.items()
                               if index.checkpoint(k) is not None}
             self._prune_at = 2 * len(self._last) + 4096
+
+    def finish(self, index: HybridIndex, checkpoint: Checkpoint, in_s: float = 0.0) -> None:
+        """The request that continued ``checkpoint``'s prompt finishes (its last output
+        token) ``in_s`` seconds from now: the uses of ``checkpoint`` and the checkpoints above
+        it end then (:meth:`since`), and the trajectory's next gap counts from then."""
+        done = self.now(index) + in_s
+        ck: Checkpoint | None = checkpoint
+        while ck is not None:
+            self._done[ck.key] = max(self._done.get(ck.key, -math.inf), done)
+            ck = ck.parent
+
+    def since(self, checkpoint: Checkpoint, tick: int) -> float:
+        """When the last use of ``checkpoint``, at index tick ``tick``, ended: the finish
+        of the request that made it (:meth:`finish`) when the engine said so and that is
+        later, else the time of the tick (the request's arrival)."""
+        return max(self.time_of(tick), self._done.get(checkpoint.key, -math.inf))
 
     def expect(self, index: HybridIndex, checkpoint: Checkpoint, in_s: float = 0.0) -> None:
         """A request that resumes from ``checkpoint`` is expected in ``in_s`` seconds (0: it

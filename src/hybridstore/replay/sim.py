@@ -753,9 +753,9 @@ def _run(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPreset, scale: 
         if i + 1 == len(session.requests):
             tokens.pop(session.id, None)
         # server_loop's next arrival of the session, from begin: done + decode + think
-        announce_next(store, prompt, cfg, session, i, lambda nxt: served.restore_s
-                      + served.recompute_s + req.output_tokens * model.decode_s_per_token
-                      + nxt.think_s)
+        busy = served.restore_s + served.recompute_s + req.output_tokens * model.decode_s_per_token
+        store.finished(prompt, in_s=busy)     # the session's next gap counts from then
+        announce_next(store, prompt, cfg, session, i, lambda nxt: busy + nxt.think_s)
         return served
 
     t0 = time.perf_counter()
@@ -792,6 +792,9 @@ def _run_sequential(trace: Trace, p: Preset, cfg: ReplayConfig, model: ModelPres
             clock.now = max(clock.now, req.arrival_s)
             served = _serve(store, objects, p, model, scale, prompt, req, run, kv_pool)
             run.results.append(_result(req.session, req, served, req.arrival_s, 0.0))
+            # it ends one decode step per output token on: the trace's next arrival of the
+            # session already holds whatever prefill the engine it was recorded on did
+            store.finished(prompt, in_s=req.output_tokens * model.decode_s_per_token)
             announce_next(store, prompt, cfg, session, req.index,
                           lambda nxt: nxt.arrival_s - clock.now)
             if req.index + 1 == len(session.requests):

@@ -756,6 +756,42 @@ class HybridStore:
             self._eviction.on_expect(self.index, ck, in_s)
             return ck.position
 
+    def finished(self, tokens: Any, *, max_position: int | None = None, in_s: float = 0.0) -> int:
+        """The request that continued this prompt finishes decoding ``in_s`` seconds from now
+        (0: it just did).
+
+        An agent's next turn comes a tool call after its last one *ended*, not after it
+        arrived: the time between a turn's arrival and its end is the engine's (prefill, then
+        one decode step per output token), the rest is the agent's. ``hybridstore`` learns
+        each trajectory's return gaps from the end of its last use when told it
+        (:meth:`~hybridstore.policy.nextuse.ReturnGaps.finish`), so a turn that decodes a long
+        answer is not predicted back as soon as one that decodes a short one. An engine calls
+        this when a request finishes (the vLLM adapter does, once the request's stores are
+        done); the replay calls it with its modeled restore, prefill and decode time.
+        Nothing is pinned or counted as a lookup.
+
+        Args:
+            tokens: token ids, or a :class:`PrefixKeys`: the finished request's prompt.
+            max_position: as :meth:`match`'s.
+            in_s: time from now until the request's last output token (>= 0, finite).
+
+        Returns:
+            the position of the checkpoint the finish was recorded on (0: none held).
+        """
+        prompt = self.prefix(tokens)
+        max_position = args.optional_whole(max_position, "max_position")
+        in_s = args.seconds(in_s, "in_s")
+        if in_s == float("inf"):
+            raise InvalidArgumentError("in_s of a finish must be finite (a request that never "
+                                       "finishes is not one)")
+        with self._lock:
+            self._check_open()
+            ck = self.index.resume_checkpoint(prompt, max_position)
+            if ck is None:
+                return 0
+            self._eviction.on_finish(self.index, ck, in_s)
+            return ck.position
+
     def match_pages(self, tokens: Any, *, first: int = 0, stop: int | None = None) -> ResumePlan:
         """Pin the held pages of blocks ``[first, stop)`` without a checkpoint.
 

@@ -640,6 +640,11 @@ class HybridStoreManager(OffloadingManager):
                     self._unstage(s)
         if not any(s.req_id == req_id for s in self._staged.values()):
             del self._reqs[req_id]
+            if req.end is not None:
+                try:    # its session's next turn counts from now (HybridStore.finished)
+                    self.store.finished(req.end)
+                except HybridStoreError:
+                    log.exception("hybridstore: cannot record a finished request")
             if req.resume_in is not None and req.end is not None:
                 try:    # every store of the request is done: announce its session's return
                     self.store.expect(req.end, in_s=req.resume_in)
