@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT = "hybridstore"
-EARLIER = ("-before", "-inherited")
-"""Suffixes of the sweeps kept from earlier versions of the default (not in the table)."""
+EARLIER = ("-before", "-inherited", "-arrival")
+"""Suffixes of the sweeps kept from earlier versions of the default (not in the table;
+``-arrival``: return gaps counted from arrivals, before ``HybridStore.finished``)."""
 REFERENCE = "unlimited"
 POOLS = ("unified", "split")
 

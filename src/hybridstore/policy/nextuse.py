@@ -182,8 +182,9 @@ class ReturnGaps:
 
         An announcement holds until a request resumes at or below ``checkpoint`` after
         it (in the order of the calls: the request that announces its session's next one
-        resumed before it, at the same reading of the clock), and one of a time to come (``in_s > 0``, finite) until that time has passed:
-        an orchestrator's estimate that proved wrong gives way to the prediction."""
+        resumed before it, at the same reading of the clock), and one of a time to come
+        (``in_s > 0``, finite) until that time has passed: an orchestrator's estimate that
+        proved wrong gives way to the prediction."""
         e = self._expected.get(checkpoint.key)
         if e is None:
             return None

@@ -57,7 +57,7 @@ from hybridstore.errors import (
 )
 from hybridstore.index import keys as hashing
 from hybridstore.index.prefix import PrefixKeys
-from hybridstore.index.trie import HybridIndex, ResumePlan
+from hybridstore.index.trie import Checkpoint, HybridIndex, ResumePlan
 from hybridstore.layout import Layout, batch_row, batch_rows
 from hybridstore.objects import TIER_BITS, ObjectKey, ObjectKind, object_key
 from hybridstore.policy import admission_policy, eviction_policy
@@ -745,16 +745,8 @@ class HybridStore:
         Returns:
             the position the request would resume at if served now (0: none).
         """
-        prompt = self.prefix(tokens)
-        max_position = args.optional_whole(max_position, "max_position")
-        in_s = args.seconds(in_s, "in_s")
-        with self._lock:
-            self._check_open()
-            ck = self.index.resume_checkpoint(prompt, max_position)
-            if ck is None:
-                return 0
-            self._eviction.on_expect(self.index, ck, in_s)
-            return ck.position
+        return self._tell(tokens, max_position, args.seconds(in_s, "in_s"),
+                          self._eviction.on_expect)
 
     def finished(self, tokens: Any, *, max_position: int | None = None, in_s: float = 0.0) -> int:
         """The request that continued this prompt finishes decoding ``in_s`` seconds from now
@@ -767,7 +759,8 @@ class HybridStore:
         (:meth:`~hybridstore.policy.nextuse.ReturnGaps.finish`), so a turn that decodes a long
         answer is not predicted back as soon as one that decodes a short one. An engine calls
         this when a request finishes (the vLLM adapter does, once the request's stores are
-        done); the replay calls it with its modeled restore, prefill and decode time.
+        done); the replay calls it with its model's decode time (docs/replay.md, "Gaps count
+        from the end of a turn").
         Nothing is pinned or counted as a lookup.
 
         Args:
@@ -778,18 +771,24 @@ class HybridStore:
         Returns:
             the position of the checkpoint the finish was recorded on (0: none held).
         """
-        prompt = self.prefix(tokens)
-        max_position = args.optional_whole(max_position, "max_position")
         in_s = args.seconds(in_s, "in_s")
         if in_s == float("inf"):
             raise InvalidArgumentError("in_s of a finish must be finite (a request that never "
                                        "finishes is not one)")
+        return self._tell(tokens, max_position, in_s, self._eviction.on_finish)
+
+    def _tell(self, tokens: Any, max_position: Any, in_s: float,
+              hook: Callable[[HybridIndex, Checkpoint, float], None]) -> int:
+        """``hook`` (the policy's ``on_expect`` or ``on_finish``) on the
+        checkpoint the prompt would resume from; its position (0: none held)."""
+        prompt = self.prefix(tokens)
+        max_position = args.optional_whole(max_position, "max_position")
         with self._lock:
             self._check_open()
             ck = self.index.resume_checkpoint(prompt, max_position)
             if ck is None:
                 return 0
-            self._eviction.on_finish(self.index, ck, in_s)
+            hook(self.index, ck, in_s)
             return ck.position
 
     def match_pages(self, tokens: Any, *, first: int = 0, stop: int | None = None) -> ResumePlan:
