@@ -142,6 +142,11 @@ class EvictionPolicy(ABC):
     def on_hit(self, index: HybridIndex, checkpoint: Checkpoint) -> None:  # noqa: B027
         """Called after a resume from ``checkpoint`` (e.g. to refresh ancestors)."""
 
+    def on_checkpoint(self, index: HybridIndex, prompt: PrefixKeys,  # noqa: B027
+                      checkpoint: Checkpoint) -> None:
+        """Called when a put stores a new checkpoint of ``prompt`` (after the request's
+        lookup: :meth:`on_match`, :meth:`on_hit`)."""
+
     def on_expect(self, index: HybridIndex, checkpoint: Checkpoint,  # noqa: B027
                   in_s: float = 0.0) -> None:
         """Called when a request that would resume from ``checkpoint`` is expected in

@@ -64,9 +64,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridstore.errors import ConfigError
+from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import Checkpoint, HybridIndex
 from hybridstore.objects import ObjectKind
 from hybridstore.policy.nextuse import Clock, ReturnGaps
+from hybridstore.policy.revisits import ReturnOdds
 from hybridstore.policy.units import HybridUnit, UnitEviction, kv_bytes_per_token
 
 
@@ -211,8 +213,21 @@ class HybridStoreEviction(HiStateEviction):
     sessions at 5-20 % and gains only on ``synthetic:rewind`` at 20 % (+4.6), so it is
     **off by default** (``0``) and kept for rewind-heavy workloads.
 
+    **Return odds** (``return_odds``, issue 27; :mod:`~hybridstore.policy.revisits`): a
+    trajectory whose session may not come back at all is worth less than its predicted
+    return says.  :class:`~hybridstore.policy.revisits.ReturnOdds` learns ``p_n``, the
+    odds that a trajectory with ``n`` uses gets another, and ``t_x`` becomes
+    ``now - (now - t_x) / p_n``: the time to the predicted next use (or, once overdue,
+    the time away) divided by the odds, for a unit no announcement covers and not at a
+    prefix other sessions share.  Where nearly every session returns (agent traces)
+    ``p_n`` stays at 1 and nothing changes; on chat traffic (Mooncake's conversations,
+    ``p_1`` about 0.25) a session's first turn goes before the contexts of sessions that
+    came back (docs/replay.md, "Sessions that do not come back").
+
     Args:
         predict_returns: ``False``: ``t_x`` is the last access, as HiState's.
+        return_odds: divide the time to the next use by the learnt odds of one (above;
+            only with ``predict_returns``).
         window: gaps of a trajectory its expected gap is the median of.
         supersede: the spacing rule above (``0``, the default: off, eq. 7 alone;
             ``0.25``: each kept state at least a quarter of its position before the next).
@@ -223,13 +238,15 @@ class HybridStoreEviction(HiStateEviction):
 
     def __init__(self, *, tau: float | None = None, kv_bytes_per_token: float | None = None,
                  terminal_prob: float = 0.5, ema: float = 0.05, demote_abandoned: bool = True,
-                 predict_returns: bool = True, window: int = 5, supersede: float = 0.0) -> None:
+                 predict_returns: bool = True, return_odds: bool = True, window: int = 5,
+                 supersede: float = 0.0) -> None:
         super().__init__(tau=tau, kv_bytes_per_token=kv_bytes_per_token, terminal_prob=terminal_prob,
                          ema=ema, demote_abandoned=demote_abandoned)
         if supersede < 0:
             raise ConfigError(f"supersede must be non-negative, got {supersede}")
         self.supersede = supersede
         self.returns = ReturnGaps(window=window) if predict_returns else None
+        self.odds = ReturnOdds() if predict_returns and return_odds else None
         # a use moves a unit to its next use, later than those due before it: due LAST
         self.ranks_used_later = not predict_returns
 
@@ -241,11 +258,20 @@ class HybridStoreEviction(HiStateEviction):
     def on_match(self, index: HybridIndex) -> None:
         if self.returns is not None:
             self.returns.now(index)
+        if self.odds is not None:
+            self.odds.start()
 
     def on_hit(self, index: HybridIndex, checkpoint: Checkpoint) -> None:
         if self.returns is not None:
+            if self.odds is not None:
+                self.odds.resumed(checkpoint, self.returns.now(index),
+                                  self.returns.last_use(checkpoint))
             self.returns.on_hit(index, checkpoint)
         super().on_hit(index, checkpoint)
+
+    def on_checkpoint(self, index: HybridIndex, prompt: PrefixKeys, checkpoint: Checkpoint) -> None:
+        if self.odds is not None and self.returns is not None:
+            self.odds.placed(index, prompt, checkpoint, self.returns.now(index))
 
     def on_expect(self, index: HybridIndex, checkpoint: Checkpoint, in_s: float = 0.0) -> None:
         if self.returns is not None:
@@ -263,6 +289,8 @@ class HybridStoreEviction(HiStateEviction):
             ctx.now = r.now(index)
             ctx.origin = r.time_of(0)
             ctx.gap = r.expected_gaps(index)
+            if self.odds is not None:
+                self.odds.settle(ctx.now, r.recent_gaps())
             # eq. 7's time scale on the returns' clock: how long the last tau ticks took
             ctx.tau = max(ctx.now - r.time_of(index.now() - int(ctx.tau)), 0.0)
         return ctx
@@ -280,7 +308,9 @@ class HybridStoreEviction(HiStateEviction):
         predicted = r.recency(r.since(ck, ck.atime), ctx.gap.get(ck.key, math.inf), ctx.now)
         e = r.expectation(ck, ctx.now)
         if e is None:
-            return predicted
+            if self.odds is None or len(ck.children) > 1 or predicted <= ctx.origin:
+                return predicted
+            return ctx.now - (ctx.now - predicted) / self.odds.odds(ck)
         due, own = e            # announced (HybridStore.expect): queued, due later, or never
         told = ctx.origin if due == math.inf else 2.0 * ctx.now - max(due, ctx.now)
         return told if own else max(told, predicted)

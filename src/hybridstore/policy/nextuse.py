@@ -108,10 +108,19 @@ class ReturnGaps:
         return self._times[max(i, 0)]
 
     # -- learning ----------------------------------------------------------------------
+    def last_use(self, checkpoint: Checkpoint) -> float:
+        """When ``checkpoint`` was last used: the last resume at or below it, else the
+        request that made it."""
+        return max(self._last.get(checkpoint.key, -math.inf), self.time_of(checkpoint.created))
+
+    def recent_gaps(self) -> tuple[float, ...]:
+        """The newest gaps of all trajectories (the default of a new one is their median)."""
+        return tuple(self._all)
+
     def on_hit(self, index: HybridIndex, checkpoint: Checkpoint) -> None:
         """A request resumed from ``checkpoint``: one gap of its trajectory."""
         now = self.now(index)
-        prev = max(self._last.get(checkpoint.key, -math.inf), self.time_of(checkpoint.created))
+        prev = self.last_use(checkpoint)
         done = self._done.get(checkpoint.key, -math.inf)
         if prev <= done <= now:    # from the end of that use (a finish after now: a model's)
             prev = done
@@ -215,7 +224,7 @@ class ReturnGaps:
     # -- predicting --------------------------------------------------------------------
     def expected_gaps(self, index: HybridIndex) -> dict[bytes, float]:
         """The expected gap of every checkpoint's trajectory (parents before children)."""
-        default = _median(tuple(self._all)) if self._all else math.inf
+        default = _median(self.recent_gaps()) if self._all else math.inf
         out: dict[bytes, float] = {}
         for ck in sorted(index.checkpoints(), key=lambda c: c.position):
             own = self._gaps.get(ck.key)

@@ -255,6 +255,7 @@ class Landing:
         okey = object_key(ObjectKind.STATE, key16)
         self.land(okey, ObjectKind.STATE, nbytes, pack)
         ck = res.index.add_checkpoint(prompt, p, res.chain[0], nbytes)
+        self.evictor.policy.on_checkpoint(res.index, prompt, ck)
         if res.writes_through(ObjectKind.STATE):
             self.copies.placed(okey, ObjectKind.STATE, nbytes, res.state_meta(ck))
         if res.tiering.historical_to_ssd and ck.parent is not None:
