@@ -219,7 +219,8 @@ class HybridStoreEviction(HiStateEviction):
     odds that a trajectory with ``n`` uses gets another, and ``t_x`` becomes
     ``now - (now - t_x) / p_n``: the time to the predicted next use (or, once overdue,
     the time away) divided by the odds, for a unit no announcement covers and not at a
-    prefix other sessions share.  Where nearly every session returns (agent traces)
+    prefix other sessions share; never at or below the clock's origin, where an announced
+    end or an abandoned branch ranks (those are sure not to return).  Where nearly every session returns (agent traces)
     ``p_n`` stays at 1 and nothing changes; on chat traffic (Mooncake's conversations,
     ``p_1`` about 0.25) a session's first turn goes before the contexts of sessions that
     came back (docs/replay.md, "Sessions that do not come back").
@@ -308,9 +309,11 @@ class HybridStoreEviction(HiStateEviction):
         predicted = r.recency(r.since(ck, ck.atime), ctx.gap.get(ck.key, math.inf), ctx.now)
         e = r.expectation(ck, ctx.now)
         if e is None:
-            if self.odds is None or len(ck.children) > 1 or predicted <= ctx.origin:
+            if self.odds is None or ck.children or predicted <= ctx.origin:
                 return predicted
-            return ctx.now - (ctx.now - predicted) / self.odds.odds(ck)
+            # the wait to the next use over the odds of one; after a sure end (at the origin)
+            return max(math.nextafter(ctx.origin, math.inf),
+                       ctx.now - (ctx.now - predicted) / self.odds.odds(ck))
         due, own = e            # announced (HybridStore.expect): queued, due later, or never
         told = ctx.origin if due == math.inf else 2.0 * ctx.now - max(due, ctx.now)
         return told if own else max(told, predicted)
