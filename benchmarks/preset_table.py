@@ -3,8 +3,8 @@
 ``python -m benchmarks.preset_table DIR`` reads, for each trace ``T`` and pools ``P``
 (``unified`` / ``split``), the sweeps ``DIR/T-P-*.json`` (``hybridstore replay T
 --discipline sequential --sweep 5%,10%,20% --pools P --json ...``; several files per
-trace are merged, rows of a preset from the later file winning; ``*-before.json`` and
-``*-inherited.json``, earlier runs kept for comparison, are skipped) and the bound
+trace are merged, rows of a preset from the later file winning; the earlier runs kept for
+comparison, :data:`EARLIER`, are skipped) and the bound
 ``DIR/bound-T-P.json`` (the same with ``--headroom``), and writes ``DIR/summary.json``
 (every cell: the default, the best other preset, the bound, the shares of the bound),
 prints the Markdown table of docs/replay.md and draws ``DIR/summary.png`` (share of the
@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT = "hybridstore"
-EARLIER = ("-before", "-inherited", "-arrival")
+EARLIER = ("-before", "-inherited", "-arrival", "-noodds")
 """Suffixes of the sweeps kept from earlier versions of the default (not in the table;
-``-arrival``: return gaps counted from arrivals, before ``HybridStore.finished``)."""
+``-arrival``: return gaps counted from arrivals, before ``HybridStore.finished``;
+``-noodds``: before the return odds, ``policy/revisits.py``)."""
 REFERENCE = "unlimited"
 POOLS = ("unified", "split")
 
