@@ -43,17 +43,24 @@ def policy_of(store: HybridStore) -> HybridStoreEviction:
     return ev
 
 
-def test_a_trajectory_counts_its_uses_and_goes_on_counting_after_its_eviction():
-    """A session's third turn is its trajectory's third use; once everything it held is
-    evicted, its fourth turn finds the count of its evicted end on its path (the ghost
-    list) and is the fourth use, not the first of a new trajectory."""
+def three_turns() -> tuple[Clock, HybridStore, ReturnOdds, Session]:
+    """Session A's turns 1-3 at 10, 20 and 30 s on a roomy store."""
     clock = Clock()
     store = store_with_clock(clock)
     odds = policy_of(store).odds
+    assert odds is not None
     a = Session(store, "A")
     for turn in (1, 2, 3):
         clock.now = 10.0 * turn
         a.turn(turn, 4 * B)
+    return clock, store, odds, a
+
+
+def test_a_trajectory_counts_its_uses_and_goes_on_counting_after_its_eviction():
+    """A session's third turn is its trajectory's third use; once everything it held is
+    evicted, its fourth turn finds the count of its evicted end on its path (the ghost
+    list) and is the fourth use, not the first of a new trajectory."""
+    clock, store, odds, a = three_turns()
     ck = a.checkpoint(3)
     assert ck is not None and odds.count(ck) == 3
     store.evict(1 << 40, "host")                 # nothing pinned: everything goes
@@ -67,13 +74,7 @@ def test_a_fork_below_a_shared_prefix_starts_its_own_count():
     """B resumes A's first turn while A's trajectory is the only one through it: the store
     cannot tell that from A rewinding, so it is A's fourth use. Once the turn-1 state is
     a branch point (a prefix two sessions share), C's request there starts a trajectory."""
-    clock = Clock()
-    store = store_with_clock(clock)
-    odds = policy_of(store).odds
-    a = Session(store, "A")
-    for turn in (1, 2, 3):
-        clock.now = 10.0 * turn
-        a.turn(turn, 4 * B)
+    clock, store, odds, a = three_turns()
     b = a.fork(1, "B")                           # another session on A's first turn
     clock.now = 35.0
     b.turn(2, 4 * B)
