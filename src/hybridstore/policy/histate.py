@@ -216,14 +216,16 @@ class HybridStoreEviction(HiStateEviction):
     **Return odds** (``return_odds``, issue 27; :mod:`~hybridstore.policy.revisits`): a
     trajectory whose session may not come back at all is worth less than its predicted
     return says.  :class:`~hybridstore.policy.revisits.ReturnOdds` learns ``p_n``, the
-    odds that a trajectory with ``n`` uses gets another, and ``t_x`` becomes
-    ``now - (now - t_x) / p_n``: the time to the predicted next use (or, once overdue,
-    the time away) divided by the odds, for a unit no announcement covers and not at a
-    prefix other sessions share; never at or below the clock's origin, where an announced
-    end or an abandoned branch ranks (those are sure not to return).  Where nearly every session returns (agent traces)
-    ``p_n`` stays at 1 and nothing changes; on chat traffic (Mooncake's conversations,
-    ``p_1`` about 0.25) a session's first turn goes before the contexts of sessions that
-    came back (docs/replay.md, "Sessions that do not come back").
+    odds that a trajectory with ``n`` uses gets another, and a trajectory end's ``t_x``
+    becomes ``now - (now - t_x) / p_n``: the time to the predicted next use (or, once
+    overdue, the time away) divided by the odds, where no announcement covers it; never at
+    or below the clock's origin, where an announced end or an abandoned branch ranks (those
+    are sure not to return).  Intermediate states keep their ``t_x``: with the odds they
+    went before an announced end's bundle, their ``C_x / M_x`` being small.  Where nearly
+    every session returns (agent traces) ``p_n`` stays near 1 and little changes; on chat
+    traffic (Mooncake's conversations, ``p_1`` about 0.25) a session's first turn goes
+    before the contexts of sessions that came back (docs/replay.md, "Sessions that do not
+    come back").
 
     Args:
         predict_returns: ``False``: ``t_x`` is the last access, as HiState's.

@@ -2,19 +2,19 @@
 
 :class:`~hybridstore.policy.nextuse.ReturnGaps` predicts *when* a trajectory's session
 returns; it takes for granted that it does.  On agent traces nearly every session does
-(the WEKA Claude Code sessions: 93-97 % of trajectories with ``n`` uses get another, at
+(the WEKA Claude Code sessions: 94-97 % of trajectories with ``n`` uses get another, at
 every ``n``), but on chat traffic most do not: of the first 2,000 requests of Mooncake's
 conversation trace, a session with one request gets a second in 25 % of cases, one with
-two a third in 32 %, one with five a sixth in 70 %.  A unit whose session may never return
+two a third in 32 %, one with five a sixth in 60 %.  A unit whose session may never return
 is worth less than its predicted return time says, and one that ends the first turn of a
 session is the likeliest never to be used again.
 
 :class:`ReturnOdds` counts, per trajectory of the checkpoint tree, its uses ``n`` (the
 request that made it, then every resume at or below it) and learns ``p_n``, the share of
 trajectories with ``n`` uses that had another (``n`` of 1 to :attr:`~ReturnOdds.classes`,
-the rest pooled).  :class:`~hybridstore.policy.histate.HybridStoreEviction` divides a unit's
-time to its predicted next use by ``p_n`` (an expected wait that grows as the odds fall),
-for units no announcement covers and not at a prefix several sessions share.
+the rest pooled).  :class:`~hybridstore.policy.histate.HybridStoreEviction` divides the time
+to a trajectory end's predicted next use by ``p_n`` (an expected wait that grows as the odds
+fall), for ends no announcement covers.
 
 Two things make the counts right where the cache is short:
 
