@@ -129,7 +129,8 @@ class ReturnOdds:
         """A new checkpoint ``ck`` of ``prompt``: it continues the trajectory above it (the
         chain's, or the one the request resumed from), or it starts one, or it carries on
         the count of an evicted trajectory on its path (the deepest, below the nearest held
-        checkpoint)."""
+        checkpoint; looked for at ``ck``'s own key and at the block boundaries, so an
+        evicted state inside a block, which only prompts of token ids have, is missed)."""
         parent = ck.parent
         if parent is not None:
             if len(parent.children) == 1 and (n := self.count(parent)):
