@@ -266,15 +266,15 @@ class HybridStoreEviction(HiStateEviction):
 
     def on_hit(self, index: HybridIndex, checkpoint: Checkpoint) -> None:
         if self.returns is not None:
-            if self.odds is not None:
-                self.odds.resumed(checkpoint, self.returns.now(index),
+            if self.odds is not None:   # the request was stamped at its lookup (on_match)
+                self.odds.resumed(checkpoint, self.returns.latest(),
                                   self.returns.last_use(checkpoint))
             self.returns.on_hit(index, checkpoint)
         super().on_hit(index, checkpoint)
 
     def on_checkpoint(self, index: HybridIndex, prompt: PrefixKeys, checkpoint: Checkpoint) -> None:
         if self.odds is not None and self.returns is not None:
-            self.odds.placed(index, prompt, checkpoint, self.returns.now(index))
+            self.odds.placed(index, prompt, checkpoint, self.returns.latest())
 
     def on_expect(self, index: HybridIndex, checkpoint: Checkpoint, in_s: float = 0.0) -> None:
         if self.returns is not None:

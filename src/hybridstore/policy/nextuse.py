@@ -97,6 +97,11 @@ class ReturnGaps:
                 del self._ticks[:MAX_STAMPS // 2], self._times[:MAX_STAMPS // 2]
         return self._times[-1]
 
+    def latest(self) -> float:
+        """The clock at the latest stamp (0 before any): the request being served, stamped
+        at its lookup (:meth:`now`), without stamping again."""
+        return self._times[-1] if self._times else 0.0
+
     def time_of(self, tick: int) -> float:
         """The clock at the last stamp at or before ``tick``: every request is stamped
         when it is looked up (:meth:`~hybridstore.policy.base.EvictionPolicy.on_match`),
@@ -201,7 +206,7 @@ class ReturnGaps:
         if self._resumed.get(checkpoint.key, -1) > event:
             return None
         if now is None:
-            now = self._times[-1] if self._times else 0.0
+            now = self.latest()
         if at < due < math.inf and now > due:
             return None
         return due, own
