@@ -25,6 +25,15 @@ The gap ``bound - hybridstore`` splits three ways:
   known: the states' bytes, resuming only where a state was kept (vLLM's hybrid-block
   grid), and the default's order where it is not Belady's (units, eq. 7's cost term).
 
+Where the information goes, request by request (:func:`late_returns`): ``lost_returns`` is
+the part of it from requests the default restored nothing for and the announced replay
+restored something (a session's whole context gone when it came back), ``lost_requests``
+their number, and ``lost_gap_ratio`` / ``gap_ratio`` the median of each such request's
+gap since its session's previous request over the median of that session's earlier gaps
+(up to five: the default's own prediction, ``policy/nextuse.py``, on the trace's arrivals)
+against the same over every request with earlier gaps: how much later than its own
+cadence a session came back when its context was lost.
+
 JSON on stdout (and ``--json``), a Markdown table, and ``--plot`` a PNG of the shares of
 the bound.
 """
@@ -37,19 +46,54 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from benchmarks import load_trace
 from hybridstore.replay.headroom import headroom
-from hybridstore.replay.sim import ReplayConfig, replay_policy
+from hybridstore.replay.sim import ReplayConfig, RequestResult, replay_policy
 from hybridstore.replay.sweep import parse_budgets
 from hybridstore.replay.trace import Trace
 
 DEFAULT = "hybridstore"
 
 
-def _hit(trace: Trace, cfg: ReplayConfig) -> float:
-    return float(replay_policy(trace, DEFAULT, cfg, progress=False).summary()["token_hit_rate"])
+def _run(trace: Trace, cfg: ReplayConfig) -> tuple[float, list[RequestResult]]:
+    run = replay_policy(trace, DEFAULT, cfg, progress=False)
+    return float(run.summary()["token_hit_rate"]), run.results
+
+
+def _median(values: list[float]) -> float | None:
+    return float(np.median(values)) if values else None
+
+
+def late_returns(trace: Trace, ours: list[RequestResult], announced: list[RequestResult],
+                 window: int = 5) -> dict[str, Any]:
+    """The requests the default lost whole and the announced replay did not (module docstring).
+
+    Args:
+        trace: the replayed trace.
+        ours, announced: the two replays' results, request by request, in the same order.
+        window: earlier gaps of a session whose median is its cadence.
+    """
+    ratio: dict[tuple[str, int], float] = {}
+    for s in trace.sessions:
+        gaps: list[float] = []
+        for prev, req in zip(s.requests, s.requests[1:]):
+            gap = req.arrival_s - prev.arrival_s
+            cadence = _median(gaps[-window:])
+            if cadence:
+                ratio[(s.id, req.index)] = gap / cadence
+            gaps.append(gap)
+    total = sum(r.input_tokens for r in ours)
+    lost = [(o, a) for o, a in zip(ours, announced, strict=True)
+            if o.hit_tokens == 0 and a.hit_tokens > 0]
+    return {
+        "lost_returns": sum(a.hit_tokens for _, a in lost) / total if total else 0.0,
+        "lost_requests": len(lost),
+        "lost_gap_ratio": _median([ratio[k] for o, _ in lost if (k := (o.session, o.index)) in ratio]),
+        "gap_ratio": _median(list(ratio.values())),
+    }
 
 
 def ladder(trace: Trace, budgets: list[float], pools: str, *, label: str | None = None,
@@ -70,8 +114,8 @@ def ladder(trace: Trace, budgets: list[float], pools: str, *, label: str | None 
     for budget in tqdm(budgets, desc=f"ladder {label or trace.name} {pools}", unit="budget",
                        disable=not progress, leave=False):
         cfg = replace(base, budget=budget)
-        ours = _hit(trace, cfg)
-        announced = _hit(trace, replace(cfg, resume_hints=0.0))
+        ours, ours_reqs = _run(trace, cfg)
+        announced, announced_reqs = _run(trace, replace(cfg, resume_hints=0.0))
         b = bounds[round(budget, 6)]
         bound = b["bound"]
         rows.append({
@@ -84,6 +128,7 @@ def ladder(trace: Trace, budgets: list[float], pools: str, *, label: str | None 
             "information": announced - ours,
             "engine_pool": bound - b["bound_engine_pool"],
             "states_and_placement": b["bound_engine_pool"] - announced,
+            **late_returns(trace, ours_reqs, announced_reqs),
         })
     return rows
 
@@ -92,15 +137,22 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     """The Markdown table of docs/replay.md ("What blocks the goals")."""
     print("| trace | pools | budget | hybridstore (share) | exact announcements (share) | "
           "bound (in the engine's pool) | next-use information | engine's pool | "
-          "states and placement |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "states and placement | of the information: contexts lost whole (requests; their gap "
+          "/ every gap, x the session's cadence) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         def pct(v: float | None) -> str:
             return "-" if v is None else f"{v:.1%}"
         print(f"| {r['trace']} | {r['pools']} | {r['budget']:.0%} | {r[DEFAULT]:.3f} ({pct(r['share'])}) | "
               f"{r['announced']:.3f} ({pct(r['announced_share'])}) | {r['bound']:.3f} "
               f"({r['bound_engine_pool']:.3f}) | {100 * r['information']:+.1f} pt | "
-              f"{100 * r['engine_pool']:+.1f} pt | {100 * r['states_and_placement']:+.1f} pt |")
+              f"{100 * r['engine_pool']:+.1f} pt | {100 * r['states_and_placement']:+.1f} pt | "
+              f"{100 * r['lost_returns']:+.1f} pt ({r['lost_requests']}; {_x(r['lost_gap_ratio'])} / "
+              f"{_x(r['gap_ratio'])}) |")
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}x"
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

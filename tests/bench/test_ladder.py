@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from benchmarks import ladder
@@ -33,6 +35,7 @@ def test_rungs_are_the_replays_and_the_bound(pools):
         assert parts == pytest.approx(r["bound"] - r["hybridstore"])
         assert r["engine_pool"] >= 0 and r["states_and_placement"] >= -1e-12
         assert r["share"] == pytest.approx(r["hybridstore"] / r["bound"])
+        assert r["lost_returns"] >= 0 and r["lost_requests"] >= 0
 
 
 def test_main_writes_json_table_and_plot(tmp_path, capsys):
@@ -44,3 +47,26 @@ def test_main_writes_json_table_and_plot(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"| {SPEC} | unified | 10% |" in printed
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_late_returns_counts_the_contexts_lost_whole_and_how_late_they_came():
+    trace = load("synthetic:agent?sessions=2&turns=5")
+    cfg = ReplayConfig(discipline="sequential", pools="unified", budget=0.1)
+    ours = replay_policy(trace, "hybridstore", cfg, progress=False).results
+    s = trace.sessions[0]
+    t = [r.arrival_s for r in s.requests]
+    # the fifth request of the first session: lost by the default, restored when told
+    i = next(k for k, r in enumerate(ours) if (r.session, r.index) == (s.id, 4))
+    ours = [replace(r, hit_tokens=0) if k == i else replace(r, hit_tokens=max(r.hit_tokens, 1))
+            for k, r in enumerate(ours)]
+    told = [replace(r, hit_tokens=r.input_tokens // 2) for r in ours]
+    got = ladder.late_returns(trace, ours, told)
+    total = sum(r.input_tokens for r in ours)
+    assert got["lost_requests"] == 1
+    assert got["lost_returns"] == pytest.approx((ours[i].input_tokens // 2) / total)
+    gaps = np.diff(t)
+    assert got["lost_gap_ratio"] == pytest.approx(gaps[3] / np.median(gaps[:3]))
+    # nothing lost whole: no ratio to report, and nothing counted
+    none = ladder.late_returns(trace, told, told)
+    assert none["lost_requests"] == 0 and none["lost_returns"] == 0 and none["lost_gap_ratio"] is None
+    assert none["gap_ratio"] == got["gap_ratio"] > 0

@@ -70,6 +70,27 @@ def test_a_trajectory_counts_its_uses_and_goes_on_counting_after_its_eviction():
     assert odds.count(a.checkpoint(4)) == 4
 
 
+@pytest.mark.parametrize("stored", [False, True])
+def test_a_return_the_store_keeps_nothing_of_still_counts(stored):
+    """After A's context is evicted, its fourth request resumes nothing and stores nothing
+    (a prompt the engine would not cache): it is still the trajectory's fourth use, counted
+    at the next lookup, so the fifth turn is the fifth use and turn 3 counts as returned."""
+    clock, store, odds, a = three_turns()
+    store.evict(1 << 40, "host")
+    clock.now = 40.0
+    assert a.begin(4 * B) == 0                   # a miss
+    if stored:
+        a.finish(4)
+    else:                                        # nothing put
+        store.release(a._plan)
+        a.ends[4] = len(a.tokens)
+    clock.now = 50.0
+    a.turn(5, 4 * B)
+    assert odds.count(a.checkpoint(5)) == 5
+    # each of the uses 3 and 4 was followed by another (counted when each came)
+    assert [len(odds._back[n]) for n in (1, 2, 3, 4)] == [1, 1, 1, 1]
+
+
 def test_a_fork_below_a_shared_prefix_starts_its_own_count():
     """B resumes A's first turn while A's trajectory is the only one through it: the store
     cannot tell that from A rewinding, so it is A's fourth use. Once the turn-1 state is

@@ -135,9 +135,9 @@ class EvictionPolicy(ABC):
             return self.partition_slack
         return self.room_slack
 
-    def on_match(self, index: HybridIndex) -> None:  # noqa: B027
-        """Called at every lookup (:meth:`~hybridstore.store.facade.HybridStore.match`),
-        before the index looks the prompt up: a request is being served now."""
+    def on_match(self, index: HybridIndex, prompt: PrefixKeys) -> None:  # noqa: B027
+        """Called at every lookup of ``prompt`` (:meth:`~hybridstore.store.facade.HybridStore.match`),
+        before the index looks it up: a request is being served now."""
 
     def on_hit(self, index: HybridIndex, checkpoint: Checkpoint) -> None:  # noqa: B027
         """Called after a resume from ``checkpoint`` (e.g. to refresh ancestors)."""

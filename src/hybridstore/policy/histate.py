@@ -258,11 +258,11 @@ class HybridStoreEviction(HiStateEviction):
         if self.returns is not None:
             self.returns.clock = clock
 
-    def on_match(self, index: HybridIndex) -> None:
+    def on_match(self, index: HybridIndex, prompt: PrefixKeys) -> None:
         if self.returns is not None:
-            self.returns.now(index)
-        if self.odds is not None:
-            self.odds.start()
+            now = self.returns.now(index)
+            if self.odds is not None:
+                self.odds.start(index, prompt, now)
 
     def on_hit(self, index: HybridIndex, checkpoint: Checkpoint) -> None:
         if self.returns is not None:

@@ -73,6 +73,8 @@ class ReturnOdds:
         self._at: list[list[float]] = [[] for _ in range(classes + 2)]     # uses at n, sorted
         self._back: list[list[float]] = [[] for _ in range(classes + 2)]   # their returns' use
         self._resumed: tuple[bytes, int] | None = None   # this request's own resume
+        # this request and when it came, until its resume or its state counts it (start)
+        self._pending: tuple[PrefixKeys, float] | None = None
         self._cut = -math.inf
 
     def _class(self, n: int) -> int:
@@ -107,9 +109,22 @@ class ReturnOdds:
             back = self._back[self._class(n)]
             del back[:bisect.bisect_left(back, first)]
 
-    def start(self) -> None:
-        """A request is looked up: it has resumed from nothing yet."""
+    def start(self, index: HybridIndex, prompt: PrefixKeys, now: float) -> None:
+        """A request is looked up at ``now``: it has resumed from nothing yet.
+
+        The request before it, if it neither resumed its own trajectory nor placed a state
+        (a prompt the engine would not cache, a put the store refused), counts now: as a
+        use of the evicted trajectory on its path, when there was one (without it that
+        trajectory's last use would count as one that never came back)."""
+        if self._pending is not None:
+            previous, at = self._pending
+            ghost = self._ghost(index, previous, previous.length, 0)
+            if ghost is not None:
+                key, (n, before) = ghost
+                self._use(n + 1, at, before)
+                self._note(key, n + 1, at)
         self._resumed = None
+        self._pending = (prompt, now)
 
     def resumed(self, ck: Checkpoint, now: float, before: float) -> None:
         """The request resumed from ``ck``, whose last use was at ``before``: another use
@@ -120,6 +135,7 @@ class ReturnOdds:
         n = max(self.count(ck), 1) + 1
         self._use(n, now, before if before > -math.inf else None)
         self._resumed = (ck.key, n)
+        self._pending = None
         c: Checkpoint | None = ck
         while c is not None:          # the chain above carries the trajectory's count
             self._note(c.key, n, now)
@@ -131,6 +147,7 @@ class ReturnOdds:
         the count of an evicted trajectory on its path (the deepest, below the nearest held
         checkpoint; looked for at ``ck``'s own key and at the block boundaries, so an
         evicted state inside a block, which only prompts of token ids have, is missed)."""
+        self._pending = None    # a request that places a state is counted here
         parent = ck.parent
         if parent is not None:
             if len(parent.children) == 1 and (n := self.count(parent)):
@@ -141,19 +158,31 @@ class ReturnOdds:
                 return
         ghost = self._uses.get(ck.key)
         if ghost is None:
-            B = prompt.block_size
-            stop = parent.position if parent is not None else 0
-            for k in range((ck.position - 1) // B, -1, -1):
-                if (k + 1) * B <= stop:
-                    break
-                key = prompt.block_key(k)
-                if key != ck.key and index.checkpoint(key) is None:
-                    ghost = self._uses.get(key)
-                    if ghost is not None:
-                        break
+            found = self._ghost(index, prompt, ck.position, parent.position if parent else 0)
+            ghost = None if found is None else found[1]
         n = 1 if ghost is None else ghost[0] + 1
         self._use(n, now, None if ghost is None else ghost[1])
         self._note(ck.key, n, now)
+
+    def _ghost(self, index: HybridIndex, prompt: PrefixKeys, top: int, stop: int
+               ) -> tuple[bytes, tuple[int, float]] | None:
+        """The deepest evicted checkpoint with a count on ``prompt``'s path at or below
+        position ``top`` and above ``stop`` (looked for at the block boundaries: an evicted
+        state inside a block, which only prompts of token ids have, is missed); the search
+        ends at a held checkpoint, whose own count is the trajectory's."""
+        B = prompt.block_size
+        for k in range(min(top, prompt.length) // B - 1, -1, -1):
+            if (k + 1) * B <= stop:
+                break
+            key = prompt.block_key(k)
+            if index.checkpoint(key) is not None:
+                if (k + 1) * B < top:
+                    break
+                continue
+            ghost = self._uses.get(key)
+            if ghost is not None:
+                return key, ghost
+        return None
 
     # -- the odds ----------------------------------------------------------------------
     def settle(self, now: float, gaps: tuple[float, ...]) -> None:

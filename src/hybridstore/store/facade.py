@@ -684,7 +684,7 @@ class HybridStore:
             self._refresh(prompt)
             if again:
                 return self.index.match(prompt, max_position)
-            self._eviction.on_match(self.index)
+            self._eviction.on_match(self.index, prompt)
             plan = self.index.match(prompt, max_position)
             if plan.state_key is not None:
                 ck = self.index.checkpoint(plan.state_key)
