@@ -22,12 +22,15 @@ figures).  See ``benchmarks/README.md`` for what each needs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hybridstore.replay.trace import Trace
 
-__all__ = ["index", "load_trace", "peers", "ssd"]
+__all__ = ["index", "load_trace", "peers", "report", "ssd", "trace_label"]
 
 
 def load_trace(spec: str) -> Trace:
@@ -38,3 +41,22 @@ def load_trace(spec: str) -> Trace:
     from hybridstore.replay.samples import weka_sample
 
     return load(str(weka_sample()) if spec == "sample" else spec)
+
+
+def trace_label(spec: str) -> str:
+    """A replay benchmark's name for ``TRACE``: ``sample`` and ``synthetic:...`` as given, a
+    path by its last part."""
+    return spec if spec == "sample" or spec.startswith("synthetic:") else Path(spec).name
+
+
+def report(doc: dict[str, Any], json_path: Path | None, table: Callable[[], None],
+           plot: Callable[[Path], None], plot_path: Path | None) -> None:
+    """A replay benchmark's output: ``doc`` as JSON on stdout (and in ``json_path``), then
+    its Markdown ``table``, then its ``plot`` PNG at ``plot_path``."""
+    text = json.dumps(doc, indent=1)
+    if json_path:
+        json_path.write_text(text)
+    print(text)
+    table()
+    if plot_path:
+        plot(plot_path)

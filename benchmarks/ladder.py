@@ -41,7 +41,6 @@ the bound.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -49,7 +48,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks import load_trace
+from benchmarks import load_trace, report, trace_label
 from hybridstore.replay.headroom import headroom
 from hybridstore.replay.sim import ReplayConfig, RequestResult, replay_policy
 from hybridstore.replay.sweep import parse_budgets
@@ -191,16 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for spec in args.traces:
         trace = load_trace(spec)
-        label = spec if spec == "sample" or spec.startswith("synthetic:") else Path(spec).name
         for pools in args.pools.split(","):
-            rows += ladder(trace, budgets, pools, label=label, max_requests=args.max_requests)
-    text = json.dumps({"rows": rows}, indent=1)
-    if args.json:
-        args.json.write_text(text)
-    print(text)
-    print_table(rows)
-    if args.plot:
-        plot(rows, args.plot)
+            rows += ladder(trace, budgets, pools, label=trace_label(spec), max_requests=args.max_requests)
+    report({"rows": rows}, args.json, lambda: print_table(rows), lambda p: plot(rows, p), args.plot)
 
 
 if __name__ == "__main__":

@@ -21,13 +21,12 @@ away says nothing and no order of the sessions can tell which comes back first (
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks import load_trace
+from benchmarks import load_trace, report, trace_label
 from hybridstore.policy.nextuse import ReturnGaps
 from hybridstore.replay.model_presets import model_preset
 from hybridstore.replay.trace import Trace
@@ -147,17 +146,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args(argv)
     within = args.within
-    results = []
-    for spec in args.traces:
-        label = spec if spec == "sample" or spec.startswith("synthetic:") else Path(spec).name
-        results.append(returns(load_trace(spec), within, label=label, model=args.model))
-    text = json.dumps({"traces": results}, indent=1)
-    if args.json:
-        args.json.write_text(text)
-    print(text)
-    print_table(results)
-    if args.plot:
-        plot(results, args.plot)
+    results = [returns(load_trace(spec), within, label=trace_label(spec), model=args.model)
+               for spec in args.traces]
+    report({"traces": results}, args.json, lambda: print_table(results),
+           lambda p: plot(results, p), args.plot)
 
 
 if __name__ == "__main__":
