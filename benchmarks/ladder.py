@@ -29,10 +29,10 @@ Where the information goes, request by request (:func:`late_returns`): ``lost_re
 the part of it from requests the default restored nothing for and the announced replay
 restored something (a session's whole context gone when it came back), ``lost_requests``
 their number, and ``lost_gap_ratio`` / ``gap_ratio`` the median of each such request's
-gap since its session's previous request over the median of that session's earlier gaps
-(up to five: the default's own prediction, ``policy/nextuse.py``, on the trace's arrivals)
-against the same over every request with earlier gaps: how much later than its own
-cadence a session came back when its context was lost.
+gap (from the end of the session's previous turn, :func:`benchmarks.returns.session_gaps`)
+over the median of that session's earlier gaps (up to five: the default's own prediction,
+``policy/nextuse.py``) against the same over every request with earlier gaps: how much
+later than its own cadence a session came back when its context was lost.
 
 JSON on stdout (and ``--json``), a Markdown table, and ``--plot`` a PNG of the shares of
 the bound.
@@ -49,6 +49,8 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks import load_trace, report, trace_label
+from benchmarks.returns import session_gaps
+from hybridstore.policy.nextuse import ReturnGaps
 from hybridstore.replay.headroom import headroom
 from hybridstore.replay.sim import ReplayConfig, RequestResult, replay_policy
 from hybridstore.replay.sweep import parse_budgets
@@ -67,23 +69,17 @@ def _median(values: list[float]) -> float | None:
 
 
 def late_returns(trace: Trace, ours: list[RequestResult], announced: list[RequestResult],
-                 window: int = 5) -> dict[str, Any]:
+                 decode_s_per_token: float) -> dict[str, Any]:
     """The requests the default lost whole and the announced replay did not (module docstring).
 
     Args:
         trace: the replayed trace.
         ours, announced: the two replays' results, request by request, in the same order.
-        window: earlier gaps of a session whose median is its cadence.
+        decode_s_per_token: the model's decode time, where a turn ends
+            (:func:`benchmarks.returns.session_gaps`).
     """
-    ratio: dict[tuple[str, int], float] = {}
-    for s in trace.sessions:
-        gaps: list[float] = []
-        for prev, req in zip(s.requests, s.requests[1:]):
-            gap = req.arrival_s - prev.arrival_s
-            cadence = _median(gaps[-window:])
-            if cadence:
-                ratio[(s.id, req.index)] = gap / cadence
-            gaps.append(gap)
+    ratio = {(sid, i): r for sid, i, _, r in session_gaps(trace, decode_s_per_token, ReturnGaps().window)
+             if r is not None}
     total = sum(r.input_tokens for r in ours)
     lost = [(o, a) for o, a in zip(ours, announced, strict=True)
             if o.hit_tokens == 0 and a.hit_tokens > 0]
@@ -108,6 +104,7 @@ def ladder(trace: Trace, budgets: list[float], pools: str, *, label: str | None 
         progress: show a progress bar.
     """
     base = ReplayConfig(discipline="sequential", pools=pools, max_requests=max_requests)
+    model = base.full_model()
     bounds = {round(r["budget"], 6): r for r in headroom(trace, budgets, base, progress=False)["rows"]}
     rows = []
     for budget in tqdm(budgets, desc=f"ladder {label or trace.name} {pools}", unit="budget",
@@ -127,7 +124,7 @@ def ladder(trace: Trace, budgets: list[float], pools: str, *, label: str | None 
             "information": announced - ours,
             "engine_pool": bound - b["bound_engine_pool"],
             "states_and_placement": b["bound_engine_pool"] - announced,
-            **late_returns(trace, ours_reqs, announced_reqs),
+            **late_returns(trace, ours_reqs, announced_reqs, model.decode_s_per_token),
         })
     return rows
 

@@ -38,22 +38,29 @@ AWAY_CADENCES = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 """Times away in cadences of the session at which the odds are read."""
 
 
-def gaps(trace: Trace, decode_s_per_token: float, window: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every gap of the trace (end of a turn to the session's next arrival, seconds) and,
-    for the gaps with earlier ones in their session, the gap over the median of up to
-    ``window`` earlier gaps."""
-    out: list[float] = []
-    rel: list[float] = []
+def session_gaps(trace: Trace, decode_s_per_token: float, window: int
+                 ) -> list[tuple[str, int, float, float | None]]:
+    """Every gap of the trace: ``(session, index of the request that ends it, gap, gap over
+    the session's cadence)``. A gap runs from the end of a turn (its arrival plus
+    ``decode_s_per_token`` per output token) to the session's next arrival; the cadence is
+    the median of up to ``window`` earlier gaps of the session (``None`` before any)."""
+    out: list[tuple[str, int, float, float | None]] = []
     for s in trace.sessions:
         seen: list[float] = []
         for prev, req in zip(s.requests, s.requests[1:]):
             g = req.arrival_s - (prev.arrival_s + decode_s_per_token * prev.output_tokens)
             cadence = float(np.median(seen[-window:])) if seen else 0.0
-            if cadence > 0:
-                rel.append(g / cadence)
-            out.append(g)
+            out.append((s.id, req.index, g, g / cadence if cadence > 0 else None))
             seen.append(max(g, 0.0))
-    return np.asarray(out, dtype=np.float64), np.asarray(rel, dtype=np.float64)
+    return out
+
+
+def gaps(trace: Trace, decode_s_per_token: float, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every gap of the trace (seconds) and, for those with a cadence, the gap over it
+    (:func:`session_gaps`)."""
+    rows = session_gaps(trace, decode_s_per_token, window)
+    return (np.asarray([g for _, _, g, _ in rows], dtype=np.float64),
+            np.asarray([r for _, _, _, r in rows if r is not None], dtype=np.float64))
 
 
 def odds_by_away(g: np.ndarray, away: tuple[float, ...], within: float | None) -> list[dict[str, Any]]:

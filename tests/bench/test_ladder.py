@@ -52,21 +52,22 @@ def test_main_writes_json_table_and_plot(tmp_path, capsys):
 def test_late_returns_counts_the_contexts_lost_whole_and_how_late_they_came():
     trace = load("synthetic:agent?sessions=2&turns=5")
     cfg = ReplayConfig(discipline="sequential", pools="unified", budget=0.1)
+    d = cfg.full_model().decode_s_per_token
     ours = replay_policy(trace, "hybridstore", cfg, progress=False).results
     s = trace.sessions[0]
-    t = [r.arrival_s for r in s.requests]
     # the fifth request of the first session: lost by the default, restored when told
     i = next(k for k, r in enumerate(ours) if (r.session, r.index) == (s.id, 4))
     ours = [replace(r, hit_tokens=0) if k == i else replace(r, hit_tokens=max(r.hit_tokens, 1))
             for k, r in enumerate(ours)]
     told = [replace(r, hit_tokens=r.input_tokens // 2) for r in ours]
-    got = ladder.late_returns(trace, ours, told)
+    got = ladder.late_returns(trace, ours, told, d)
     total = sum(r.input_tokens for r in ours)
     assert got["lost_requests"] == 1
     assert got["lost_returns"] == pytest.approx((ours[i].input_tokens // 2) / total)
-    gaps = np.diff(t)
+    # its gap from the end of turn 4 over the median of the session's three gaps before it
+    gaps = [b.arrival_s - a.arrival_s - d * a.output_tokens for a, b in zip(s.requests, s.requests[1:])]
     assert got["lost_gap_ratio"] == pytest.approx(gaps[3] / np.median(gaps[:3]))
     # nothing lost whole: no ratio to report, and nothing counted
-    none = ladder.late_returns(trace, told, told)
+    none = ladder.late_returns(trace, told, told, d)
     assert none["lost_requests"] == 0 and none["lost_returns"] == 0 and none["lost_gap_ratio"] is None
     assert none["gap_ratio"] == got["gap_ratio"] > 0
