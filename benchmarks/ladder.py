@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from benchmarks import load_trace, report, trace_label
 from benchmarks.returns import session_gaps
-from hybridstore.policy.nextuse import ReturnGaps
+from hybridstore.policy.nextuse import WINDOW
 from hybridstore.replay.headroom import headroom
 from hybridstore.replay.sim import ReplayConfig, RequestResult, replay_policy
 from hybridstore.replay.sweep import parse_budgets
@@ -78,7 +78,7 @@ def late_returns(trace: Trace, ours: list[RequestResult], announced: list[Reques
         decode_s_per_token: the model's decode time, where a turn ends
             (:func:`benchmarks.returns.session_gaps`).
     """
-    ratio = {(sid, i): r for sid, i, _, r in session_gaps(trace, decode_s_per_token, ReturnGaps().window)
+    ratio = {(sid, i): r for sid, i, _, r in session_gaps(trace, decode_s_per_token, WINDOW)
              if r is not None}
     total = sum(r.input_tokens for r in ours)
     lost = [(o, a) for o, a in zip(ours, announced, strict=True)

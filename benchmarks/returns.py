@@ -8,7 +8,7 @@ discipline counts it: docs/replay.md, "Gaps count from the end of a turn") to th
 next arrival. For each time away ``a`` it reports the share of the gaps still open after
 ``a`` that close within the next ``T`` seconds (``--within``), and the same in units of the
 session's own cadence (the median of its previous gaps, up to
-:attr:`~hybridstore.policy.nextuse.ReturnGaps.window` of them, the default's prediction):
+:data:`~hybridstore.policy.nextuse.WINDOW` of them, the default's prediction):
 the share of the gaps open after ``k`` cadences that close within ``max(k, 1)`` more.
 
 A store ranks an overdue session by its time away (docs/replay.md, "Predicted returns"):
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import load_trace, report, trace_label
-from hybridstore.policy.nextuse import ReturnGaps
+from hybridstore.policy.nextuse import WINDOW
 from hybridstore.replay.model_presets import model_preset
 from hybridstore.replay.trace import Trace
 
@@ -78,7 +78,7 @@ def odds_by_away(g: np.ndarray, away: tuple[float, ...], within: float | None) -
 def returns(trace: Trace, within: list[float], *, label: str | None = None,
             model: str = "qwen3.5-9b") -> dict[str, Any]:
     """The odds of a return by time away for one trace (module docstring)."""
-    g, rel = gaps(trace, model_preset(model).decode_s_per_token, ReturnGaps().window)
+    g, rel = gaps(trace, model_preset(model).decode_s_per_token, WINDOW)
     return {
         "trace": label or trace.name, "gaps": int(g.size),
         "gap_percentiles_s": {str(q): float(np.percentile(g, q)) for q in (10, 50, 90, 99)} if g.size else {},

@@ -67,7 +67,7 @@ from hybridstore.errors import ConfigError
 from hybridstore.index.prefix import PrefixKeys
 from hybridstore.index.trie import Checkpoint, HybridIndex
 from hybridstore.objects import ObjectKind
-from hybridstore.policy.nextuse import Clock, ReturnGaps
+from hybridstore.policy.nextuse import WINDOW, Clock, ReturnGaps
 from hybridstore.policy.revisits import ReturnOdds
 from hybridstore.policy.units import HybridUnit, UnitEviction, kv_bytes_per_token
 
@@ -241,7 +241,7 @@ class HybridStoreEviction(HiStateEviction):
 
     def __init__(self, *, tau: float | None = None, kv_bytes_per_token: float | None = None,
                  terminal_prob: float = 0.5, ema: float = 0.05, demote_abandoned: bool = True,
-                 predict_returns: bool = True, return_odds: bool = True, window: int = 5,
+                 predict_returns: bool = True, return_odds: bool = True, window: int = WINDOW,
                  supersede: float = 0.0) -> None:
         super().__init__(tau=tau, kv_bytes_per_token=kv_bytes_per_token, terminal_prob=terminal_prob,
                          ema=ema, demote_abandoned=demote_abandoned)

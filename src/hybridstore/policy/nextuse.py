@@ -51,6 +51,9 @@ from hybridstore.index.trie import Checkpoint, HybridIndex
 
 Clock = Callable[[], float]
 
+WINDOW = 5
+"""Gaps of a trajectory whose median is its expected gap, by default (the newest)."""
+
 MAX_STAMPS = 1 << 16
 """Tick/time pairs kept for :meth:`ReturnGaps.time_of` (the oldest half goes past it)."""
 
@@ -63,7 +66,7 @@ class ReturnGaps:
         history: gaps of all trajectories kept for the default of a new one.
     """
 
-    def __init__(self, *, window: int = 5, history: int = 512) -> None:
+    def __init__(self, *, window: int = WINDOW, history: int = 512) -> None:
         if window < 1 or history < 1:
             raise ConfigError(f"window and history must be at least 1, got {window}, {history}")
         self.window = window
@@ -261,4 +264,4 @@ def _median(values: tuple[float, ...]) -> float:
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
-__all__ = ["Clock", "ReturnGaps", "chain_parent"]
+__all__ = ["WINDOW", "Clock", "ReturnGaps", "chain_parent"]
